@@ -1,0 +1,42 @@
+# replay: `make demo` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+PYTEST ?= $(PYTHON) -m pytest
+# Tests run the package from this checkout, installed or not (the GPU machine has no network).
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+.PHONY: setup demo test test-gpu test-slow bench soak report-check clean help
+
+help:
+	@echo "make demo      record the reference engine drifting on CPU, show the divergence, re-run the step"
+	@echo "make test      the CPU test suite (what CI runs)"
+	@echo "make test-gpu  GPU tests (one or two CUDA GPUs)"
+	@echo "make bench     recorder overhead, digest and writer throughput, info speed"
+	@echo "make soak      long recording soak run (8 ranks, thousands of steps)"
+
+# Keep an existing torch (CPU or CUDA); install the CPU build only when there is none, so a bare
+# `torch` requirement never pulls a multi-GB CUDA build. Then everything else the tests need.
+setup: .make/setup
+.make/setup: pyproject.toml scripts/ensure_deps.py
+	$(PYTHON) scripts/ensure_deps.py
+	@mkdir -p .make && touch $@
+
+demo: setup
+	$(PYTHON) scripts/demo.py
+
+test: setup
+	$(PYTEST) -q -m "not gpu and not multigpu and not slow" -p no:cacheprovider
+
+test-gpu: setup
+	$(PYTEST) -q -m "gpu or multigpu" -p no:cacheprovider
+
+test-slow: setup
+	$(PYTEST) -q -m "slow" -p no:cacheprovider
+
+bench: setup
+	$(PYTHON) benchmarks/run_all.py
+
+soak: setup
+	$(PYTEST) -q -m slow tests/test_soak.py -p no:cacheprovider
+
+clean:
+	rm -rf .make .pytest_cache build *.egg-info

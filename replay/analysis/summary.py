@@ -1,0 +1,153 @@
+"""What ``replay info`` reports: per-rank facts, the first divergence, and what differs around it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from replay.analysis.divergence import Divergence, first_divergence
+from replay.errors import OutOfRange
+from replay.format.reader import Part, RankFile, Recording
+from replay.format.schema import RunMode, StepStatus
+
+__all__ = ["RankSummary", "summarize_rank", "summarize_part", "choose_part", "part_divergence"]
+
+
+@dataclass(slots=True)
+class RankSummary:
+    rank: int
+    steps: int
+    complete: bool
+    live: bool
+    sealed: bool
+    host: str
+    node_rank: int | None
+    graphs_captured: int
+    graph_steps: int
+    eager_steps: int
+    raised_steps: int
+    last_error: str | None
+    problem: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def summarize_rank(rf: RankFile) -> RankSummary:
+    t = rf.tables
+    steps = t.steps
+    raised = steps[steps["status"] == StepStatus.RAISED]
+    last_error = t.string(int(raised["reason"][-1])) if raised.size else None
+    problem = t.attrs.get("journal_problem")
+    if problem:
+        problem = f"journal ended early ({problem}; {t.attrs.get('lost_bytes', '?')} bytes of a partial frame dropped)"
+    return RankSummary(
+        rank=rf.rank,
+        steps=int(steps.size),
+        complete=rf.complete,
+        live=rf.live,
+        sealed=rf.sealed,
+        host=str(t.attrs.get("host", "")),
+        node_rank=t.attrs.get("node_rank"),
+        graphs_captured=int(t.graphs.size),
+        graph_steps=int((steps["mode"] == RunMode.GRAPH).sum()),
+        eager_steps=int((steps["mode"] == RunMode.EAGER).sum()),
+        raised_steps=int(raised.size),
+        last_error=last_error,
+        problem=problem,
+    )
+
+
+def part_divergence(part: Part) -> tuple[Divergence | None, Divergence | None]:
+    """(first divergence of any field, first divergence of tokens)."""
+    return first_divergence(part), first_divergence(part, prefix="tokens.")
+
+
+def choose_part(rec: Recording, name: str | None) -> Part:
+    """The part a command works on: ``name``, else the only one, else the first that diverged."""
+    if name is not None:
+        return rec[name]
+    parts = list(rec.values())
+    if len(parts) == 1:
+        return parts[0]
+    for p in parts:
+        if first_divergence(p) is not None:
+            return p
+    return parts[0]
+
+
+def _margins(part: Part, step: int) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for r, rf in part.items():
+        s = rf.tables.steps
+        row = s[s["step"] == step]
+        if row.size:
+            m = float(row["margin"][0])
+            out[str(r)] = None if math.isnan(m) else m
+    return out
+
+
+def _tuner_differences(part: Part) -> list[dict[str, Any]]:
+    choices = {r: rf.tuner_choices() for r, rf in part.items()}
+    ops = sorted({op for c in choices.values() for op in c})
+    diffs = []
+    for op in ops:
+        per = {str(r): c.get(op) for r, c in choices.items()}
+        if len(set(per.values())) > 1:
+            diffs.append({"op": op, "choices": per})
+    return diffs
+
+
+def _kernel_differences(part: Part) -> list[dict[str, Any]]:
+    """Graphs captured for the same key whose kernel lists differ across ranks."""
+    per_key: dict[str, dict[str, list[str]]] = {}
+    for r, rf in part.items():
+        t = rf.tables
+        for g in t.graphs:
+            key = t.string(int(g["key"]))
+            ks = t.kernels[t.kernels["graph"] == g["graph"]]
+            names = [t.string(int(k["name"])) for k in np.sort(ks, order="ordinal")]
+            per_key.setdefault(key, {})[str(r)] = names
+    diffs = []
+    for key, ranks in sorted(per_key.items()):
+        seqs = {tuple(v) for v in ranks.values()}
+        if len(seqs) > 1:
+            common = set.intersection(*(set(v) for v in ranks.values()))
+            diffs.append(
+                {
+                    "key": key,
+                    "only_on": {r: sorted(set(v) - common) for r, v in ranks.items() if set(v) - common},
+                    "kernels": ranks,
+                }
+            )
+    return diffs
+
+
+def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
+    ranks = [summarize_rank(rf) for rf in part.values()]
+    div, tok = part_divergence(part)
+    out: dict[str, Any] = {
+        "part": part.name,
+        "world_size": part.world_size,
+        "ranks": [r.to_json() for r in ranks],
+        "missing_ranks": sorted(set(range(part.world_size)) - set(part)),
+        "first_divergence": div.to_json() if div else None,
+        "first_token_divergence": tok.to_json() if tok else None,
+    }
+    if tok is not None:
+        out["margin_at_token_divergence"] = _margins(part, tok.step)
+    if with_details:
+        out["tuner_differences"] = _tuner_differences(part)
+        out["kernel_differences"] = _kernel_differences(part)
+    return out
+
+
+def check_rank_step(part: Part, rank: int, step: int) -> RankFile:
+    rf = part[rank]
+    if rf.n_steps == 0:
+        raise OutOfRange(f"rank {rank} recorded no steps")
+    rf.step(step)
+    return rf

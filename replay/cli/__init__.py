@@ -1,0 +1,1 @@
+"""The ``replay`` command line: thin commands over the library (parse, call, render)."""

@@ -1,0 +1,58 @@
+"""Options and helpers shared by the commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import click
+
+from replay.format.reader import Recording, resolve_recording
+
+__all__ = ["run_argument", "json_option", "part_option", "open_run", "emit_json", "default_root", "is_tty"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def default_root() -> str:
+    return os.environ.get("REPLAY_RECORDINGS", "recordings")
+
+
+def run_argument(fn: F) -> F:
+    fn = click.option(
+        "--root",
+        default=default_root,
+        show_default="recordings (or $REPLAY_RECORDINGS)",
+        help="Where to look for the newest recording when RUN is left out.",
+    )(fn)
+    return click.argument("run", required=False, type=click.Path(path_type=Path))(fn)  # type: ignore[return-value]
+
+
+def json_option(fn: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")(fn)  # type: ignore[return-value]
+
+
+def part_option(fn: F) -> F:
+    return click.option(
+        "--part", default=None, help="Which run of the recording (default: the only one, or the first that diverged)."
+    )(fn)  # type: ignore[return-value]
+
+
+def open_run(run: Path | None, root: str, *, quiet: bool = False) -> Recording:
+    """Open RUN, or the newest recording under ROOT, saying which one was taken."""
+    path, defaulted = resolve_recording(run, root)
+    rec = Recording(path)
+    if defaulted and not quiet:
+        click.echo(f"replay: using the newest recording, {path}", err=True)
+    return rec
+
+
+def emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()

@@ -1,0 +1,80 @@
+"""``replay info``: what a recording holds and where its ranks first disagree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from replay.analysis.summary import choose_part, summarize_part
+from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument
+from replay.cli.render import fmt_margin, style, table
+
+
+@click.command(epilog="\b\nExamples:\n  replay info\n  replay info recordings/20261130-120000-test_mtp --json")
+@run_argument
+@part_option
+@json_option
+def info(run: Path | None, root: str, part: str | None, as_json: bool) -> int:
+    """Summarise RUN (default: the newest recording): ranks, steps, graphs, first divergence."""
+    with open_run(run, root) as rec:
+        chosen = choose_part(rec, part)
+        summary = summarize_part(chosen)
+        parts = []
+        for name, p in rec.items():
+            s = summary if p is chosen else summarize_part(p, with_details=False)
+            parts.append({"name": name, "world_size": p.world_size, "diverged": s["first_divergence"] is not None,
+                          "token_diverged": s["first_token_divergence"] is not None})
+        out = {"recording": str(rec.path), "command": rec.manifest.get("command"), "parts": parts, **summary}
+    if as_json:
+        emit_json(out)
+    else:
+        click.echo(render_info(out))
+    return 0
+
+
+def render_info(s: dict) -> str:
+    lines = [f"recording   {s['recording']}"]
+    if s.get("command"):
+        cmd = s["command"] if isinstance(s["command"], str) else " ".join(s["command"])
+        lines.append(f"command     {cmd}")
+    if len(s["parts"]) > 1:
+        marks = [f"{p['name']}{' (diverged)' if p['diverged'] else ''}" for p in s["parts"]]
+        lines.append(f"parts       {', '.join(marks)}; showing {s['part']}")
+    lines.append(f"world size  {s['world_size']}")
+    rows = []
+    for r in s["ranks"]:
+        state = "live" if r["live"] else ("yes" if r["complete"] else style("no", fg="yellow"))
+        where = r["host"] + (f" (node {r['node_rank']})" if r.get("node_rank") is not None else "")
+        rows.append([r["rank"], r["steps"], state, r["graphs_captured"], r["graph_steps"], r["eager_steps"], r["raised_steps"], where])
+    lines.append(table(["rank", "steps", "complete", "graphs", "graph steps", "eager steps", "raised", "host"], rows))
+    for m in s["missing_ranks"]:
+        lines.append(style(f"  rank {m}: no file", fg="red"))
+    for r in s["ranks"]:
+        if r["problem"]:
+            lines.append(style(f"  rank {r['rank']}: {r['problem']}", fg="yellow"))
+        if r["last_error"]:
+            lines.append(f"  rank {r['rank']} raised: {r['last_error']}")
+    d, t = s["first_divergence"], s["first_token_divergence"]
+    if d is None:
+        lines.append(style("no divergence: every rank recorded the same bits at every common step", fg="green"))
+    else:
+        lines.append(style(f"first divergence        step {d['step']}: {d['field']} differs on rank(s) "
+                           f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d['majority']))})", fg="red", bold=True))
+    if t is not None:
+        lines.append(style(f"first token divergence  step {t['step']}: {t['field']} differs on rank(s) "
+                           f"{', '.join(map(str, t['ranks']))}", fg="red", bold=True))
+        margins = s.get("margin_at_token_divergence", {})
+        if margins:
+            lines.append("  top-1/top-2 margin there: " + ", ".join(f"r{r} {fmt_margin(m)}" for r, m in margins.items()))
+    elif d is not None:
+        lines.append("no token divergence: the ranks differ in bits but sampled the same tokens")
+    for td in s.get("tuner_differences", []):
+        lines.append(f"tuner choice differs     {td['op']}: " + ", ".join(f"r{r} {c}" for r, c in td["choices"].items()))
+    for kd in s.get("kernel_differences", []):
+        only = "; ".join(f"rank {r} only: {', '.join(v)}" for r, v in kd["only_on"].items())
+        lines.append(f"graph kernels differ     {kd['key']}: {only or 'same kernels, different order'}")
+    target = t or d
+    if target is not None:
+        lines.append(f"next: replay step --rank {target['ranks'][0]} --step {target['step']} --mode both")
+    return "\n".join(lines)

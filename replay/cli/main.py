@@ -1,0 +1,92 @@
+"""Entry point: the command group, and the one place where errors become exit codes.
+
+Commands live in their own modules (``replay.cli.<name>``) and are imported only when used, so
+``replay info`` never imports what ``replay step`` needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from typing import Any
+
+import click
+
+from replay.errors import ReplayError
+
+__all__ = ["cli", "main"]
+
+# Command name -> module defining a click command of the same name.
+COMMANDS = {
+    "record": "replay.cli.record",
+    "info": "replay.cli.info",
+    "step": "replay.cli.step",
+    "bisect": "replay.cli.bisect",
+    "report": "replay.cli.report",
+    "verify": "replay.cli.verify",
+    "seal": "replay.cli.seal",
+}
+
+EPILOG = """\b
+Typical session:
+  replay record -- pytest tests/test_mtp.py     record every rank, no code change
+  replay info                                   newest recording: first divergence
+  replay step --rank 3 --step 812 --mode both   re-run one step, eager and CUDA graph
+  replay bisect --rank 3 --step 812 --between eager,cudagraph
+"""
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [n for n, m in COMMANDS.items() if importlib.util.find_spec(m) is not None]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        mod = COMMANDS.get(name)
+        if mod is None or importlib.util.find_spec(mod) is None:
+            return None
+        return getattr(importlib.import_module(mod), name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
+@click.version_option(package_name="replay", prog_name="replay", message="%(prog)s %(version)s")
+def cli() -> None:
+    """Record and replay multi-GPU LLM inference, and find where ranks drift."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; return the exit code (never raises, never prints a traceback)."""
+    try:
+        rv: Any = cli.main(args=argv, prog_name="replay", standalone_mode=False)
+    except ReplayError as e:
+        click.echo(f"replay: error: {e}", err=True)
+        return e.exit_code
+    except click.exceptions.Abort:
+        click.echo("replay: interrupted", err=True)
+        return 130
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt:
+        click.echo("replay: interrupted", err=True)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # noqa: BLE001 - the last line of defence against a traceback
+        if os.environ.get("REPLAY_DEBUG"):
+            traceback.print_exc()
+        click.echo(
+            f"replay: internal error: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+            "(set REPLAY_DEBUG=1 for the traceback, and please report it)",
+            err=True,
+        )
+        return 70
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

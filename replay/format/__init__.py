@@ -1,0 +1,34 @@
+"""The recording format (version 1): the only package that touches h5py.
+
+See ``docs/format.md`` for the layout and why it is crash-safe.
+"""
+
+from replay.format.journal import FrameKind, JournalWriter, read_journal
+from replay.format.reader import Part, RankFile, Recording, StepView, find_recordings, open_recording, resolve_recording
+from replay.format.schema import FORMAT_VERSION, RunMode, StepStatus, TensorKind, TensorRef, rank_stem
+from replay.format.seal import SealResult, journal_is_live, seal_part, seal_rank
+from replay.format.tables import RankTables
+
+__all__ = [
+    "FORMAT_VERSION",
+    "FrameKind",
+    "JournalWriter",
+    "Part",
+    "RankFile",
+    "RankTables",
+    "Recording",
+    "RunMode",
+    "SealResult",
+    "StepStatus",
+    "StepView",
+    "TensorKind",
+    "TensorRef",
+    "find_recordings",
+    "journal_is_live",
+    "open_recording",
+    "rank_stem",
+    "read_journal",
+    "resolve_recording",
+    "seal_part",
+    "seal_rank",
+]

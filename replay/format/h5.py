@@ -1,0 +1,161 @@
+"""HDF5 encoding of rank tables. With ``manifest.py`` this is the only code that touches h5py.
+
+Layout of a sealed rank file (``h5ls -r rank-00003.h5``)::
+
+    /                 attributes: format_version, kind, rank, world_size, part, complete, ...
+    /steps            one row per step (STEP_DTYPE): the table ``replay info`` scans
+    /fields           per-step field digests in program order (FIELD_DTYPE)
+    /tensors          index of every recorded tensor (TENSOR_DTYPE)
+    /payload          uint8, stored externally in rank-NNNNN.payload (the bytes /tensors points at)
+    /graphs /kernels /replays /collectives /keyframes /tuner    event tables
+    /strings          the string table every *_id column indexes
+    /events           free-text notes (warnings the recorder logged)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from replay.format.schema import (
+    COLLECTIVE_DTYPE,
+    FIELD_DTYPE,
+    FORMAT_VERSION,
+    GRAPH_DTYPE,
+    KERNEL_DTYPE,
+    KEYFRAME_DTYPE,
+    RANK_FILE_KIND,
+    REPLAY_DTYPE,
+    STEP_DTYPE,
+    TENSOR_DTYPE,
+    TUNER_DTYPE,
+)
+from replay.format.tables import RankTables, check_payload_bounds
+
+__all__ = ["write_rank_file", "read_rank_file", "read_rank_header", "TABLES"]
+
+TABLES: dict[str, np.dtype] = {
+    "steps": STEP_DTYPE,
+    "fields": FIELD_DTYPE,
+    "tensors": TENSOR_DTYPE,
+    "graphs": GRAPH_DTYPE,
+    "kernels": KERNEL_DTYPE,
+    "replays": REPLAY_DTYPE,
+    "collectives": COLLECTIVE_DTYPE,
+    "keyframes": KEYFRAME_DTYPE,
+    "tuner": TUNER_DTYPE,
+}
+
+# Attributes that are dicts are stored as JSON text: readable in h5dump, and never unpickled.
+_JSON_ATTRS = ("config", "env", "versions", "recorder", "gpus")
+
+_str_dtype = h5py.string_dtype("utf-8")
+
+
+def write_rank_file(tables: RankTables, path: Path, payload_name: str) -> None:
+    """Write ``tables`` to ``path`` (which must not exist yet); the payload stays where it is."""
+    with h5py.File(path, "w", libver="latest") as f:
+        for k, v in tables.attrs.items():
+            if v is None:
+                continue
+            if k in _JSON_ATTRS or isinstance(v, (dict, list)):
+                f.attrs[k] = json.dumps(v, sort_keys=True)
+            else:
+                f.attrs[k] = v
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["kind"] = RANK_FILE_KIND
+        for name in TABLES:
+            f.create_dataset(name, data=getattr(tables, name))
+        f.create_dataset("strings", data=np.array(tables.strings, dtype=object), dtype=_str_dtype)
+        f.create_dataset("events", data=np.array(tables.events, dtype=object), dtype=_str_dtype)
+        if tables.payload_size:
+            # External storage: the payload is not copied at seal time, and h5py/h5dump can still
+            # read it (relative names resolve against the working directory, or against the
+            # file's own directory with HDF5_EXTFILE_PREFIX='${ORIGIN}').
+            f.create_dataset(
+                "payload", shape=(tables.payload_size,), dtype="u1", external=[(payload_name, 0, tables.payload_size)]
+            )
+        else:
+            f.create_dataset("payload", shape=(0,), dtype="u1")
+
+
+def _attrs(f: h5py.File) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in f.attrs.items():
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", "replace")
+        if isinstance(v, np.generic):
+            v = v.item()
+        if k in _JSON_ATTRS and isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                pass
+        out[k] = v
+    return out
+
+
+def _check_header(f: h5py.File, path: Path) -> dict[str, Any]:
+    attrs = _attrs(f)
+    if attrs.get("kind") != RANK_FILE_KIND:
+        raise ValueError(f"{path.name} is an HDF5 file but not a replay rank file")
+    return attrs
+
+
+def read_rank_header(path: Path) -> dict[str, Any]:
+    with h5py.File(path, "r") as f:
+        return _check_header(f, path)
+
+
+def read_rank_file(path: Path, *, tables: tuple[str, ...] | None = None) -> RankTables:
+    """Read a sealed rank file. ``tables`` limits which tables are loaded (the rest are empty)."""
+    with h5py.File(path, "r") as f:
+        attrs = _check_header(f, path)
+        version = attrs.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            # Raised before any table is read, so a newer layout is never misread.
+            raise _VersionError(version)
+        loaded: dict[str, np.ndarray] = {}
+        for name, dtype in TABLES.items():
+            if tables is not None and name not in tables:
+                loaded[name] = np.zeros(0, dtype=dtype)
+                continue
+            if name not in f:
+                raise ValueError(f"table /{name} is missing")
+            ds = f[name]
+            if not isinstance(ds, h5py.Dataset) or ds.dtype != dtype or ds.ndim != 1:
+                raise ValueError(f"table /{name} has the wrong layout")
+            loaded[name] = ds[()]
+        strings_ds = f.get("strings")
+        if not isinstance(strings_ds, h5py.Dataset) or strings_ds.ndim != 1:
+            raise ValueError("table /strings is missing")
+        strings = [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s) for s in strings_ds[()]]
+        events_ds = f.get("events")
+        events = (
+            [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s) for s in events_ds[()]]
+            if isinstance(events_ds, h5py.Dataset)
+            else []
+        )
+        payload = f.get("payload")
+        payload_size = int(payload.shape[0]) if isinstance(payload, h5py.Dataset) and payload.ndim == 1 else 0
+    t = RankTables(attrs=attrs, strings=strings, events=events, payload_size=payload_size, **loaded)
+    check_payload_bounds(t)
+    return t
+
+
+class _VersionError(ValueError):
+    def __init__(self, version: object) -> None:
+        super().__init__(version)
+        self.version = version
+
+
+def payload_file_size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1

@@ -1,0 +1,183 @@
+"""The write-ahead journal a rank writes while it records.
+
+Why a journal and not HDF5 directly: an HDF5 file being written when its process is SIGKILLed can
+be left unreadable as a whole. A journal is append-only: a kill can only cut its last frame short,
+and the reader stops at the first frame that is not whole. Tensor bytes go to a second
+append-only file, the payload, *before* the frame that refers to them, so a whole frame always
+points at bytes that were written. Both writes are plain ``write`` calls into the page cache,
+which outlives the process: a kill (as opposed to a power cut) loses nothing that was written.
+Sealing (``replay.format.seal``) turns the frames into an HDF5 index over the same payload file,
+without copying the payload.
+
+Frame layout (little-endian)::
+
+    magic  b"RJF1"   4 bytes
+    kind   uint16    FrameKind
+    flags  uint16    0
+    length uint32    body length in bytes
+    crc32  uint32    zlib.crc32 of the body
+    body   UTF-8 JSON object
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FrameKind",
+    "Frame",
+    "JournalWriter",
+    "JournalScan",
+    "read_journal",
+    "MAX_FRAME_BYTES",
+]
+
+MAGIC = b"RJF1"
+_HEADER = struct.Struct("<4sHHII")
+# A bound on one frame's body, so a damaged or hostile length field cannot make the reader
+# allocate gigabytes.
+MAX_FRAME_BYTES = 64 << 20
+
+
+class FrameKind(enum.IntEnum):
+    HEADER = 1
+    STEP = 2
+    GRAPH = 3
+    COLLECTIVE = 4
+    KEYFRAME = 5
+    LOGITS = 6
+    TUNER = 7
+    NOTE = 8
+    CLOSE = 9
+    REPLAY = 10
+
+
+@dataclass(slots=True)
+class Frame:
+    kind: FrameKind
+    body: dict[str, Any]
+    offset: int
+
+
+class JournalWriter:
+    """Appends payload bytes and frames for one rank. Not thread-safe: one writer thread owns it."""
+
+    def __init__(self, journal_path: Path, payload_path: Path, *, max_bytes: int | None = None) -> None:
+        self.journal_path = journal_path
+        self.payload_path = payload_path
+        self.max_bytes = max_bytes
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+        # O_EXCL: two processes that believe they are the same rank must not interleave frames.
+        self._jfd = os.open(journal_path, flags, 0o644)
+        try:
+            self._pfd = os.open(payload_path, flags, 0o644)
+        except BaseException:
+            os.close(self._jfd)
+            raise
+        self.payload_size = 0
+        self.journal_size = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.payload_size + self.journal_size
+
+    def _check_budget(self, n: int) -> None:
+        if self.max_bytes is not None and self.total_bytes + n > self.max_bytes:
+            raise OSError(28, f"recording size limit of {self.max_bytes} bytes reached")
+
+    def write_payload(self, data: memoryview | bytes) -> int:
+        """Append raw bytes to the payload file; return their offset."""
+        view = memoryview(data).cast("B")
+        self._check_budget(view.nbytes)
+        offset = self.payload_size
+        _write_all(self._pfd, view)
+        self.payload_size += view.nbytes
+        return offset
+
+    def write_frame(self, kind: FrameKind, body: dict[str, Any]) -> None:
+        raw = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+        if len(raw) > MAX_FRAME_BYTES:
+            raise ValueError(f"journal frame of {len(raw)} bytes exceeds {MAX_FRAME_BYTES}")
+        frame = _HEADER.pack(MAGIC, int(kind), 0, len(raw), zlib.crc32(raw)) + raw
+        self._check_budget(len(frame))
+        # One write call per frame: a kill leaves a frame either whole or cut short, never
+        # interleaved with another.
+        _write_all(self._jfd, memoryview(frame))
+        self.journal_size += len(frame)
+
+    def sync(self) -> None:
+        os.fsync(self._pfd)
+        os.fsync(self._jfd)
+
+    def close(self) -> None:
+        for fd in (self._pfd, self._jfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+@dataclass(slots=True)
+class JournalScan:
+    frames: list[Frame]
+    valid_bytes: int  # bytes of whole frames
+    total_bytes: int  # bytes in the file
+    problem: str | None  # why the scan stopped early, None when the file ended on a frame boundary
+
+    @property
+    def truncated(self) -> bool:
+        return self.valid_bytes < self.total_bytes
+
+
+def read_journal(path: Path) -> JournalScan:
+    """Read every whole frame of a journal; stop at the first one that is cut short or damaged."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    frames: list[Frame] = []
+    pos = 0
+    problem: str | None = None
+    n = len(data)
+    while pos < n:
+        if n - pos < _HEADER.size:
+            problem = f"last frame cut short at byte {pos}"
+            break
+        magic, kind, _flags, length, crc = _HEADER.unpack_from(data, pos)
+        if magic != MAGIC:
+            problem = f"no frame marker at byte {pos}"
+            break
+        if length > MAX_FRAME_BYTES:
+            problem = f"frame at byte {pos} claims {length} bytes"
+            break
+        end = pos + _HEADER.size + length
+        if end > n:
+            problem = f"last frame cut short at byte {pos}"
+            break
+        body = data[pos + _HEADER.size : end]
+        if zlib.crc32(body) != crc:
+            problem = f"checksum mismatch in frame at byte {pos}"
+            break
+        try:
+            kind_e = FrameKind(kind)
+            obj = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            problem = f"unreadable frame at byte {pos}"
+            break
+        if not isinstance(obj, dict):
+            problem = f"unreadable frame at byte {pos}"
+            break
+        frames.append(Frame(kind_e, obj, pos))
+        pos = end
+    return JournalScan(frames=frames, valid_bytes=pos, total_bytes=n, problem=problem)

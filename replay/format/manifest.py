@@ -1,0 +1,169 @@
+"""The run manifest (``manifest.json``) and the facts about a host worth keeping with a recording.
+
+JSON rather than HDF5: it is small, written by the launcher (not the ranks), and a person reads it
+first. Each node's launcher writes its own file (``manifest.json`` on node 0, ``manifest.node<k>.json``
+elsewhere) so nodes sharing a filesystem never overwrite each other; readers merge them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from replay.format.schema import FORMAT_VERSION
+
+__all__ = [
+    "RECORDING_KIND",
+    "write_manifest",
+    "read_manifests",
+    "host_facts",
+    "numerics_env",
+    "versions",
+    "create_exclusive",
+]
+
+RECORDING_KIND = "replay-recording"
+
+# Environment that changes numerics or collective algorithms: kept with every rank file.
+_ENV_PREFIXES = ("NCCL_", "CUBLAS_", "CUBLASLT_", "TORCH_", "CUDA_", "PYTORCH_", "TRITON_", "NVIDIA_TF32")
+_ENV_EXACT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def numerics_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) or k in _ENV_EXACT}
+
+
+def versions() -> dict[str, Any]:
+    import h5py
+    import torch
+
+    v: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "h5py": h5py.__version__,
+        "hdf5": h5py.version.hdf5_version,
+        "cuda": torch.version.cuda,
+        "replay_format": FORMAT_VERSION,
+    }
+    try:
+        import replay
+
+        v["replay"] = replay.__version__
+    except Exception:  # pragma: no cover - partial installs
+        pass
+    if torch.cuda.is_available():
+        try:
+            v["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception:
+            pass
+        v["driver"] = _driver_version()
+    return v
+
+
+def _driver_version() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version") as fh:
+            line = fh.readline()
+        return line.split("Kernel Module")[1].split()[0] if "Kernel Module" in line else line.strip()
+    except OSError:
+        return None
+
+
+def numerics_flags() -> dict[str, Any]:
+    import torch
+
+    flags: dict[str, Any] = {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    try:
+        flags["cuda_matmul_allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+        flags["cudnn_allow_tf32"] = torch.backends.cudnn.allow_tf32
+        flags["cuda_matmul_allow_bf16_reduced_precision_reduction"] = (
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        )
+        flags["cuda_matmul_allow_fp16_reduced_precision_reduction"] = (
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+        )
+    except AttributeError:
+        pass
+    return flags
+
+
+def host_facts() -> dict[str, Any]:
+    """Facts about this process's host that belong in its rank file (cheap; no CUDA init)."""
+    import torch
+
+    facts: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "platform": platform.platform(),
+        "node_rank": _int_env("GROUP_RANK", _int_env("NODE_RANK", _int_env("SLURM_NODEID", None))),
+        "local_rank": _int_env("LOCAL_RANK", None),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        facts["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return facts
+
+
+def _int_env(name: str, default: int | None) -> int | None:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def create_exclusive(path: Path, text: str) -> bool:
+    """Write ``text`` to ``path`` only if it does not exist yet, atomically. True if written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_manifest(recording: Path, data: dict[str, Any], *, node: int | None = None, replace: bool = True) -> Path:
+    """Write this launcher's manifest file atomically (``replace=False``: only if absent)."""
+    name = "manifest.json" if not node else f"manifest.node{node}.json"
+    path = recording / name
+    body = {"format_version": FORMAT_VERSION, "kind": RECORDING_KIND, "written_at": time.time(), **data}
+    text = json.dumps(body, indent=2, sort_keys=True, default=str)
+    if not replace:
+        create_exclusive(path, text)
+        return path
+    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifests(recording: Path) -> list[dict[str, Any]]:
+    """Every manifest file of a recording (node 0's first); unreadable ones raise ValueError."""
+    out = []
+    for p in sorted(recording.glob("manifest*.json"), key=lambda p: (p.name != "manifest.json", p.name)):
+        if p.stat().st_size > (16 << 20):
+            raise ValueError(f"{p.name} is implausibly large")
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{p.name} is not valid JSON ({e.__class__.__name__})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{p.name} is not a JSON object")
+        out.append(data)
+    return out
+
+
+def command_line() -> list[str]:
+    return [sys.executable, *sys.argv]

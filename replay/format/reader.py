@@ -1,0 +1,396 @@
+"""Reading recordings: a recording is a mapping of parts, a part a mapping of ranks.
+
+Opening a recording never runs code from it: metadata is JSON or HDF5 attributes, tensors are
+raw bytes whose dtype is checked against an allow-list and whose size is checked against their
+shape. Every problem with the files becomes one ``RecordingDamaged`` (or ``FormatVersionError``)
+line naming the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay.errors import FormatVersionError, OutOfRange, RecordingDamaged, RecordingNotFound
+from replay.format import h5 as _h5
+from replay.format.journal import read_journal
+from replay.format.manifest import RECORDING_KIND, read_manifests
+from replay.format.schema import FORMAT_VERSION, RunMode, StepStatus, TensorKind, parse_rank_stem, str_to_dtype
+from replay.format.seal import journal_is_live
+from replay.format.tables import RankTables, build_tables
+
+__all__ = ["Recording", "Part", "RankFile", "StepView", "open_recording", "find_recordings", "resolve_recording"]
+
+# Small tables that `info` needs; /tensors, /collectives and /replays grow with the run.
+_SUMMARY_TABLES = ("steps", "fields", "graphs", "kernels", "tuner")
+
+
+def find_recordings(root: Path) -> list[Path]:
+    """Recordings directly under ``root``, oldest first (by their manifest or directory time)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _looks_like_recording(p)]
+
+    def when(p: Path) -> float:
+        m = p / "manifest.json"
+        return (m if m.exists() else p).stat().st_mtime
+
+    return sorted(found, key=lambda p: (p.name, when(p)))
+
+
+def _looks_like_recording(p: Path) -> bool:
+    if (p / "manifest.json").exists():
+        return True
+    return any(_is_part_dir(c) for c in p.iterdir() if c.is_dir())
+
+
+def _is_part_dir(p: Path) -> bool:
+    return any(parse_rank_stem(f.stem) is not None for f in p.glob("rank-*.*"))
+
+
+def resolve_recording(path: str | os.PathLike | None, root: str | os.PathLike = "recordings") -> tuple[Path, bool]:
+    """The recording a command works on: ``path``, or the newest under ``root``. (path, defaulted)."""
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise RecordingNotFound(f"no recording at {p}: give the directory `replay record` wrote")
+        return p, False
+    rec = find_recordings(Path(root))
+    if not rec:
+        raise RecordingNotFound(
+            f"no recording under {root}/: make one with `replay record -- CMD`, or give its path"
+        )
+    # Names start with a sortable timestamp, so the last by name is the newest.
+    return rec[-1], True
+
+
+@dataclass(slots=True)
+class StepView:
+    """One recorded step of one rank: its summary row and its tensors (loaded on demand)."""
+
+    rank_file: "RankFile"
+    row: np.void
+
+    @property
+    def step(self) -> int:
+        return int(self.row["step"])
+
+    @property
+    def ok(self) -> bool:
+        return int(self.row["status"]) == StepStatus.OK
+
+    @property
+    def mode(self) -> str:
+        return RunMode(int(self.row["mode"])).name.lower()
+
+    @property
+    def graph_key(self) -> str:
+        return self.rank_file.tables.string(int(self.row["graph_key"]))
+
+    @property
+    def reason(self) -> str:
+        return self.rank_file.tables.string(int(self.row["reason"]))
+
+    @property
+    def margin(self) -> float | None:
+        m = float(self.row["margin"])
+        return None if math.isnan(m) else m
+
+    def _rows(self, kind: TensorKind) -> np.ndarray:
+        rows = self.rank_file.tensor_rows(self.step)
+        return rows[rows["kind"] == int(kind)]
+
+    def digests(self, kind: TensorKind) -> dict[str, int]:
+        tables = self.rank_file.full()
+        return {tables.string(int(r["name"])): int(r["digest"]) for r in self._rows(kind)}
+
+    def tensors(self, kind: TensorKind) -> dict[str, torch.Tensor]:
+        tables = self.rank_file.full()
+        out = {}
+        for r in self._rows(kind):
+            name = tables.string(int(r["name"]))
+            if int(r["offset"]) < 0:
+                raise OutOfRange(
+                    f"{kind.name.lower()} {name!r} of step {self.step} was recorded as a digest only"
+                )
+            out[name] = self.rank_file.read_tensor(r)
+        return out
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return self.tensors(TensorKind.INPUT)
+
+    def fields(self) -> list[tuple[str, int]]:
+        f = self.rank_file.tables.fields
+        rows = f[f["step"] == self.step]
+        rows = rows[np.argsort(rows["order"], kind="stable")]
+        return [(self.rank_file.tables.string(int(r["field"])), int(r["digest"])) for r in rows]
+
+
+class RankFile:
+    """One rank of one part: a sealed ``.h5`` file, or a journal (live, or left by a crash)."""
+
+    def __init__(self, part_dir: Path, rank: int) -> None:
+        self.rank = rank
+        stem = f"rank-{rank:05d}"
+        self.h5_path = part_dir / f"{stem}.h5"
+        self.journal_path = part_dir / f"{stem}.journal"
+        self.payload_path = part_dir / f"{stem}.payload"
+        self.sealed = self.h5_path.exists()
+        self.live = (not self.sealed) and journal_is_live(self.journal_path)
+        self._summary: RankTables | None = None
+        self._full: RankTables | None = None
+        self._journal_problem: str | None = None
+        self._by_step: tuple[np.ndarray, np.ndarray] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def path(self) -> Path:
+        return self.h5_path if self.sealed else self.journal_path
+
+    def _load(self, full: bool) -> RankTables:
+        try:
+            if self.sealed:
+                return _h5.read_rank_file(self.h5_path, tables=None if full else _SUMMARY_TABLES)
+            scan = read_journal(self.journal_path)
+            self._journal_problem = scan.problem
+            size = self.payload_path.stat().st_size if self.payload_path.exists() else 0
+            t = build_tables(scan.frames, payload_size=size)
+            if scan.problem and not self.live:
+                t.attrs["journal_problem"] = scan.problem
+                t.attrs["lost_bytes"] = scan.total_bytes - scan.valid_bytes
+            return t
+        except _h5._VersionError as e:
+            raise FormatVersionError(
+                f"{self.path}: written by format version {e.version}; this replay reads versions up to "
+                f"{FORMAT_VERSION}: upgrade replay to open it"
+            ) from None
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise RecordingDamaged(f"{self.path}: cannot be read ({_describe(e)}); `replay verify` says more") from None
+
+    @property
+    def tables(self) -> RankTables:
+        """Summary tables (steps, fields, attributes): what ``info`` needs, and no more."""
+        with self._lock:
+            if self._full is not None:
+                return self._full
+            if self._summary is None:
+                self._summary = self._load(full=not self.sealed)
+                if not self.sealed:
+                    self._full = self._summary
+            return self._summary
+
+    def full(self) -> RankTables:
+        with self._lock:
+            if self._full is None:
+                self._full = self._load(full=True)
+            return self._full
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return self.tables.attrs
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.attrs.get("complete")) and not self.attrs.get("journal_problem")
+
+    @property
+    def n_steps(self) -> int:
+        return int(self.tables.steps.size)
+
+    def step(self, step: int) -> StepView:
+        steps = self.tables.steps
+        idx = np.searchsorted(steps["step"], step)
+        if idx >= steps.size or int(steps["step"][idx]) != step:
+            last = int(steps["step"][-1]) if steps.size else None
+            valid = f"0..{last}" if last is not None else "none"
+            raise OutOfRange(f"rank {self.rank} has no step {step} (recorded steps: {valid})")
+        return StepView(self, steps[idx])
+
+    def read_tensor(self, row: np.void) -> torch.Tensor:
+        """The tensor a /tensors row describes, bit for bit, as a CPU tensor."""
+        t = self.full()
+        name = t.string(int(row["name"]))
+        try:
+            dtype = str_to_dtype(t.string(int(row["dtype"])))
+        except ValueError as e:
+            raise RecordingDamaged(f"{self.path}: tensor {name!r}: {e}") from None
+        ndim = int(row["ndim"])
+        shape = tuple(int(x) for x in row["shape"][:ndim])
+        nbytes = int(row["nbytes"])
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if ndim > len(row["shape"]) or any(s < 0 for s in shape) or math.prod(shape) * itemsize != nbytes:
+            raise RecordingDamaged(f"{self.path}: tensor {name!r}: shape {shape} does not match its {nbytes} bytes")
+        offset = int(row["offset"])
+        if offset < 0 or offset + nbytes > t.payload_size:
+            raise RecordingDamaged(f"{self.path}: tensor {name!r} lies outside the payload file")
+        try:
+            with open(self.payload_path, "rb") as fh:
+                fh.seek(offset)
+                data = fh.read(nbytes)
+        except OSError as e:
+            raise RecordingDamaged(f"{self.payload_path}: cannot be read ({_describe(e)})") from None
+        if len(data) != nbytes:
+            raise RecordingDamaged(f"{self.payload_path}: ends before tensor {name!r} (file truncated)")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def tensor_rows(self, step: int) -> np.ndarray:
+        """The /tensors rows of one step, in recording order (indexed once, then O(log n))."""
+        t = self.full()
+        with self._lock:
+            if self._by_step is None:
+                order = np.argsort(t.tensors["step"], kind="stable")
+                self._by_step = (order, t.tensors["step"][order])
+            order, steps = self._by_step
+        lo, hi = np.searchsorted(steps, step, "left"), np.searchsorted(steps, step, "right")
+        return t.tensors[np.sort(order[lo:hi])]
+
+    def keyframe_steps(self) -> list[int]:
+        return [int(s) for s in self.full().keyframes["step"]]
+
+    def keyframe(self, at_or_before: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest state keyframe taken at or before ``at_or_before``: (step, tensors)."""
+        t = self.full()
+        k = t.keyframes[t.keyframes["step"] <= at_or_before]
+        if not k.size:
+            return None
+        row = k[np.argmax(k["step"])]
+        first, n = int(row["first_tensor"]), int(row["n_tensors"])
+        if first < 0 or first + n > t.tensors.size:
+            raise RecordingDamaged(f"{self.path}: keyframe at step {int(row['step'])} points outside /tensors")
+        rows = t.tensors[first : first + n]
+        return int(row["step"]), {t.string(int(r["name"])): self.read_tensor(r) for r in rows}
+
+    def tuner_choices(self) -> dict[str, str]:
+        t = self.tables
+        return {t.string(int(r["op"])): t.string(int(r["tactic"])) for r in t.tuner}
+
+
+class Part(Mapping[int, RankFile]):
+    """The rank files of one multi-rank run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.name = path.name
+        ranks: set[int] = set()
+        for f in path.glob("rank-*.*"):
+            if f.suffix in (".h5", ".journal"):
+                r = parse_rank_stem(f.stem)
+                if r is not None:
+                    ranks.add(r)
+        self._files = {r: RankFile(path, r) for r in sorted(ranks)}
+
+    def __getitem__(self, rank: int) -> RankFile:
+        try:
+            return self._files[rank]
+        except KeyError:
+            raise OutOfRange(f"part {self.name} has no rank {rank} (ranks: {_ranges(list(self._files))})") from None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    @property
+    def world_size(self) -> int:
+        """The world size the ranks declared (a damaged rank file is skipped, not fatal)."""
+        sizes = {len(self._files)}
+        for f in self._files.values():
+            try:
+                sizes.add(int(f.attrs.get("world_size", 0)))
+            except (RecordingDamaged, ValueError, TypeError):
+                continue
+        return max(sizes)
+
+
+class Recording(Mapping[str, Part]):
+    """A recording directory. Use as a context manager or call ``close()``."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise RecordingNotFound(f"no recording at {self.path}")
+        if not self.path.is_dir():
+            raise RecordingDamaged(f"{self.path} is a file, not a recording directory")
+        try:
+            self.manifests = read_manifests(self.path)
+        except ValueError as e:
+            raise RecordingDamaged(f"{self.path}: {e}") from None
+        for m in self.manifests:
+            if m.get("kind", RECORDING_KIND) != RECORDING_KIND:
+                raise RecordingDamaged(f"{self.path}: manifest is not a replay recording manifest")
+            v = m.get("format_version")
+            if not isinstance(v, int) or v < 1:
+                raise RecordingDamaged(f"{self.path}: manifest has no valid format_version")
+            if v > FORMAT_VERSION:
+                raise FormatVersionError(
+                    f"{self.path}: written by format version {v}; this replay reads versions up to "
+                    f"{FORMAT_VERSION}: upgrade replay to open it"
+                )
+        parts = sorted(p for p in self.path.iterdir() if p.is_dir() and _is_part_dir(p))
+        if not parts:
+            raise RecordingDamaged(f"{self.path}: not a recording (no rank files found)")
+        self._parts = {p.name: Part(p) for p in parts}
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for m in reversed(self.manifests):
+            merged.update(m)
+        return merged
+
+    def __getitem__(self, name: str) -> Part:
+        try:
+            return self._parts[name]
+        except KeyError:
+            raise OutOfRange(f"{self.path} has no part {name!r} (parts: {', '.join(self._parts)})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def close(self) -> None:
+        self._parts.clear()
+
+    def __enter__(self) -> "Recording":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_recording(path: str | os.PathLike | None = None, root: str | os.PathLike = "recordings") -> Recording:
+    """Open ``path``, or the newest recording under ``root``."""
+    p, _ = resolve_recording(path, root)
+    return Recording(p)
+
+
+def _describe(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+    if "file signature not found" in msg:
+        return "not an HDF5 file"
+    if "truncated file" in msg:
+        return "HDF5 file is truncated"
+    return msg[:200]
+
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return "none"
+    xs = sorted(xs)
+    if xs == list(range(xs[0], xs[-1] + 1)):
+        return f"{xs[0]}..{xs[-1]}" if len(xs) > 1 else str(xs[0])
+    return ", ".join(map(str, xs))

@@ -1,0 +1,545 @@
+"""``replay.Recorder``: the in-process recorder an engine (or ``replay record``) calls.
+
+Contract with the program it records:
+
+- it never changes what the program computes: it only reads tensors (digest kernels, copies);
+- it never raises into the program and never hangs it: any failure logs one warning, switches
+  recording off, and the program goes on;
+- the step path only enqueues: tensors are cloned (CPU) or copied asynchronously into pinned
+  buffers (CUDA), and the writer thread does the file work;
+- with ``durability="step"`` (the default) a step is in the journal when ``end_step`` returns, so
+  a SIGKILL at any later moment cannot lose it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import fcntl
+import functools
+import os
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, TypeVar
+
+import torch
+
+from replay.format.journal import FrameKind, JournalWriter
+from replay.format.manifest import host_facts, numerics_env, numerics_flags, versions, write_manifest
+from replay.format.schema import FORMAT_VERSION, TensorKind, dtype_to_str, rank_stem
+from replay.format.seal import seal_rank
+from replay.format.tables import combine_digests
+from replay.log import get_logger
+from replay.record import rng as _rng
+from replay.record.config import RecorderConfig
+from replay.record.writer import Entry, Job, PinnedPool, Writer, host_entry
+
+__all__ = ["Recorder"]
+
+log = get_logger("replay.record")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _failsafe(default: Any = None) -> Callable[[F], F]:
+    """Run a public recorder method so that no exception can reach the program."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(self: "Recorder", *args: Any, **kwargs: Any) -> Any:
+            if self._disabled:
+                return default
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the contract is: never raise into the program
+                self._fail(e)
+                return default
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+
+@dataclass(slots=True)
+class _Step:
+    index: int
+    t0: float
+    groups: dict[str, list[Entry]] = field(default_factory=dict)
+    device: list[torch.Tensor] = field(default_factory=list)  # tensors digested on the device
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    replays: list[int] = field(default_factory=list)
+    run: dict[str, Any] | None = None
+    margin_dev: torch.Tensor | None = None
+    margin_src: torch.Tensor | None = None
+    accepted: int | None = None
+    accepted_src: torch.Tensor | None = None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+class Recorder:
+    """Records one rank. Create one per process; see ``RecorderConfig`` for the settings."""
+
+    def __init__(self, config: RecorderConfig, *, state_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> None:
+        self.config = config
+        self.state_fn = state_fn
+        self._disabled = False
+        self._warned = False
+        self._closed = False
+        self._lock = threading.RLock()
+        self._step_counter = 0
+        self._cur: _Step | None = None
+        self._graph_counter = 0
+        self._collective_counter = 0
+        self._ring: collections.deque[tuple[int, Entry]] = collections.deque(maxlen=max(config.ring, 1))
+        self._pool = PinnedPool()
+        self._device_digests: torch.Tensor | None = None
+        self._writer: Writer | None = None
+        self._lock_fd: int | None = None
+        self.part_dir = config.out / config.part
+        self.error: str | None = None
+        try:
+            self._open()
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        # Close at exit so the ring is written and the file sealed; weakly, so an abandoned
+        # recorder can still be collected.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (r := ref()) is not None and r.close())
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        cfg = self.config
+        self.part_dir.mkdir(parents=True, exist_ok=True)
+        stem = rank_stem(cfg.rank)
+        journal = JournalWriter(
+            self.part_dir / f"{stem}.journal", self.part_dir / f"{stem}.payload", max_bytes=cfg.max_bytes
+        )
+        # The lock tells readers and sealers that this journal is live; the kernel drops it when
+        # the process dies, however it dies.
+        self._lock_fd = os.open(journal.journal_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        header = {
+            "format_version": FORMAT_VERSION,
+            "rank": cfg.rank,
+            "world_size": cfg.world_size,
+            "part": cfg.part,
+            "started_at": time.time(),
+            "recorder": cfg.to_json(),
+            "config": cfg.target,
+            "env": numerics_env(),
+            "numerics": numerics_flags(),
+            "versions": versions(),
+            **host_facts(),
+        }
+        journal.write_frame(FrameKind.HEADER, header)
+        self._writer = Writer(journal, depth=cfg.queue_depth, pool=self._pool, on_error=self._fail)
+        if cfg.rank == 0:
+            write_manifest(
+                cfg.out,
+                {"created_at": time.time(), "host": socket.gethostname(), "world_size": cfg.world_size},
+                replace=False,
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return not self._disabled
+
+    @property
+    def step_index(self) -> int:
+        """The index the next (or current) step has."""
+        return self._cur.index if self._cur is not None else self._step_counter
+
+    def _fail(self, e: BaseException) -> None:
+        self._disabled = True
+        self.error = f"{e.__class__.__name__}: {e}"
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "recording stopped on rank %d: %s; the program goes on unrecorded (steps written so far are kept)",
+                self.config.rank,
+                self.error,
+            )
+        w = self._writer
+        if w is not None:
+            # Never wait here: the writer itself may be what failed or hung.
+            threading.Thread(target=w.stop, args=(1.0,), daemon=True).start()
+
+    def _submit(self, job: Job, *, wait: bool) -> None:
+        assert self._writer is not None
+        if wait:
+            job.ack = threading.Event()
+        if not self._writer.submit(job, timeout=self.config.sync_timeout_s):
+            raise TimeoutError("the writer thread did not keep up")
+        if wait and not job.ack.wait(self.config.sync_timeout_s):  # type: ignore[union-attr]
+            raise TimeoutError(f"the writer thread took over {self.config.sync_timeout_s:.0f} s for one step")
+        if self._writer.failed:
+            raise RuntimeError(self.error or "writer failed")
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def _entry(self, st: _Step | None, name: str, kind: TensorKind, t: torch.Tensor, *, store: bool) -> Entry:
+        """Capture ``t`` now (its value may change after this call returns)."""
+        t = t.detach()
+        if t.device.type != "cuda":
+            return host_entry(name, kind, t, store=store)
+        e = Entry(name=name, kind=kind, dtype=dtype_to_str(t.dtype), shape=tuple(t.shape), store=store)
+        if st is not None:
+            e.digest_slot = len(st.device)
+            st.device.append(t)
+        if store or st is None:
+            host, buf = self._pool.get(t.dtype, tuple(t.shape))
+            host.copy_(t, non_blocking=True)
+            e.host, e.release = host, buf
+        return e
+
+    def _stage_device(self, st: _Step | None, job: Job) -> None:
+        """Queue the device work of a job: digests, scalars, and the event the writer waits on."""
+        for entries in job.groups.values():
+            job.releases.extend(e.release for e in entries if e.release is not None)
+        cuda_work = bool(job.releases)
+        if st is not None and st.device:
+            from replay.digest import digest_into
+
+            n = len(st.device)
+            dev = st.device[0].device
+            buf = self._device_digests
+            if buf is None or buf.numel() < n or buf.device != dev:
+                buf = self._device_digests = torch.zeros(max(n, 64), dtype=torch.int64, device=dev)
+            for i, t in enumerate(st.device):
+                digest_into(t, buf, i)
+            job.digests_host = self._pinned_copy(job, buf[:n])
+            cuda_work = True
+        if st is not None and st.margin_dev is not None:
+            job.margin_host = self._pinned_copy(job, st.margin_dev)
+            cuda_work = True
+        if cuda_work:
+            job.event = torch.cuda.Event()
+            job.event.record()
+
+    def _pinned_copy(self, job: Job, t: torch.Tensor) -> torch.Tensor:
+        host, buf = self._pool.get(t.dtype, tuple(t.shape))
+        host.copy_(t, non_blocking=True)
+        job.releases.append(buf)
+        return host
+
+    # -- steps -----------------------------------------------------------------------------
+
+    @_failsafe(default=-1)
+    def begin_step(self) -> int:
+        """Start a step; returns its index. Takes the keyframe and RNG state due at its start."""
+        if _capturing():
+            return -1
+        with self._lock:
+            if self._cur is not None:
+                self._end(error="step did not end before the next began")
+            st = _Step(index=self._step_counter, t0=time.time())
+            self._step_counter += 1
+            due = st.index == 0 or (self.config.keyframe_every and st.index % self.config.keyframe_every == 0)
+            if self.state_fn is not None and due:
+                self._keyframe(st.index, self.state_fn())
+            if self.config.rng:
+                st.groups["rng"] = [host_entry(k, TensorKind.RNG, v, store=True) for k, v in _rng.capture_rng().items()]
+            self._cur = st
+            return st.index
+
+    @_failsafe()
+    def record_inputs(self, **tensors: torch.Tensor) -> None:
+        st = self._cur
+        if st is None:
+            return
+        store = self.config.inputs == "full"
+        group = st.groups.setdefault("inputs", [])
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor):
+                group.append(self._entry(st, name, TensorKind.INPUT, t, store=store))
+
+    @_failsafe()
+    def record_outputs(self, **tensors: torch.Tensor) -> None:
+        st = self._cur
+        if st is None:
+            return
+        cfg = self.config
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if name in cfg.token_outputs:
+                st.groups.setdefault("tokens", []).append(self._entry(st, name, TensorKind.TOKENS, t, store=True))
+            else:
+                e = self._entry(st, name, TensorKind.OUTPUT, t, store=cfg.outputs == "full")
+                st.groups.setdefault("outputs", []).append(e)
+                if name == cfg.logits and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
+                    self._logits(st, t, e)
+            if name == cfg.accepted:
+                if t.device.type == "cuda":
+                    st.accepted_src = t
+                else:
+                    st.accepted = int(t.detach().sum())
+
+    @_failsafe()
+    def record_tokens(self, **tensors: torch.Tensor) -> None:
+        """Record sampled or accepted tokens in full, whatever their names."""
+        st = self._cur
+        if st is None:
+            return
+        for name, t in tensors.items():
+            st.groups.setdefault("tokens", []).append(self._entry(st, name, TensorKind.TOKENS, t, store=True))
+
+    def _logits(self, st: _Step, t: torch.Tensor, e: Entry) -> None:
+        if t.device.type == "cuda":
+            top = t.detach().float().topk(2, dim=-1).values
+            st.margin_dev = (top[..., 0] - top[..., 1]).min()
+        else:
+            st.margin_src = e.host
+        if self.config.ring:
+            if t.device.type == "cuda":
+                host, buf = self._pool.get(t.dtype, tuple(t.shape))
+                host.copy_(t.detach(), non_blocking=True)
+                ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=e.dtype, shape=e.shape, host=host, store=True, release=buf)
+            else:
+                ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=e.dtype, shape=e.shape, host=e.host, store=True)
+            if len(self._ring) == self._ring.maxlen and self._ring[0][1].release is not None:
+                # Only after the copy into it has landed: the step that filled it is long done.
+                self._pool.release(self._ring[0][1].release)
+            self._ring.append((st.index, ring_e))
+
+    @_failsafe()
+    def set_run(self, mode: str, *, key: str = "", padded_size: int = -1, reason: str = "") -> None:
+        """Say how the current step ran: ``mode`` "graph" (with its key) or "eager" (and why)."""
+        if self._cur is not None:
+            self._cur.run = {"mode": mode, "key": key, "padded": int(padded_size), "reason": reason}
+
+    @_failsafe()
+    def end_step(self, *, error: BaseException | str | None = None) -> None:
+        """Finish the current step (``error``: it raised). With durability "step", waits for the write."""
+        with self._lock:
+            if self._cur is not None:
+                self._end(error=error)
+
+    def _end(self, *, error: BaseException | str | None) -> None:
+        st, self._cur = self._cur, None
+        assert st is not None
+        body: dict[str, Any] = {"step": st.index, "t0": st.t0, "t1": time.time(), "status": "ok"}
+        if error is not None:
+            body["status"] = "raised"
+            body["error"] = error if isinstance(error, str) else f"{error.__class__.__name__}: {error}"
+        if st.run is not None:
+            body["run"] = st.run
+        if st.replays:
+            body["replays"] = st.replays
+            if st.run is None:
+                body["run"] = {"mode": "graph", "key": f"graph{st.replays[-1]}", "padded": -1, "reason": ""}
+        if st.accepted is not None:
+            body["accepted"] = st.accepted
+        job = Job(kind=FrameKind.STEP, body=body, groups=dict(st.groups))
+        coll_meta = self._stage_collectives(st, job)
+        accepted_host = None
+        if st.accepted_src is not None:
+            accepted_host = self._pinned_copy(job, st.accepted_src.detach().sum().to(torch.int64))
+        self._stage_device(st, job)
+        margin_src = st.margin_src
+
+        def finish(j: Job) -> None:
+            if coll_meta:
+                j.body["collectives"] = _assemble_collectives(j.body, coll_meta)
+            if margin_src is not None:
+                top = margin_src.float().topk(2, dim=-1).values
+                j.body["margin"] = float((top[..., 0] - top[..., 1]).min())
+            if accepted_host is not None:
+                j.body["accepted"] = int(accepted_host.item())
+
+        job.finish = finish
+        self._submit(job, wait=self.config.durability == "step")
+
+    def _stage_collectives(self, st: _Step, job: Job) -> list[dict[str, Any]]:
+        meta = []
+        for i, c in enumerate(st.collectives):
+            job.groups[f"_cin{i}"] = c.pop("inputs")
+            job.groups[f"_cout{i}"] = c.pop("outputs")
+            meta.append(c)
+        return meta
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["Recorder"]:
+        """``with rec.step(): ...``: begin and end a step; an exception marks it as raised."""
+        self.begin_step()
+        try:
+            yield self
+        except BaseException as e:
+            self.end_step(error=e)
+            raise
+        self.end_step()
+
+    # -- events outside the step's tensors -------------------------------------------------
+
+    @_failsafe()
+    def snapshot_state(self, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Write a state keyframe for the step about to run (default: ``state_fn()``)."""
+        if tensors is None:
+            if self.state_fn is None:
+                return
+            tensors = self.state_fn()
+        self._keyframe(self.step_index, tensors)
+
+    def _keyframe(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        entries = [self._entry(None, k, TensorKind.STATE, v, store=True) for k, v in tensors.items() if isinstance(v, torch.Tensor)]
+        job = Job(kind=FrameKind.KEYFRAME, body={"step": step}, groups={"tensors": entries})
+        self._stage_device(None, job)
+        self._submit(job, wait=False)
+
+    @_failsafe(default=-1)
+    def record_graph(
+        self,
+        key: str,
+        *,
+        padded_size: int = -1,
+        pool: int = -1,
+        kernels: list[dict[str, Any]] | tuple[dict[str, Any], ...] = (),
+        source: str = "",
+    ) -> int:
+        """Record a captured graph (its key, memory pool, kernels); returns its id for replays."""
+        gid = self._graph_counter
+        self._graph_counter += 1
+        body = {
+            "graph": gid,
+            "key": key,
+            "padded": int(padded_size),
+            "pool": int(pool),
+            "step": self.step_index,
+            "source": source,
+            "kernels": list(kernels),
+        }
+        self._submit(Job(kind=FrameKind.GRAPH, body=body), wait=False)
+        return gid
+
+    @_failsafe()
+    def record_graph_replay(self, graph_id: int) -> None:
+        if self._cur is not None:
+            self._cur.replays.append(int(graph_id))
+        else:
+            self._submit(Job(kind=FrameKind.REPLAY, body={"step": self.step_index - 1, "graph": int(graph_id)}), wait=False)
+
+    @_failsafe()
+    def record_collective(
+        self,
+        op: str,
+        *,
+        group: str = "",
+        group_size: int = 0,
+        inputs: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+        outputs: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+        compare: bool = True,
+    ) -> None:
+        """Record one collective call after it completed (``compare``: all ranks get equal bits)."""
+        if _capturing():
+            return
+        st = self._cur
+        ordinal = self._collective_counter
+        self._collective_counter += 1
+        full = self.config.collectives == "full"
+        ins = [self._entry(st, f"in{i}", TensorKind.COLLECTIVE, t, store=False) for i, t in enumerate(inputs)]
+        outs = [self._entry(st, f"{op}.{ordinal}.out{i}", TensorKind.COLLECTIVE, t, store=full) for i, t in enumerate(outputs)]
+        meta = {
+            "ordinal": ordinal,
+            "op": op,
+            "group": group,
+            "group_size": int(group_size),
+            "shapes": f"{[list(t.shape) for t in inputs]} -> {[list(t.shape) for t in outputs]}",
+            "dtypes": ",".join(sorted({dtype_to_str(t.dtype) for t in (*inputs, *outputs)})),
+            "compare": bool(compare),
+            "inputs": ins,
+            "outputs": outs,
+        }
+        if st is not None:
+            st.collectives.append(meta)
+            return
+        job = Job(kind=FrameKind.COLLECTIVE, body={"step": self._step_counter - 1})
+        coll = self._stage_collectives(_Step(index=-1, t0=0.0, collectives=[meta]), job)
+
+        def finish(j: Job) -> None:
+            j.body.update(_assemble_collectives(j.body, coll)[0])
+
+        job.finish = finish
+        self._stage_device(None, job)
+        self._submit(job, wait=False)
+
+    @_failsafe()
+    def record_tuner(self, choices: Mapping[str, str]) -> None:
+        body = {"step": self.step_index, "choices": {str(k): str(v) for k, v in choices.items()}}
+        self._submit(Job(kind=FrameKind.TUNER, body=body), wait=False)
+
+    @_failsafe()
+    def note(self, message: str) -> None:
+        self._submit(Job(kind=FrameKind.NOTE, body={"step": self.step_index, "message": message}), wait=False)
+
+    @_failsafe()
+    def flush_ring(self, reason: str = "") -> int:
+        """Write the full logits of the last ``ring`` steps now; returns how many were written."""
+        if not self.config.ring or not self._ring:
+            return 0
+        items = list(self._ring)
+        self._ring.clear()
+        for step, e in items:
+            job = Job(kind=FrameKind.LOGITS, body={"step": step, "reason": reason}, groups={"tensors": [e]})
+            self._stage_device(None, job)
+            self._submit(job, wait=False)
+        return len(items)
+
+    def close(self, status: str = "ok") -> None:
+        """Write the ring and the end marker, stop the writer and seal this rank's file."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not self._disabled:
+            try:
+                if self._cur is not None:
+                    self.end_step(error="the program ended inside this step")
+                self.flush_ring("exit")
+                self._submit(Job(kind=FrameKind.CLOSE, body={"ended_at": time.time(), "status": status, "steps": self._step_counter}), wait=True)
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
+        w = self._writer
+        sealed = False
+        if w is not None and not self._disabled:
+            if w.stop(timeout=self.config.sync_timeout_s):
+                w.journal.close()
+                self._release_lock()
+                try:
+                    sealed = seal_rank(self.part_dir, self.config.rank, force=True) is not None
+                except Exception as e:  # noqa: BLE001
+                    log.warning("could not seal rank %d (%s); its journal is kept and readable", self.config.rank, e)
+        if not sealed:
+            if w is not None and not w._thread.is_alive():
+                w.journal.close()
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                os.close(self._lock_fd)
+            except OSError:
+                pass
+            self._lock_fd = None
+
+
+def _assemble_collectives(body: dict[str, Any], meta: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, c in enumerate(meta):
+        ins = body.pop(f"_cin{i}", [])
+        outs = body.pop(f"_cout{i}", [])
+        d = dict(c)
+        d["in"] = f"{combine_digests(int(r['dig'], 16) for r in ins):016x}"
+        d["out"] = f"{combine_digests(int(r['dig'], 16) for r in outs):016x}"
+        stored = [r for r in outs if "off" in r]
+        d["out_ref"] = stored[0] if len(stored) == 1 else None
+        if len(stored) > 1:
+            d["out_refs"] = stored
+        out.append(d)
+    return out

@@ -1,0 +1,44 @@
+"""The MTP head: drafts the next token from the target's hidden state and the current token.
+
+As in DeepSeek-V3 / Nemotron-H MTP, it shares the target's embedding, final norm and LM head, and
+concatenates the normalised target hidden state with the normalised token embedding before a
+projection and a small feed-forward block. Applied k times it drafts k tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replay.workloads.mtp.config import ModelArgs
+
+__all__ = ["MTPHead", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.to(x.dtype) * self.weight
+
+
+class MTPHead(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
+        self.embed_norm = RMSNorm(args.dim, args.norm_eps)
+        self.proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.w_up = nn.Linear(args.dim, 2 * args.dim, bias=False)
+        self.w_down = nn.Linear(2 * args.dim, args.dim, bias=False)
+
+    def forward(self, hidden: torch.Tensor, tok_emb: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, D] target (or previous draft) hidden state; tok_emb: [B, D] -> [B, D]
+        z = self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(tok_emb)], dim=-1))
+        return z + self.w_down(F.silu(self.w_up(self.ffn_norm(z))))

@@ -1,0 +1,91 @@
+"""SIGKILL a recording process at random moments: every step it completed reads back bit for bit."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from replay import Recorder, RecorderConfig, open_recording
+from replay.digest import digest
+from replay.format import seal_part
+from tests.factories import step_inputs, step_logits
+
+TRIALS = int(os.environ.get("REPLAY_KILL_TRIALS", "24"))
+
+
+def _record_forever(out: str, wfd: int) -> None:
+    state = {"kv": torch.zeros(64)}
+    rec = Recorder(RecorderConfig(out=out, keyframe_every=7, ring=4), state_fn=lambda: state)
+    s = 0
+    while True:
+        rec.begin_step()
+        rec.record_inputs(**step_inputs(s))
+        logits = step_logits(s)
+        state["kv"] += 1
+        rec.record_outputs(logits=logits, tokens=logits.argmax(-1))
+        rec.end_step()
+        # Only now is the step "completed" from the program's point of view.
+        os.write(wfd, f"{s}\n".encode())
+        s += 1
+
+
+def _kill_at_random(out, delay: float) -> int:
+    """Start a recording process, SIGKILL it after ``delay`` s; return its last completed step."""
+    r, w = os.pipe()
+    p = mp.get_context("fork").Process(target=_record_forever, args=(str(out), w), daemon=True)
+    p.start()
+    os.close(w)
+    time.sleep(delay)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    lines = [ln for ln in data.decode().split("\n") if ln]
+    return int(lines[-1]) if lines else -1
+
+
+def _check(out, last: int) -> int:
+    with open_recording(out) as rec:
+        rf = rec["run-000"][0]
+        steps = rf.tables.steps["step"]
+        assert steps.size >= last + 1, f"lost completed steps: recorded {steps.size}, completed {last + 1}"
+        assert list(steps) == list(range(steps.size))
+        for s in range(last + 1):
+            view = rf.step(s)
+            expect = step_inputs(s)
+            got = view.inputs
+            for name, t in expect.items():
+                assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), (s, name)
+            assert dict(view.fields())["output.logits"] == digest(step_logits(s))
+        if last >= 0:
+            kf_step, kf = rf.keyframe(last)
+            assert torch.equal(kf["kv"], torch.full((64,), float(kf_step)))
+        return int(steps.size)
+
+
+def test_sigkill_loses_no_completed_step(tmp_path):
+    rng = random.Random(1234)
+    completed = 0
+    for trial in range(TRIALS):
+        out = tmp_path / f"t{trial}"
+        last = _kill_at_random(out, rng.uniform(0.3, 0.9))
+        n = _check(out, last)  # read live-style, from the journal
+        sealed = seal_part(out / "run-000")
+        assert len(sealed) == 1 and not sealed[0].complete
+        assert _check(out, last) == n  # and again after sealing
+        completed += last + 1
+    assert completed > TRIALS  # the kills landed while steps were being recorded
+
+
+@pytest.mark.slow
+def test_sigkill_many_trials(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "TRIALS", 200)
+    test_sigkill_loses_no_completed_step(tmp_path)

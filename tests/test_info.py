@@ -1,0 +1,172 @@
+"""`replay info` and `replay verify` on synthetic recordings: the answers users rely on."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import h5py
+import pytest
+
+from tests.factories import make_recording
+
+
+@pytest.mark.parametrize(
+    "field, expected_field",
+    [("output", "output.logits"), ("tokens", "output.logits"), ("input", "input.input_ids")],
+    ids=["logit-bits", "tokens", "input"],
+)
+def test_info_names_step_rank_and_field(tmp_path, run_cli, field, expected_field):
+    rec = make_recording(tmp_path, ranks=4, steps=12, diverge_at=7, diverge_rank=2, field=field)
+    res = run_cli("info", rec, "--json")
+    assert res.code == 0, res.err
+    data = res.json()
+    assert data["world_size"] == 4
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
+    assert all(r["steps"] == 12 and r["complete"] for r in data["ranks"])
+    d = data["first_divergence"]
+    assert (d["step"], d["ranks"], d["field"]) == (7, [2], expected_field)
+    assert d["majority"] == [0, 1, 3]
+    tok = data["first_token_divergence"]
+    if field == "tokens":
+        assert (tok["step"], tok["ranks"], tok["field"]) == (7, [2], "tokens.tokens")
+        assert set(data["margin_at_token_divergence"]) == {"0", "1", "2", "3"}
+    elif field == "output":
+        assert tok is None
+
+
+def test_info_text_names_the_divergence_and_next_command(tmp_path, run_cli):
+    rec = make_recording(tmp_path, ranks=3, steps=6, diverge_at=4, diverge_rank=1, field="tokens")
+    res = run_cli("info", rec)
+    assert res.code == 0
+    assert "first divergence        step 4: output.logits differs on rank(s) 1" in res.out
+    assert "first token divergence  step 4: tokens.tokens" in res.out
+    assert "replay step --rank 1 --step 4 --mode both" in res.out
+
+
+def test_no_divergence(tmp_path, run_cli):
+    rec = make_recording(tmp_path, ranks=2, steps=5)
+    data = run_cli("info", rec, "--json").json()
+    assert data["first_divergence"] is None and data["first_token_divergence"] is None
+    steps = data["ranks"][0]
+    assert steps["graph_steps"] == 3 and steps["eager_steps"] == 2
+
+
+def test_newest_recording_is_default(tmp_path, run_cli, monkeypatch):
+    root = tmp_path / "recordings"
+    make_recording(root, ranks=2, steps=3, name="20260101-000000-old")
+    make_recording(root, ranks=2, steps=4, diverge_at=1, name="20260102-000000-new")
+    monkeypatch.chdir(tmp_path)
+    res = run_cli("info", "--json")
+    assert res.code == 0
+    assert res.json()["recording"].endswith("20260102-000000-new")
+    assert "using the newest recording" in res.err
+
+
+def test_no_recordings_at_all(tmp_path, run_cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = run_cli("info")
+    assert res.code == 3
+    assert res.err.count("\n") == 1 and "replay record" in res.err
+
+
+def _one_line_error(res, code):
+    assert res.code == code, (res.code, res.out, res.err)
+    assert res.err.startswith("replay: error:") and res.err.count("\n") == 1, res.err
+    assert "Traceback" not in res.err
+
+
+@pytest.mark.parametrize("command", ["info", "verify"])
+def test_truncated_rank_file(tmp_path, run_cli, command):
+    rec = make_recording(tmp_path, ranks=2, steps=4)
+    h5 = rec / "run-000" / "rank-00001.h5"
+    data = h5.read_bytes()
+    h5.write_bytes(data[: len(data) // 3])
+    res = run_cli(command, rec)
+    if command == "info":
+        _one_line_error(res, 4)
+        assert "rank-00001.h5" in res.err
+    else:
+        assert res.code == 4 and "DAMAGED" in res.out and "rank-00001.h5" in res.out
+
+
+@pytest.mark.parametrize("command", ["info", "verify"])
+def test_not_hdf5(tmp_path, run_cli, command):
+    rec = make_recording(tmp_path, ranks=2, steps=2)
+    (rec / "run-000" / "rank-00000.h5").write_bytes(b"this is not hdf5" * 100)
+    res = run_cli(command, rec)
+    assert res.code == 4
+    text = res.err if command == "info" else res.out
+    assert "not an HDF5 file" in text
+
+
+@pytest.mark.parametrize("where", ["rank-file", "manifest"])
+@pytest.mark.parametrize("command", ["info", "verify"])
+def test_newer_format_version(tmp_path, run_cli, command, where):
+    rec = make_recording(tmp_path, ranks=2, steps=2)
+    if where == "rank-file":
+        with h5py.File(rec / "run-000" / "rank-00000.h5", "r+") as f:
+            f.attrs["format_version"] = 99
+    else:
+        import json
+
+        m = json.loads((rec / "manifest.json").read_text())
+        m["format_version"] = 99
+        (rec / "manifest.json").write_text(json.dumps(m))
+    res = run_cli(command, rec)
+    if command == "info" or where == "manifest":
+        _one_line_error(res, 5)
+    else:
+        assert res.code == 4
+    assert "version 99" in (res.err + res.out) and "upgrade replay" in (res.err + res.out)
+
+
+def test_path_that_is_not_a_recording(tmp_path, run_cli):
+    (tmp_path / "empty").mkdir()
+    _one_line_error(run_cli("info", tmp_path / "empty"), 4)
+    (tmp_path / "afile").write_text("x")
+    _one_line_error(run_cli("info", tmp_path / "afile"), 4)
+    _one_line_error(run_cli("verify", tmp_path / "nope"), 3)
+
+
+def test_verify_detects_flipped_payload_byte(tmp_path, run_cli):
+    rec = make_recording(tmp_path, ranks=1, steps=3)
+    assert run_cli("verify", rec).code == 0
+    payload = rec / "run-000" / "rank-00000.payload"
+    raw = bytearray(payload.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    payload.write_bytes(bytes(raw))
+    res = run_cli("verify", rec, "--json")
+    assert res.code == 4
+    problems = res.json()["ranks"][0]["problems"]
+    assert any("do not match their digest" in p for p in problems)
+
+
+def test_verify_reports_missing_rank(tmp_path, run_cli):
+    rec = make_recording(tmp_path, ranks=3, steps=2)
+    for f in (rec / "run-000").glob("rank-00001.*"):
+        f.unlink()
+    res = run_cli("verify", rec)
+    assert res.code == 4 and "no file for rank 1 of 3" in res.out
+
+
+def test_info_reads_unsealed_journal(tmp_path, run_cli):
+    """A rank that never closed (crash) is read from its journal and reported incomplete."""
+    from replay import Recorder, RecorderConfig
+    import torch
+
+    out = tmp_path / "rec"
+    rec = Recorder(RecorderConfig(out=out, rank=0, world_size=1))
+    for s in range(3):
+        rec.begin_step()
+        rec.record_inputs(x=torch.arange(3) + s)
+        rec.end_step()
+    # Simulate a crash: the writer's files are left as they are and the lock released.
+    rec._writer.stop(5)
+    rec._writer.journal.close()
+    rec._release_lock()
+    data = run_cli("info", out, "--json").json()
+    assert data["ranks"][0]["steps"] == 3 and data["ranks"][0]["complete"] is False
+    res = run_cli("verify", out)
+    assert res.code == 4 and "ended without its end marker" in res.out and "after step 2" in res.out
+    rec._closed = True

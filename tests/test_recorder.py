@@ -1,0 +1,170 @@
+"""The in-process recorder: exact bits back, keyframes, ring, collectives, and never hurting the program."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from replay import Recorder, RecorderConfig, open_recording
+from replay.format import TensorKind
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.uint8, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_inputs_round_trip_bit_exact(tmp_path, dtype):
+    g = torch.Generator().manual_seed(0)
+    tensors = [(torch.randn(3, 5, generator=g) * 100).to(dtype) for _ in range(4)]
+    tensors.append(torch.randn(2, 3, 4, generator=g).to(dtype).transpose(0, 2))  # non-contiguous
+    tensors.append(torch.zeros(0, 7).to(dtype))  # empty
+    rec = Recorder(RecorderConfig(out=tmp_path / "r"))
+    for t in tensors:
+        rec.begin_step()
+        rec.record_inputs(x=t, scalar=torch.tensor(3, dtype=torch.int32))
+        rec.end_step()
+    rec.close()
+    assert rec.error is None
+    with open_recording(tmp_path / "r") as r:
+        rf = r["run-000"][0]
+        assert rf.complete and rf.n_steps == len(tensors)
+        for i, t in enumerate(tensors):
+            back = rf.step(i).inputs["x"]
+            assert back.dtype == t.dtype and back.shape == t.shape
+            assert torch.equal(back.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8))
+
+
+def test_values_are_captured_at_record_time(tmp_path):
+    """A static buffer reused by the program must be recorded as it was during the step."""
+    buf = torch.zeros(4)
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", durability="async"))
+    for s in range(5):
+        buf.fill_(s)
+        rec.begin_step()
+        rec.record_inputs(buf=buf)
+        rec.end_step()
+    rec.close()
+    rf = open_recording(tmp_path / "r")["run-000"][0]
+    assert [float(rf.step(s).inputs["buf"][0]) for s in range(5)] == [0, 1, 2, 3, 4]
+
+
+def test_keyframes_and_logits_ring(tmp_path):
+    state = {"kv": torch.zeros(3), "ssm": torch.ones(2, dtype=torch.bfloat16)}
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", keyframe_every=4, ring=3), state_fn=lambda: state)
+    logits = []
+    for s in range(10):
+        rec.begin_step()
+        state["kv"] += 1
+        lg = torch.randn(2, 16)
+        logits.append(lg)
+        rec.record_outputs(logits=lg)
+        rec.end_step()
+    rec.close()
+    rf = open_recording(tmp_path / "r")["run-000"][0]
+    assert rf.keyframe_steps() == [0, 4, 8]
+    step, kf = rf.keyframe(7)
+    assert step == 4 and torch.equal(kf["kv"], torch.full((3,), 4.0)) and kf["ssm"].dtype == torch.bfloat16
+    t = rf.full()
+    rows = t.tensors[t.tensors["kind"] == TensorKind.LOGITS]
+    assert sorted(int(s) for s in rows["step"]) == [7, 8, 9]
+    for row in rows:
+        assert torch.equal(rf.read_tensor(row), logits[int(row["step"])])
+    margins = t.steps["margin"]
+    for s in range(10):
+        top = logits[s].topk(2, dim=-1).values
+        assert margins[s] == pytest.approx(float((top[:, 0] - top[:, 1]).min()))
+
+
+def test_collectives_and_graphs_tables(tmp_path):
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", collectives="full"))
+    gid = rec.record_graph("bs4", padded_size=4, kernels=[{"name": "gemm", "grid": [1, 2, 3], "block": [128, 1, 1]}])
+    rec.record_tuner({"moe_combine": "blocked"})
+    rec.begin_step()
+    rec.record_graph_replay(gid)
+    x = torch.arange(6.0)
+    rec.record_collective("all_reduce", group="0", group_size=2, inputs=[x], outputs=[x * 2])
+    rec.end_step()
+    rec.close()
+    rf = open_recording(tmp_path / "r")["run-000"][0]
+    t = rf.full()
+    assert t.graphs.size == 1 and t.string(int(t.graphs["key"][0])) == "bs4"
+    assert t.string(int(t.kernels["name"][0])) == "gemm" and list(t.kernels["grid"][0]) == [1, 2, 3]
+    assert rf.tuner_choices() == {"moe_combine": "blocked"}
+    assert t.steps["mode"][0] == 2 and t.steps["n_collectives"][0] == 1
+    c = t.collectives[0]
+    assert t.string(int(c["op"])) == "all_reduce" and c["out_tensor"] >= 0
+    assert torch.equal(rf.read_tensor(t.tensors[c["out_tensor"]]), x * 2)
+    assert [f for f, _ in rf.step(0).fields()] == ["graph", "collective.0.all_reduce"]
+
+
+def test_unwritable_directory_warns_once_and_program_goes_on(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    if os.access(ro, os.W_OK):  # root ignores permissions
+        ro.chmod(0o700)
+        (ro / "r").write_text("a file where the recording directory should be")
+        out = ro / "r"
+    else:
+        out = ro / "r"
+    rec = Recorder(RecorderConfig(out=out))
+    x = torch.arange(4)
+    for _ in range(3):
+        rec.begin_step()
+        rec.record_inputs(x=x)
+        y = x * 2
+        rec.record_outputs(y=y)
+        rec.end_step()
+    rec.close()
+    assert not rec.enabled and rec.error
+    assert torch.equal(y, torch.arange(4) * 2)
+    assert capsys.readouterr().err.count("recording stopped") == 1
+
+
+def test_size_limit_stops_recording_and_keeps_earlier_steps(tmp_path):
+    if True:
+        rec = Recorder(RecorderConfig(out=tmp_path / "r", max_bytes=40_000, rng=False))
+        done = 0
+        for s in range(50):
+            rec.begin_step()
+            rec.record_inputs(x=torch.full((1000,), s, dtype=torch.float32))
+            rec.end_step()
+            done += 1
+        rec.close()
+    assert done == 50 and not rec.enabled and "size limit" in rec.error
+    rf = open_recording(tmp_path / "r")["run-000"][0]
+    n = rf.n_steps
+    assert 0 < n < 50
+    for s in range(n):
+        assert torch.equal(rf.step(s).inputs["x"], torch.full((1000,), s, dtype=torch.float32))
+
+
+def test_writer_exception_does_not_reach_program(tmp_path, monkeypatch, capsys):
+    rec = Recorder(RecorderConfig(out=tmp_path / "r"))
+    import replay.record.writer as w
+
+    def boom(*a, **k):
+        raise OSError(5, "Input/output error")
+
+    rec.begin_step()
+    rec.end_step()
+    monkeypatch.setattr(rec._writer.journal, "write_frame", boom)
+    for _ in range(3):
+        rec.begin_step()
+        rec.record_inputs(x=torch.ones(2))
+        rec.end_step()
+    rec.close()
+    assert not rec.enabled and "Input/output error" in rec.error
+    assert capsys.readouterr().err.count("recording stopped") == 1
+
+
+def test_step_context_marks_raised_steps(tmp_path):
+    rec = Recorder(RecorderConfig(out=tmp_path / "r"))
+    with pytest.raises(ValueError):
+        with rec.step():
+            rec.record_inputs(x=torch.ones(1))
+            raise ValueError("rank drift at step 0")
+    rec.close()
+    s = open_recording(tmp_path / "r")["run-000"][0].step(0)
+    assert not s.ok and "rank drift" in s.reason
