@@ -107,6 +107,7 @@ def _mix64(w, key, SHIFT_MODE: tl.constexpr):
 @triton.jit
 def _key_parts(index):
     """``(lo32(index) * K_LO, hi32(index) * K_HI)`` for an int64 word index, as uint32."""
+    index = index.to(tl.int64)
     lo = (index & 0xFFFFFFFF).to(tl.uint32) * tl.full((), _K_POS_LO, tl.uint32)
     hi = (index >> 32).to(tl.uint32) * tl.full((), _K_POS_HI, tl.uint32)
     return lo, hi
@@ -122,10 +123,11 @@ def _full_block(words_ptr, start, first, koff, BLOCK: tl.constexpr, SHIFT_MODE: 
     return _mix64(w, (koff + c) ^ h, SHIFT_MODE)
 
 
-# The integer arguments vary from call to call; specialising on them (value 1, divisibility by
-# 16) would compile new variants at run time, which must not happen during a graph capture. The
-# tail and output pointers move by a few bytes between calls for the same reason; only the words
-# pointer keeps its alignment specialisation, which the 128-bit loads need.
+# The integer arguments vary from call to call. Their types are fixed (a Python int is otherwise
+# typed i32 or i64 by its value) and they are not specialised on (value 1, divisibility by 16),
+# so no new variant is compiled at run time, which a graph capture would not allow. The tail and
+# output pointers move by a few bytes between calls for the same reason; only the words pointer
+# keeps its alignment specialisation, which the 128-bit loads need.
 @triton.jit(
     do_not_specialize=[
         "tail_ptr", "out_ptr", "slot", "n_words", "n_blocks", "n_iter", "n_tail", "first_index", "extra"
@@ -135,22 +137,24 @@ def _rd64_kernel(
     words_ptr,  # *int32 [n_words]: the full 4-byte words, read as uint32
     tail_ptr,  # *uint8 [n_tail]: bytes after the last full word (read only when HAS_TAIL)
     out_ptr,  # *int64: the output vector; the result is added into out_ptr[slot]
-    slot,
-    n_words,
-    n_blocks,  # n_words // BLOCK: blocks read without a mask
-    n_iter,  # n_blocks // num_programs: full blocks every program reads
-    n_tail,  # 1..3 when HAS_TAIL
-    first_index,  # word index of words_ptr[0]; a multiple of BLOCK
-    extra,  # added once, as two's complement int64 (the length term)
+    slot: tl.int64,
+    n_words: tl.int64,
+    n_blocks: tl.int64,  # n_words // BLOCK: blocks read without a mask
+    n_iter: tl.int64,  # n_blocks // num_programs: full blocks every program reads
+    n_tail: tl.int64,  # 1..3 when HAS_TAIL
+    first_index: tl.int64,  # word index of words_ptr[0]; a multiple of BLOCK
+    extra: tl.int64,  # added once, as two's complement int64 (the length term)
     BLOCK: tl.constexpr,
     HAS_TAIL: tl.constexpr,
     SHIFT_MODE: tl.constexpr,
 ):
+    # The annotations fix the types when compiled; Triton's interpreter ignores them, so widen
+    # explicitly (a no-op when compiled) to keep index arithmetic in 64 bits in both.
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0).to(tl.int64)
+    first = first_index.to(tl.int64)
     offs = tl.arange(0, BLOCK)
     koff = offs.to(tl.uint32) * tl.full((), _K_POS_LO, tl.uint32)
-    first = first_index.to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.uint64)
     # Grid-stride loop whose trip count is the same for every program, then at most one more
     # full block for the first programs.
@@ -182,9 +186,10 @@ def _rd64_kernel(
     tl.atomic_add(out_ptr + slot, total.to(tl.int64, bitcast=True), sem="relaxed")
 
 
-# (device index, config, has_tail) -> programs per SM that fit at once, learnt from the first
-# launch (the register count is known only once the kernel is loaded).
-_fit_per_sm: dict[tuple[int, KernelConfig, bool], int] = {}
+# One entry per compiled variant, (device index, config, has tail, words 16-byte aligned) ->
+# programs per SM that fit at once, learnt from its first launch (the register count is known
+# only once the kernel is loaded).
+_fit_per_sm: dict[tuple[int, KernelConfig, bool, bool], int] = {}
 _sm_counts: dict[int, int] = {}
 
 
@@ -237,11 +242,11 @@ def _launch(
 ) -> None:
     n_words = words.numel()
     n_blocks = n_words // config.block
-    key: tuple[int, KernelConfig, bool] | None = None
+    key: tuple[int, KernelConfig, bool, bool] | None = None
     if grid is None:
         if words.device.type == "cuda":
             index = words.device.index if words.device.index is not None else torch.cuda.current_device()
-            key = (index, config, tail is not None)
+            key = (index, config, tail is not None, words.data_ptr() % 16 == 0)
             # Before the first launch the fit is unknown; one program per SM always fits.
             per_sm = _fit_per_sm.get(key, 1)
             grid = _sm_count(index) * per_sm

@@ -52,7 +52,7 @@ TABLES: dict[str, np.dtype] = {
 }
 
 # Attributes that are dicts are stored as JSON text: readable in h5dump, and never unpickled.
-_JSON_ATTRS = ("config", "env", "versions", "recorder", "gpus")
+_JSON_ATTRS = ("config", "env", "versions", "recorder", "gpus", "numerics", "target")
 
 _str_dtype = h5py.string_dtype("utf-8")
 

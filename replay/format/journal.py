@@ -57,6 +57,7 @@ class FrameKind(enum.IntEnum):
     NOTE = 8
     CLOSE = 9
     REPLAY = 10
+    TARGET = 11
 
 
 @dataclass(slots=True)

@@ -96,6 +96,7 @@ STEP_DTYPE = np.dtype(
         ("margin", "<f4"),  # min top-1/top-2 logit margin over the step's rows; NaN if unknown
         ("accepted", "<i8"),  # total accepted tokens in the step, -1 if unknown
         ("n_collectives", "<i4"),
+        ("args", "<i4"),  # string id: the step's non-tensor arguments as JSON, -1 if none
         ("input_digest", "<u8"),
         ("output_digest", "<u8"),
         ("token_digest", "<u8"),

@@ -7,6 +7,7 @@ sealing writes to HDF5.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -104,8 +105,7 @@ class _Builder:
         self.keyframes: list[tuple] = []
         self.tuner: list[tuple] = []
         self.events: list[str] = []
-        # Graph ids are the recorder's; keep a map so a replay can name its capture row.
-        self.graph_ids: set[int] = set()
+        self.target: dict[str, Any] | None = None
 
     def tensor(self, step: int, kind: TensorKind, ref_json: dict) -> int:
         ref = TensorRef.from_json(ref_json)
@@ -156,9 +156,11 @@ class _Builder:
         n_coll = 0
         for c in b.get("collectives", []):
             out, compare = self.collective(step, c)
-            n_coll += 1
             if compare:
-                field_digests.append((f"collective.{int(c['ordinal'])}.{c['op']}", out))
+                # Named by its place in the step, not its run-wide ordinal: the names then
+                # repeat every step and the string table stays small.
+                field_digests.append((f"collective.{n_coll}.{c['op']}", out))
+            n_coll += 1
         outputs = [_digest_of(r) for r in b.get("outputs", [])]
         for r in b.get("outputs", []):
             self.tensor(step, TensorKind.OUTPUT, r)
@@ -177,6 +179,8 @@ class _Builder:
         reason = str(b.get("error") or run.get("reason") or "")
         margin = b.get("margin")
         accepted = b.get("accepted")
+        args = b.get("args")
+        args_id = self.s(json.dumps(args, sort_keys=True)) if args else -1
         self.steps.append(
             (
                 step,
@@ -191,6 +195,7 @@ class _Builder:
                 float(margin) if margin is not None else math.nan,
                 int(accepted) if accepted is not None else -1,
                 n_coll,
+                args_id,
                 combine_digests(inputs),
                 combine_digests(outputs),
                 combine_digests(tokens),
@@ -242,6 +247,8 @@ class _Builder:
                 self.tuner.append((step, self.s(str(op)), self.s(str(tactic))))
         elif f.kind == FrameKind.NOTE:
             self.events.append(str(b.get("message", "")))
+        elif f.kind == FrameKind.TARGET:
+            self.target = dict(b)
 
 
 def _array(rows: list[tuple], dtype: np.dtype) -> np.ndarray:
@@ -263,6 +270,8 @@ def build_tables(frames: list[Frame], *, payload_size: int) -> RankTables:
             b.add(f)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed {f.kind.name.lower()} frame at byte {f.offset}: {e}") from None
+    if b.target is not None:
+        attrs["target"] = b.target
     attrs["complete"] = closed is not None
     if closed is not None:
         attrs["ended_at"] = closed.get("ended_at")

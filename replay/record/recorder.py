@@ -76,6 +76,7 @@ class _Step:
     margin_src: torch.Tensor | None = None
     accepted: int | None = None
     accepted_src: torch.Tensor | None = None
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 def _capturing() -> bool:
@@ -337,6 +338,8 @@ class Recorder:
                 body["run"] = {"mode": "graph", "key": f"graph{st.replays[-1]}", "padded": -1, "reason": ""}
         if st.accepted is not None:
             body["accepted"] = st.accepted
+        if st.args:
+            body["args"] = st.args
         job = Job(kind=FrameKind.STEP, body=body, groups=dict(st.groups))
         coll_meta = self._stage_collectives(st, job)
         accepted_host = None
@@ -393,19 +396,33 @@ class Recorder:
         self._stage_device(None, job)
         self._submit(job, wait=False)
 
+    @_failsafe()
+    def set_target(self, info: Mapping[str, Any], state_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> None:
+        """Say what is being recorded (factory, config, step callable): what a re-run rebuilds."""
+        if state_fn is not None:
+            self.state_fn = state_fn
+        self._submit(Job(kind=FrameKind.TARGET, body=dict(info)), wait=False)
+
+    @_failsafe()
+    def record_args(self, **args: Any) -> None:
+        """The step's non-tensor arguments (JSON-safe values), needed to call it again."""
+        if self._cur is not None:
+            self._cur.args.update(args)
+
     @_failsafe(default=-1)
     def record_graph(
         self,
         key: str,
         *,
+        graph_id: int | None = None,
         padded_size: int = -1,
         pool: int = -1,
         kernels: list[dict[str, Any]] | tuple[dict[str, Any], ...] = (),
         source: str = "",
     ) -> int:
         """Record a captured graph (its key, memory pool, kernels); returns its id for replays."""
-        gid = self._graph_counter
-        self._graph_counter += 1
+        gid = self._graph_counter if graph_id is None else int(graph_id)
+        self._graph_counter = max(self._graph_counter, gid + 1)
         body = {
             "graph": gid,
             "key": key,

@@ -37,10 +37,14 @@ class ModelArgs:
     max_seq_len: int = 1024
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
-    residual_scale: float = 0.35
-    """Scale of each mixer/FFN output against the token embedding. Small values make the target
-    close to a bigram model the MTP head can imitate (high acceptance); large values make the
-    context matter (low acceptance)."""
+    residual_scale: float = 0.2
+    """Scale of the mixers' and the inner MoE layers' outputs against the token embedding: the
+    share of context in a prediction. Small values make the target close to a per-token function
+    the MTP head imitates (high acceptance); large values make the context matter."""
+    final_moe_scale: float = 1.0
+    """Scale of the last MoE layer's output. The MTP head holds a copy of that layer, so a large
+    value keeps acceptance up while making the MoE combine a large share of the final hidden
+    state, which is what lets a combine tactic that differs on one rank flip tokens."""
     mtp_context_scale: float = 0.25
     """Weight of the target's hidden state in the MTP head's input projection."""
     tie_fraction: float = 0.25

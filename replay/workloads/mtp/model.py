@@ -118,7 +118,7 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
-_OUTPUT_PROJECTIONS = ("attn.wo.", "recurrent.w_out.", "moe.w2", "mtp.w_down.")
+_OUTPUT_PROJECTIONS = ("attn.wo.", "recurrent.w_out.", "moe.w2")
 
 
 @torch.no_grad()
@@ -141,11 +141,18 @@ def init_weights(model: Transformer, seed: int) -> None:
         if name.endswith("w_decay.bias"):
             p.fill_(2.0)  # decay ~0.88 per token: the state remembers a handful of tokens
             continue
+        if name.startswith("mtp.moe."):
+            continue  # copied from the last layer below
         fan_in = p.shape[-2] if name.startswith("layers.") and ".moe.w" in name else p.shape[-1]
         std = fan_in**-0.5
-        if any(tag in name for tag in _OUTPUT_PROJECTIONS):
+        if name == f"layers.{args.n_layers - 1}.moe.w2":
+            std *= args.final_moe_scale
+        elif any(tag in name for tag in _OUTPUT_PROJECTIONS):
             std *= args.residual_scale
         p.copy_(torch.randn(p.shape, generator=g) * std)
+    # The MTP head starts as a copy of the last MoE layer, so its drafts imitate the target's
+    # per-token computation and acceptance is high where context matters little.
+    model.mtp.moe.load_state_dict(model.layers[-1].moe.state_dict())
     _make_near_ties(model.lm_head.weight, args, seed)
 
 

@@ -1,0 +1,101 @@
+"""``replay record -- CMD``: record every rank of CMD, with no change to its code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from replay.analysis.summary import summarize_part
+from replay.cli.common import default_root, emit_json
+from replay.cli.info import render_info
+from replay.errors import ReplayError, UsageError
+from replay.format.reader import Recording
+from replay.record.settings import RecordSettings, load_pyproject_settings
+from replay.record.wrapper import record_command, recording_dir_for
+
+EPILOG = """\b
+Examples:
+  replay record -- pytest tests/test_mtp.py
+  replay record --step mypkg.engine:Engine.step --state state_tensors -- python serve.py
+  replay record --out /shared/rec -- torchrun --nnodes 2 --node-rank 0 ... run.py
+Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. steps = [...]).
+"""
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}, epilog=EPILOG)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Recording directory (default: recordings/<time>-<name>).")
+@click.option("--name", default=None, help="Name part of the default directory.")
+@click.option("--step", "steps", multiple=True, metavar="MODULE:QUALNAME", help="A callable whose calls are steps (repeatable).")
+@click.option("--profile", default=None, help="Built-in profile: mtp, auto (default: every profile, by import), none.")
+@click.option("--state", default=None, help="Attribute/method of the step's object returning {name: tensor} state.")
+@click.option("--config", "config_attr", default=None, help="Attribute/method returning the JSON config the factory takes.")
+@click.option("--factory", default=None, metavar="MODULE:QUALNAME", help="Rebuilds the target for re-runs.")
+@click.option("--tuner", default=None, help="Attribute/method returning {op: tactic} tuner choices.")
+@click.option("--modules", default=None, help="Attribute holding the nn.Module (for per-layer bisection).")
+@click.option("--graph-capture", multiple=True, metavar="MODULE:QUALNAME", help="A custom graph-capture callable.")
+@click.option("--graph-replay", multiple=True, metavar="MODULE:QUALNAME", help="A custom graph-replay callable.")
+@click.option("--output-name", "outputs", multiple=True, help="Names for the values a step returns, in order.")
+@click.option("--keyframe-every", type=click.IntRange(min=0), default=None, help="State keyframe every K steps [50].")
+@click.option("--ring", type=click.IntRange(min=0), default=None, help="Keep full logits of the last N steps [16].")
+@click.option("--collectives", type=click.Choice(["digest", "full"]), default=None, help="Collective outputs: digests or in full.")
+@click.option("--durability", type=click.Choice(["step", "async"]), default=None, help="step: no completed step lost on SIGKILL.")
+@click.option("--max-bytes", type=click.IntRange(min=1), default=None, help="Stop recording a rank past this many bytes.")
+@click.option("--check-lockstep", is_flag=True, default=None, help="Compare output digests across ranks every step.")
+@click.option("--stop-on-divergence", is_flag=True, default=None, help="With --check-lockstep: stop at the first mismatch.")
+@click.option("--node-rank", type=int, default=None, help="This node's rank, for multi-node runs sharing --out.")
+@click.option("--grace", type=float, default=30.0, show_default=True, help="Seconds to wait for ranks that outlive CMD.")
+@click.option("--quiet", is_flag=True, help="Do not print the summary at the end.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout at the end.")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def record(out, name, steps, profile, state, config_attr, factory, tuner, modules, graph_capture, graph_replay, outputs,
+           keyframe_every, ring, collectives, durability, max_bytes, check_lockstep, stop_on_divergence, node_rank,
+           grace, quiet, as_json, cmd) -> int:
+    """Run CMD (after --) and record every rank of every Python process it starts."""
+    cmd = list(cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("no command to record: replay record -- CMD ...")
+    try:
+        base = RecordSettings(**load_pyproject_settings(Path.cwd()))
+        settings = base.merged(
+            steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
+            modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), outputs=list(outputs),
+            keyframe_every=keyframe_every, ring=ring, collectives=collectives, durability=durability,
+            max_bytes=max_bytes, check_lockstep=check_lockstep, stop_on_divergence=stop_on_divergence,
+        )
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if node_rank is None:
+        for var in ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"):
+            if os.environ.get(var, "").isdigit():
+                node_rank = int(os.environ[var])
+                break
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out
+    else:
+        path = recording_dir_for(cmd, Path(default_root()), name)
+    try:
+        result = record_command(cmd, settings, out=path, node=node_rank, grace_s=grace)
+    except FileNotFoundError:
+        raise UsageError(f"command not found: {cmd[0]}") from None
+    summary = None
+    try:
+        with Recording(path) as rec:
+            summary = [summarize_part(p) for p in rec.values()]
+    except ReplayError as e:
+        click.echo(f"replay: recorded nothing readable ({e})", err=True)
+    if as_json:
+        emit_json({"recording": str(path), "exit_code": result.exit_code, "signal": result.signal,
+                   "still_live": result.still_live, "parts": summary or []})
+    elif not quiet:
+        click.echo(f"\nreplay: recorded {path} (command exit code {result.exit_code})", err=True)
+        for s in summary or []:
+            s = {"recording": str(path), "command": None, "parts": [{"name": s["part"], "diverged": s["first_divergence"] is not None}], **s}
+            click.echo(render_info(s), err=True)
+        for j in result.still_live:
+            click.echo(f"replay: {j} is still being written by a running process; seal it later with `replay seal`", err=True)
+    return result.exit_code

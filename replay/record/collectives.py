@@ -1,0 +1,143 @@
+"""torch.distributed instrumentation: every collective's inputs and outputs, and process groups.
+
+Each wrapped call is recorded after it completes: op, group, shapes, dtypes, input and output
+digests (and outputs in full with ``--collectives full``, which lets one rank be replayed alone).
+In-place collectives are copied before the call so the input digest is of the input. Calls made
+while a CUDA graph is being captured are passed straight through: they run inside the graph.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["install", "COLLECTIVES", "CollectiveSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveSpec:
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    compare: bool  # every rank of the group receives the same bits
+
+
+COLLECTIVES: dict[str, CollectiveSpec] = {
+    "all_reduce": CollectiveSpec(("tensor",), ("tensor",), True),
+    "broadcast": CollectiveSpec(("tensor",), ("tensor",), True),
+    "all_gather": CollectiveSpec(("tensor",), ("tensor_list",), True),
+    "all_gather_into_tensor": CollectiveSpec(("input_tensor",), ("output_tensor",), True),
+    "reduce": CollectiveSpec(("tensor",), ("tensor",), False),
+    "reduce_scatter": CollectiveSpec(("input_list",), ("output",), False),
+    "reduce_scatter_tensor": CollectiveSpec(("input",), ("output",), False),
+    "all_to_all_single": CollectiveSpec(("input",), ("output",), False),
+    "all_to_all": CollectiveSpec(("input_tensor_list",), ("output_tensor_list",), False),
+    "gather": CollectiveSpec(("tensor",), ("gather_list",), False),
+    "scatter": CollectiveSpec(("scatter_list",), ("tensor",), False),
+    "send": CollectiveSpec(("tensor",), (), False),
+    "recv": CollectiveSpec((), ("tensor",), False),
+    "barrier": CollectiveSpec((), (), False),
+}
+
+
+def _tensors(v: Any) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [x for x in v if isinstance(x, torch.Tensor)]
+    return []
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _group_name(dist: Any, group: Any) -> tuple[str, int]:
+    try:
+        size = dist.get_world_size(group)
+    except Exception:  # noqa: BLE001
+        size = 0
+    if group is None:
+        return "default", size
+    return str(getattr(group, "group_name", None) or f"group{id(group)}"), size
+
+
+def _wrap(session: Any, dist: Any, name: str, fn: Callable[..., Any], spec: CollectiveSpec) -> Callable[..., Any]:
+    sig = inspect.signature(fn)
+    inplace = set(spec.inputs) & set(spec.outputs)
+
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        rec = session.recorder
+        if rec is None or session.disabled or _capturing() or getattr(session._local, "in_collective", False):
+            return fn(*args, **kwargs)
+        try:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            before = {p: [t.detach().clone() for t in _tensors(a.get(p))] for p in inplace}
+        except Exception:  # noqa: BLE001 - the program's own call decides what is valid
+            return fn(*args, **kwargs)
+        session._local.in_collective = True
+        try:
+            work = fn(*args, **kwargs)
+        finally:
+            session._local.in_collective = False
+        try:
+            ins = [t for p in spec.inputs for t in (before[p] if p in before else _tensors(a.get(p)))]
+            outs = [t for p in spec.outputs for t in _tensors(a.get(p))]
+            if a.get("async_op") and work is not None:
+                # The outputs are not there yet and Work objects cannot be wrapped safely:
+                # record what went in, and say that the output was not seen.
+                outs, compare = [], False
+            else:
+                compare = spec.compare
+            group, size = _group_name(dist, a.get("group"))
+            rec.record_collective(name, group=group, group_size=size, inputs=ins, outputs=outs, compare=compare)
+        except Exception as e:  # noqa: BLE001
+            session.warn_once(f"coll:{name}", f"cannot record {name} ({e})")
+        return work
+
+    return collective
+
+
+def install(session: Any, dist: Any) -> None:
+    """Patch torch.distributed (the package and distributed_c10d) once it is imported."""
+    c10d = getattr(dist, "distributed_c10d", None)
+    if c10d is None or getattr(c10d, "__replay_patched__", False):
+        return
+    for name, spec in COLLECTIVES.items():
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        wrapped = _wrap(session, dist, name, fn, spec)
+        setattr(c10d, name, wrapped)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, wrapped)
+    orig_init = c10d.init_process_group
+    orig_destroy = c10d.destroy_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        out = orig_init(*args, **kwargs)
+        try:
+            session.on_process_group()
+        except Exception as e:  # noqa: BLE001
+            session.warn_once("pg", f"cannot start recording for the new process group ({e})")
+        return out
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        group = args[0] if args else kwargs.get("group")
+        if group is None:
+            try:
+                session.close_recorder("ok")
+            except Exception:  # noqa: BLE001
+                pass
+        return orig_destroy(*args, **kwargs)
+
+    for owner in (c10d, dist):
+        if getattr(owner, "init_process_group", None) is orig_init:
+            owner.init_process_group = init_process_group
+        if getattr(owner, "destroy_process_group", None) is orig_destroy:
+            owner.destroy_process_group = destroy_process_group
+    c10d.__replay_patched__ = True

@@ -1,0 +1,76 @@
+"""Built-in profiles: how ``replay record`` finds the steps, state and graphs of known engines.
+
+A profile is data only (names of callables and attributes, as strings): the core never imports
+the engine it describes. With ``--profile auto`` (the default) every profile is armed and comes
+into force when its trigger module is imported by the recorded program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["StepSpec", "Profile", "PROFILES"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepSpec:
+    """One step callable and how to reach the rest of its target from the step's object."""
+
+    step: str
+    state: str | None = None
+    config: str | None = None
+    factory: str | None = None
+    tuner: str | None = None
+    run_info: str | None = None
+    modules: str | None = None
+    outputs: tuple[str, ...] = ()
+    profile: str | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step,
+            "state": self.state,
+            "config": self.config,
+            "factory": self.factory,
+            "tuner": self.tuner,
+            "run_info": self.run_info,
+            "modules": self.modules,
+            "outputs": list(self.outputs),
+            "profile": self.profile,
+        }
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Profile:
+    name: str
+    trigger: str  # the module whose import brings the profile into force
+    steps: tuple[StepSpec, ...]
+    graph_capture: tuple[str, ...] = ()
+    graph_replay: tuple[str, ...] = ()
+    description: str = ""
+    toggles_doc: dict[str, str] = field(default_factory=dict)
+
+
+_MTP = "replay.workloads.mtp"
+
+PROFILES: dict[str, Profile] = {
+    "mtp": Profile(
+        name="mtp",
+        trigger=f"{_MTP}.engine",
+        description="the reference MTP speculative-decoding engine (replay.workloads.mtp)",
+        steps=(
+            StepSpec(
+                step=f"{_MTP}.engine:Engine.decode_step",
+                state="state_tensors",
+                config="replay_config",
+                factory=f"{_MTP}.factory:build_engine",
+                tuner="tuner_choices",
+                run_info="last_run_info",
+                modules="model",
+                profile="mtp",
+            ),
+        ),
+        graph_capture=(f"{_MTP}.graphs:GraphRunner.capture",),
+        graph_replay=(f"{_MTP}.graphs:GraphRunner.replay",),
+    ),
+}

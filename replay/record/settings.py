@@ -1,0 +1,132 @@
+"""What ``replay record`` tells every Python process it starts: one JSON object in the environment.
+
+Settings come from three places, later ones winning: a built-in profile, the ``[tool.replay]``
+table of the project's ``pyproject.toml``, and the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["RecordSettings", "ENV_DIR", "ENV_SETTINGS", "load_pyproject_settings"]
+
+ENV_DIR = "REPLAY_RECORD_DIR"
+ENV_SETTINGS = "REPLAY_RECORD_SETTINGS"
+
+
+@dataclass(kw_only=True, slots=True)
+class RecordSettings:
+    steps: list[str] = field(default_factory=list)
+    """Callables whose calls are steps: ``module:qualname`` (function, method, or nn.Module class)."""
+
+    profile: str = "auto"
+    """A built-in profile (``mtp``), ``auto`` (arm every built-in profile; each activates when
+    its module is imported), or ``none``."""
+
+    state: str | None = None
+    """Attribute or zero-argument method of the step's object that returns ``{name: tensor}``:
+    the state a keyframe snapshots and a re-run restores."""
+
+    config: str | None = None
+    """Attribute or zero-argument method of the step's object returning the JSON-safe config the
+    factory rebuilds it from."""
+
+    factory: str | None = None
+    """``module:qualname`` of ``f(config, *, rank, world_size, device, options) -> target``."""
+
+    tuner: str | None = None
+    """Attribute or method of the step's object returning ``{op: tactic}`` (recorded after capture)."""
+
+    run_info: str | None = None
+    """Attribute of the step's object: ``{"mode", "key", "padded_size", "reason"}`` after a step."""
+
+    graph_capture: list[str] = field(default_factory=list)
+    """Callables that capture a graph (their arguments form its key): custom or CPU runners."""
+
+    graph_replay: list[str] = field(default_factory=list)
+    """Callables that replay a captured graph (their arguments name which)."""
+
+    modules: str | None = None
+    """Attribute of the step's object holding its ``nn.Module`` (for per-layer bisection)."""
+
+    outputs: list[str] = field(default_factory=list)
+    """Names for a step's returned values when it returns a tuple (default: out0, out1, ...)."""
+
+    keyframe_every: int = 50
+    ring: int = 16
+    inputs: Literal["digest", "full"] = "full"
+    collectives: Literal["digest", "full"] = "digest"
+    durability: Literal["step", "async"] = "step"
+    max_bytes: int | None = None
+    check_lockstep: bool = False
+    stop_on_divergence: bool = False
+    lockstep_timeout_s: float = 60.0
+    cuda_graph_kernels: bool = True
+    """Capture CUDA graphs in debug mode to list the kernels inside them."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "graph_capture", "graph_replay"):
+            for target in getattr(self, name):
+                if ":" not in target:
+                    raise ValueError(f"{target!r} is not of the form module:qualname")
+        if self.keyframe_every < 0 or self.ring < 0:
+            raise ValueError("keyframe_every and ring must be >= 0")
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_env(cls, text: str) -> "RecordSettings":
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def merged(self, **overrides: Any) -> "RecordSettings":
+        data = asdict(self)
+        for k, v in overrides.items():
+            if v is None or v == [] or v == ():
+                continue
+            if k in ("steps", "graph_capture", "graph_replay") and data.get(k):
+                data[k] = list(dict.fromkeys([*data[k], *v]))
+            else:
+                data[k] = v
+        return RecordSettings(**data)
+
+
+def load_pyproject_settings(start: Path) -> dict[str, Any]:
+    """The ``[tool.replay]`` table of the nearest pyproject.toml at or above ``start``."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            return {}
+    for d in [start, *start.parents]:
+        p = d / "pyproject.toml"
+        if p.is_file():
+            try:
+                data = tomllib.loads(p.read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{p}: cannot read [tool.replay] ({e})") from None
+            table = {k.replace("-", "_"): v for k, v in data.get("tool", {}).get("replay", {}).items()}
+            known = {f.name for f in fields(RecordSettings)}
+            unknown = sorted(set(table) - known)
+            if unknown:
+                raise ValueError(f"{p}: unknown [tool.replay] keys: {', '.join(unknown)}")
+            return table
+    return {}
+
+
+def current() -> tuple[Path, RecordSettings] | None:
+    """The settings this process was started with by ``replay record``, if any."""
+    d = os.environ.get(ENV_DIR)
+    s = os.environ.get(ENV_SETTINGS)
+    if not d or not s:
+        return None
+    return Path(d), RecordSettings.from_env(s)

@@ -1,0 +1,430 @@
+"""One self-contained HTML page: inline CSS, images as data URIs, no scripts, no network.
+
+Everything taken from the recording or from saved results is escaped; results files are data,
+and one that has an unexpected shape is shown as "could not be shown", never fatal.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from replay.errors import ReplayError
+from replay.report import plots
+from replay.report.data import Report, check_report_path
+
+__all__ = ["render_html", "write_report", "SECTIONS"]
+
+SECTIONS = [
+    ("summary", "Summary"),
+    ("agreement", "Agreement map"),
+    ("accepted", "Accepted tokens"),
+    ("margins", "Logit margins"),
+    ("timeline", "Graphs and eager fallbacks"),
+    ("tuner", "Tuner choices and graph kernels"),
+    ("results", "Saved step and bisect results"),
+]
+
+_CSS = """
+:root{--ink:#1f2933;--muted:#616e7c;--line:#e4e7eb;--bg:#f5f7fa;--red:#d0312d;--green:#2f8a4f;--amber:#b7791f}
+*{box-sizing:border-box}
+body{margin:0;background:var(--bg);color:var(--ink);font:14px/1.5 -apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif}
+main{max-width:1200px;margin:0 auto;padding:20px 24px 48px}
+header h1{font-size:22px;margin:0 0 2px}
+header .sub{color:var(--muted);font-size:13px;word-break:break-all}
+nav{margin:12px 0 18px;font-size:13px}
+nav a{color:#3e6a9e;text-decoration:none;margin-right:14px;white-space:nowrap}
+nav a:hover{text-decoration:underline}
+section{background:#fff;border:1px solid var(--line);border-radius:8px;padding:16px 20px 18px;margin:0 0 18px}
+section h2{font-size:17px;margin:0 0 4px}
+p.how{color:var(--muted);margin:0 0 10px;font-size:13px;max-width:980px}
+img.plot{display:block;max-width:100%;height:auto;margin:6px 0 2px}
+.verdict{border-radius:6px;padding:12px 16px;margin:4px 0 14px;font-size:15px}
+.verdict.bad{background:#fdecec;border-left:5px solid var(--red)}
+.verdict.good{background:#e9f6ee;border-left:5px solid var(--green)}
+.verdict.warn{background:#fff6e0;border-left:5px solid var(--amber)}
+.verdict b{font-weight:650}
+.verdict .line{margin:2px 0}
+.facts{display:grid;grid-template-columns:repeat(auto-fill,minmax(170px,1fr));gap:8px 18px;margin:6px 0 8px}
+.fact .k{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.03em}
+.fact .v{font-size:16px;font-weight:600}
+code,pre{font:12.5px/1.45 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
+pre.cmd{background:#1f2933;color:#f5f7fa;border-radius:6px;padding:8px 12px;margin:8px 0 0;overflow-x:auto}
+table{border-collapse:collapse;font-size:13px;margin:6px 0 4px}
+th,td{border-bottom:1px solid var(--line);padding:4px 12px 4px 0;text-align:left;vertical-align:top}
+th{color:var(--muted);font-weight:600;font-size:12px}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+td.odd{background:#fdecec;color:#8a1c1a;font-weight:600}
+td code{word-break:break-all}
+.scroll{overflow-x:auto}
+.pill{display:inline-block;border-radius:10px;padding:0 8px;font-size:12px;font-weight:600;white-space:nowrap}
+.pill.eq{background:#e3f4e8;color:#1e6b3b}.pill.tol{background:#fff1d6;color:#8a5a00}.pill.diff{background:#fde2e1;color:#9b1c1c}.pill.other{background:#eceff3;color:#52606d}
+.result{border-top:1px solid var(--line);padding-top:10px;margin-top:12px}
+.result:first-of-type{border-top:none;margin-top:0}
+.result h3{font-size:14px;margin:0 0 4px}
+.result .file{color:var(--muted);font-weight:normal;font-size:12px}
+.none{color:var(--muted);font-style:italic}
+footer{color:var(--muted);font-size:12px;text-align:center}
+"""
+
+
+def _e(v: Any) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def _img(b64: str | None, alt: str) -> str:
+    if not b64:
+        return ""
+    return f'<img class="plot" alt="{_e(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "–"
+        return f"{v:.3g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_fmt(x) for x in v[:20]) + (" …" if len(v) > 20 else "")
+    if isinstance(v, dict):
+        return ", ".join(f"{_e(k)}: {_fmt(x)}" for k, x in list(v.items())[:20])
+    s = str(v)
+    return _e(s if len(s) <= 300 else s[:300] + "…")
+
+
+def _ranks(rs: Iterable[Any]) -> str:
+    rs = list(rs)
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def _table(headers: list[str], rows: list[list[str]], numeric: set[int] | None = None) -> str:
+    numeric = numeric or set()
+    head = "".join(f"<th>{h}</th>" for h in headers)
+    body = []
+    for r in rows:
+        cells = []
+        for i, c in enumerate(r):
+            if isinstance(c, tuple):  # (html, css class)
+                cells.append(f'<td class="{c[1]}">{c[0]}</td>')
+            else:
+                cells.append(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+
+
+def _section(sid: str, how: str, body: str) -> str:
+    title = dict(SECTIONS)[sid]
+    return f'<section id="{sid}"><h2>{title}</h2><p class="how">{how}</p>{body}</section>'
+
+
+# -- sections -------------------------------------------------------------------------------
+
+
+def _summary(rep: Report) -> str:
+    d, t = rep.first_divergence, rep.first_token_divergence
+    lines = []
+    if d is None:
+        cls = "good"
+        lines.append("<b>No divergence</b>: every rank recorded the same bits at every common step.")
+    else:
+        cls = "bad" if t is not None else "warn"
+        lines.append(
+            f"<b>First divergence: step {d['step']}, {_ranks(d['ranks'])}, field <code>{_e(d['field'])}</code></b> "
+            f"(majority: {_e(', '.join(map(str, d['majority'])))})."
+        )
+        if t is not None:
+            lines.append(f"<b>First token divergence: step {t['step']}, {_ranks(t['ranks'])}</b> (<code>{_e(t['field'])}</code>).")
+        else:
+            lines.append("No token divergence: the ranks differ in bits but sampled the same tokens.")
+    at = rep.margin_at
+    if at is not None:
+        per = ", ".join(f"r{r} {_fmt(m)}" for r, m in list(at["per_rank"].items())[:16])
+        lines.append(
+            f"Top-1/top-2 margin there: {_fmt(at['margin'])} ({per}); "
+            f"{at['percentile']:.1f}% of steps had a smaller margin."
+        )
+    s = rep.summary
+    for td in s.get("tuner_differences", [])[:3]:
+        lines.append(f"Tuner choice differs for <code>{_e(td['op'])}</code>: " + ", ".join(f"r{_e(r)} {_e(c)}" for r, c in td["choices"].items()))
+    if len(s.get("kernel_differences", [])):
+        lines.append(f"Captured graphs hold different kernels on different ranks ({len(s['kernel_differences'])} graph keys): see below.")
+    verdict = f'<div class="verdict {cls}">' + "".join(f'<div class="line">{x}</div>' for x in lines) + "</div>"
+    complete = sum(1 for r in s.get("ranks", []) if r.get("complete"))
+    eager = sum(r["eager_steps"] for r in rep.rank_runs)
+    graphs = sum(r["graph_steps"] for r in rep.rank_runs)
+    facts = [
+        ("part", _e(rep.part) + (f" <span class='sub'>(of {len(rep.parts)})</span>" if len(rep.parts) > 1 else "")),
+        ("world size", _e(s.get("world_size", len(rep.ranks)))),
+        ("ranks complete", f"{complete} / {len(rep.ranks)}"),
+        ("steps", f"{rep.first_step}–{rep.last_step}" if rep.n_steps else "none"),
+        ("steps that differ", f"{rep.divergent_steps.size:,}"),
+        ("steps where tokens differ", f"{rep.token_divergent_steps.size:,}"),
+        ("graph / eager steps", f"{graphs:,} / {eager:,}"),
+        ("saved results", str(len(rep.results))),
+    ]
+    grid = '<div class="facts">' + "".join(f'<div class="fact"><div class="k">{k}</div><div class="v">{v}</div></div>' for k, v in facts) + "</div>"
+    extra = []
+    if s.get("missing_ranks"):
+        extra.append(f"<p>Ranks with no file: {_e(', '.join(map(str, s['missing_ranks'])))}.</p>")
+    for r in s.get("ranks", []):
+        if r.get("problem"):
+            extra.append(f"<p>Rank {r['rank']}: {_e(r['problem'])}</p>")
+        if r.get("last_error"):
+            extra.append(f"<p>Rank {r['rank']} raised: <code>{_e(r['last_error'])}</code></p>")
+    target = t or d
+    nxt = ""
+    if target is not None:
+        run = _e(rep.recording)
+        nxt = (
+            f'<pre class="cmd">replay step {run} --rank {target["ranks"][0]} --step {target["step"]} --mode both\n'
+            f'replay bisect {run} --rank {target["ranks"][0]} --step {target["step"]} --between eager,cudagraph</pre>'
+        )
+    return _section("summary", "Where the ranks first disagree, and what to run next.", verdict + grid + "".join(extra) + nxt)
+
+
+def _agreement(rep: Report) -> str:
+    binned = f" Each column is {rep.bin_size} steps and shows the most severe difference in it." if rep.bin_size > 1 else ""
+    how = (
+        "One row per rank, one column per step. At each step the ranks vote on their recorded digests; "
+        "a cell is coloured when its rank differs from the majority, by what differs "
+        f"(tokens, output bits, a collective, inputs, or only the graph that ran).{binned} "
+        "The circle marks the first divergence."
+    )
+    if not rep.n_steps:
+        return _section("agreement", how, '<p class="none">No steps were recorded.</p>')
+    return _section("agreement", how, _img(plots.agreement_map(rep), "ranks x steps agreement map"))
+
+
+def _accepted(rep: Report) -> str:
+    how = (
+        "Accepted tokens per step for each rank (speculative decoding), and each rank's running total "
+        "minus the median rank's: once a rank accepts a different number of draft tokens its positions "
+        "and KV cache no longer match the others."
+    )
+    img = plots.accepted_plot(rep) if rep.n_steps else None
+    body = _img(img, "accepted tokens per step per rank") if img else '<p class="none">The recording has no accepted-token counts.</p>'
+    return _section("accepted", how, body)
+
+
+def _margins(rep: Report) -> str:
+    how = (
+        "The gap between the top-1 and top-2 logit (smallest over a step's rows and over ranks) on a log "
+        "scale, with the histogram of all steps at the right. A token divergence at a margin near the "
+        "numeric noise is a near-tie being flipped by bit-level differences; red ticks mark steps where tokens differ."
+    )
+    img = plots.margin_plot(rep) if rep.n_steps else None
+    body = _img(img, "top-1/top-2 margin per step") if img else '<p class="none">The recording has no logit margins.</p>'
+    return _section("margins", how, body)
+
+
+def _timeline(rep: Report) -> str:
+    how = (
+        "Which captured graph (bucket and padded size) each rank replayed at each step, and where it ran eagerly "
+        "instead. Ranks running different graphs, or one rank silently falling back to eager, show as different colours."
+    )
+    img = plots.timeline_plot(rep)
+    rows = []
+    for r in rep.rank_runs:
+        reasons = "; ".join(f"{_e(k)} ({v})" for k, v in r["eager_reasons"].items()) or "–"
+        first = ", ".join(map(str, r["first_eager"])) + (" …" if r["eager_steps"] > len(r["first_eager"]) else "")
+        rows.append([str(r["rank"]), str(r["graphs_captured"]), f"{r['graph_steps']:,}", f"{r['eager_steps']:,}", first or "–", reasons])
+    table = _table(["rank", "graphs captured", "graph steps", "eager steps", "first eager steps", "why eager"], rows, {1, 2, 3})
+    return _section("timeline", how, _img(img, "graph timeline per rank") + table)
+
+
+def _tuner(rep: Report) -> str:
+    how = (
+        "Autotuner choices and the kernels inside each captured graph, shown only where ranks differ; "
+        "cells that differ from the majority are highlighted. Per-rank tuning that picks different kernels "
+        "gives each rank different bits."
+    )
+    parts = []
+    if rep.tuner_rows:
+        ranks = sorted({r for row in rep.tuner_rows for r in row["choices"]}, key=_int)
+        rows = [
+            [f"<code>{_e(row['op'])}</code>"]
+            + [(_fmt(row["choices"].get(r)), "odd" if row["choices"].get(r) != row["majority"] else "") for r in ranks]
+            for row in rep.tuner_rows
+        ]
+        parts.append(f"<h3>Tuner choices ({len(rep.tuner_rows)} ops differ, {rep.tuner_agreeing} agree)</h3>")
+        parts.append(_table(["op"] + [f"rank {_e(r)}" for r in ranks], rows))
+    else:
+        parts.append(f'<p class="none">Tuner choices agree on every rank ({rep.tuner_agreeing} ops recorded).</p>')
+    if rep.kernel_tables:
+        for kt in rep.kernel_tables:
+            ranks = kt["ranks"]
+            rows = [
+                [str(row["ordinal"])]
+                + [(f"<code>{_fmt(row['kernels'].get(r))}</code>", "odd" if row["kernels"].get(r) != row["majority"] else "") for r in ranks]
+                for row in kt["rows"]
+            ]
+            counts = ", ".join(f"r{_e(r)} {n}" for r, n in kt["n_kernels"].items())
+            parts.append(f"<h3>Graph <code>{_e(kt['key'])}</code>: kernels that differ (kernels per rank: {counts})</h3>")
+            parts.append(_table(["#"] + [f"rank {_e(r)}" for r in ranks], rows, {0}))
+            if kt["more_rows"]:
+                parts.append(f'<p class="none">… and {kt["more_rows"]} more rows.</p>')
+    else:
+        parts.append('<p class="none">Every captured graph holds the same kernels on every rank.</p>')
+    return _section("tuner", how, "".join(parts))
+
+
+def _int(x: Any) -> int:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return 1 << 30
+
+
+def _pill(verdict: Any) -> str:
+    v = str(verdict)
+    cls = {"bitwise equal": "eq", "within tolerance": "tol", "different": "diff"}.get(v, "other")
+    return f'<span class="pill {cls}">{_e(v)}</span>'
+
+
+def _result_step(r: dict[str, Any]) -> str:
+    head = f"rank {_fmt(r.get('rank'))}, step {_fmt(r.get('step'))}"
+    if r.get("modes"):
+        head += f", modes {_fmt(r.get('modes'))}"
+    cols = ["max_abs", "max_rel", "ulp", "argmax_agree", "topk_overlap", "margin"]
+    rows = []
+    for v in r.get("verdicts") or []:
+        if isinstance(v, dict):
+            rows.append([_fmt(v.get("a")), _fmt(v.get("b")), _pill(v.get("verdict", "?"))] + [_fmt(v.get(c)) for c in cols])
+    table = _table(["a", "b", "verdict"] + cols, rows, set(range(3, 9))) if rows else '<p class="none">No verdicts recorded.</p>'
+    return f"<p>{head}</p>{table}"
+
+
+def _result_bisect_steps(r: dict[str, Any]) -> str:
+    first = r.get("first", r.get("first_step", r.get("step")))
+    return f"<p>First step that differs: <b>{_fmt(first)}</b>; ranks: {_fmt(r.get('ranks'))}.</p>" + _other_keys(r, {"first", "first_step", "step", "ranks"})
+
+
+def _result_bisect_layers(r: dict[str, Any]) -> str:
+    between = r.get("between")
+    head = f"rank {_fmt(r.get('rank'))}, step {_fmt(r.get('step'))}" + (f", {_fmt(between[0])} vs {_fmt(between[1])}" if isinstance(between, list) and len(between) == 2 else "")
+    first = r.get("first")
+    head += f"; first module that differs: <b><code>{_fmt(first)}</code></b>" if first else "; no module differs"
+    img = plots.layer_curve(r)
+    mods = [m for m in r.get("modules") or [] if isinstance(m, dict)]
+    rows = [[str(i), f"<code>{_fmt(m.get('name'))}</code>", _pill(m.get("verdict", "?")), _fmt(m.get("max_abs")), _fmt(m.get("max_rel"))] for i, m in enumerate(mods[:300])]
+    table = _table(["#", "module", "verdict", "max abs", "max rel"], rows, {0, 3, 4}) if rows else ""
+    more = f'<p class="none">… and {len(mods) - 300} more modules.</p>' if len(mods) > 300 else ""
+    return f"<p>{head}</p>{_img(img, 'per-layer error curve')}<details><summary>modules ({len(mods)})</summary>{table}{more}</details>"
+
+
+def _result_bisect_config(r: dict[str, Any]) -> str:
+    tried = r.get("toggles") or r.get("tried") or []
+    minimal = r.get("minimal", r.get("minimal_set"))
+    out = f"<p>Smallest set of toggles that flips the outcome: <b>{_fmt(minimal) if minimal else 'none found'}</b></p>"
+    rows = []
+    if isinstance(tried, list):
+        for t in tried[:200]:
+            if isinstance(t, dict):
+                rows.append([_fmt(t.get("toggles", t.get("name", t.get("set")))), _fmt(t.get("outcome", t.get("verdict", t.get("result"))))])
+            else:
+                rows.append([_fmt(t), ""])
+    elif isinstance(tried, dict):
+        rows = [[_e(k), _fmt(v)] for k, v in list(tried.items())[:200]]
+    if rows:
+        out += _table(["toggles tried", "outcome"], rows)
+    return out
+
+
+def _other_keys(r: dict[str, Any], skip: set[str]) -> str:
+    skip = skip | {"kind", "part", "_file", "_mtime"}
+    rest = [(k, v) for k, v in r.items() if k not in skip and isinstance(v, (str, int, float, bool))]
+    if not rest:
+        return ""
+    return _table(["", ""], [[_e(k), _fmt(v)] for k, v in rest[:20]])
+
+
+_RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "step": _result_step,
+    "bisect-steps": _result_bisect_steps,
+    "bisect-layers": _result_bisect_layers,
+    "bisect-config": _result_bisect_config,
+}
+
+
+def _results(rep: Report) -> str:
+    how = (
+        "Results of <code>replay step</code> and <code>replay bisect</code> saved in the recording's "
+        "<code>results/</code> folder: verdicts of re-runs, the first differing step, the per-layer error "
+        "curve, the smallest set of configuration toggles that flips the outcome."
+    )
+    blocks = []
+    unknown = []
+    for r in rep.results:
+        kind = r.get("kind")
+        fn = _RENDERERS.get(kind) if isinstance(kind, str) else None
+        name = _e(r.get("_file", ""))
+        if fn is None:
+            unknown.append(f"{name} (kind {_e(kind)})")
+            continue
+        try:
+            body = fn(r)
+        except Exception as e:  # noqa: BLE001 - a results file is data; a strange one is skipped, not fatal
+            body = f'<p class="none">could not be shown ({_e(type(e).__name__)})</p>'
+        part = f", part {_e(r['part'])}" if isinstance(r.get("part"), str) else ""
+        blocks.append(f'<div class="result"><h3>{_e(kind)} <span class="file">{name}{part}</span></h3>{body}</div>')
+    if not blocks:
+        blocks.append(f'<p class="none">No saved results yet: run <code>replay step {_e(rep.recording)} --rank R --step S</code> or <code>replay bisect</code>.</p>')
+    notes = []
+    if unknown:
+        notes.append("Not shown (kind unknown to this version): " + "; ".join(unknown) + ".")
+    if rep.skipped_results:
+        notes.append("Skipped: " + "; ".join(_e(s) for s in rep.skipped_results) + ".")
+    foot = "".join(f'<p class="none">{n}</p>' for n in notes)
+    return _section("results", how, "".join(blocks) + foot)
+
+
+def render_html(rep: Report) -> str:
+    """The report page as one string (needs matplotlib for the figures)."""
+    from replay import __version__
+
+    title = f"replay report: {Path(rep.recording).name}"
+    sub = _e(rep.recording) + (f" · <code>{_e(rep.command)}</code>" if rep.command else "")
+    nav = "".join(f'<a href="#{sid}">{name}</a>' for sid, name in SECTIONS)
+    body = "".join(
+        [_summary(rep), _agreement(rep), _accepted(rep), _margins(rep), _timeline(rep), _tuner(rep), _results(rep)]
+    )
+    made = time.strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body><main>"
+        f'<header><h1>{_e(title)}</h1><div class="sub">{sub}</div></header>'
+        f"<nav>{nav}</nav>{body}"
+        f"<footer>Made by replay {_e(__version__)} on {made}; make it again with <code>replay report {_e(rep.recording)}</code>.</footer>"
+        "</main></body></html>\n"
+    )
+
+
+def write_report(rep: Report, out: str | os.PathLike | None = None) -> Path:
+    """Write the page to ``out`` (default ``<recording>/report.html``) atomically; return its path."""
+    path = Path(out) if out is not None else Path(rep.recording) / "report.html"
+    check_report_path(path)
+    page = render_html(rep)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html.tmp", dir=path.parent if str(path.parent) else ".")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(page)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise ReplayError(f"cannot write {path} ({e.strerror or e}): give another place with -o FILE") from None
+    return path
+
