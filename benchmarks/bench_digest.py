@@ -1,7 +1,7 @@
 """Digest throughput, side by side in one run: rd64 (``replay.digest``), ``torch.hash_tensor`` and
 a naive position-weighted digest in plain torch, plus a plain read and a copy for reference.
 
-    python benchmarks/bench_digest.py                   # GPU if there is one (1 GiB), else CPU (64 MiB)
+    python benchmarks/bench_digest.py                   # GPU if any (1 GiB), else CPU (64 MiB)
     python benchmarks/bench_digest.py --device cpu --size 256MiB
     python benchmarks/bench_digest.py --json            # the same figures as JSON
     python benchmarks/bench_digest.py --sweep           # GPU: rd64 under many launch shapes
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import itertools
 import json
 import os
@@ -29,11 +30,22 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # run from a checkout, installed or not
 
 from replay.digest import _digest_numpy_reference, digest, digest_into, digest_numpy, warmup  # noqa: E402
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
 
 
 def parse_size(text: str) -> int:
@@ -101,12 +113,12 @@ def _time_cuda(fn: Callable[[], object], reps: int, warm: int) -> float:
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends):
+    for start, end in zip(starts, ends, strict=True):
         start.record()
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) / 1e3
 
 
 def _machine(device: torch.device) -> str:
@@ -127,7 +139,11 @@ def _machine(device: torch.device) -> str:
 def _versions() -> dict[str, str]:
     import numpy
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+    }
     try:
         import triton
 
@@ -140,12 +156,18 @@ def _versions() -> dict[str, str]:
 def _make_tensor(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     item = torch.empty(0, dtype=dtype).element_size()
     g = torch.Generator(device=device).manual_seed(0)
-    raw = torch.randint(0, 256, (size // item * item,), dtype=torch.uint8, device=device, generator=g)
+    raw = torch.randint(
+        0, 256, (size // item * item,), dtype=torch.uint8, device=device, generator=g
+    )
     return raw.view(dtype)  # random bits, NaNs and all: a digest must not care
 
 
 def run(
-    size: int, device: torch.device, dtype: torch.dtype = torch.float32, reps: int | None = None, verify: bool = True
+    size: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    reps: int | None = None,
+    verify: bool = True,
 ) -> Report:
     """Time every method on one tensor of ``size`` bytes on ``device``."""
     gpu = device.type == "cuda"
@@ -153,7 +175,7 @@ def run(
     warm = 5 if gpu else 1
     t = _make_tensor(size, dtype, device)
     report = Report(
-        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         device=str(device),
         machine=_machine(device),
         size_bytes=t.numel() * t.element_size(),
@@ -166,23 +188,52 @@ def run(
     if gpu:
         warmup(device)
         out = torch.zeros(1, dtype=torch.int64, device=device)
-        methods.append(("rd64 `digest_into` (replay.digest)", lambda: digest_into(t, out, 0), "device only, capturable", False))
+        methods.append(
+            (
+                "rd64 `digest_into` (replay.digest)",
+                lambda: digest_into(t, out, 0),
+                "device only, capturable",
+                False,
+            )
+        )
         graph = torch.cuda.CUDAGraph()
         digest_into(t, out, 0)
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
             digest_into(t, out, 0)
         methods.append(("rd64 in a CUDA graph (replay)", graph.replay, "graph.replay()", False))
-        methods.append(("rd64 `digest` (replay.digest)", lambda: digest(t), "with the host sync for the int", True))
+        methods.append(
+            (
+                "rd64 `digest` (replay.digest)",
+                lambda: digest(t),
+                "with the host sync for the int",
+                True,
+            )
+        )
     else:
-        methods.append(("rd64 `digest` (replay.digest)", lambda: digest(t), "numpy, one thread", True))
+        methods.append(
+            ("rd64 `digest` (replay.digest)", lambda: digest(t), "numpy, one thread", True)
+        )
     if hasattr(torch, "hash_tensor"):
-        methods.append(("torch.hash_tensor", lambda: torch.hash_tensor(t), "xor of 64-bit upcasts: order-blind", False))
-    methods.append(("naive torch (int64 words * weights).sum()", lambda: naive_torch_digest(t), "", False))
-    words = t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 4 * 4].view(torch.int32)
+        methods.append(
+            (
+                "torch.hash_tensor",
+                lambda: torch.hash_tensor(t),
+                "xor of 64-bit upcasts: order-blind",
+                False,
+            )
+        )
+    methods.append(
+        ("naive torch (int64 words * weights).sum()", lambda: naive_torch_digest(t), "", False)
+    )
+    words = (
+        t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 4 * 4].view(torch.int32)
+    )
     methods.append(("reference: int32 sum (one read)", lambda: words.sum(), "not a digest", False))
     dst = torch.empty_like(t)
-    methods.append(("reference: copy", lambda: dst.copy_(t), "not a digest; moves 2x the bytes", False))
+    methods.append(
+        ("reference: copy", lambda: dst.copy_(t), "not a digest; moves 2x the bytes", False)
+    )
 
     for name, fn, note, host in methods:
         if gpu and not host:
@@ -195,11 +246,19 @@ def run(
         if gpu:
             expected = digest_numpy(t.reshape(-1).view(torch.uint8).cpu().numpy())
             got = digest(t)
-            report.verified = "GPU == CPU" if got == expected else f"MISMATCH: GPU {got:016x}, CPU {expected:016x}"
+            report.verified = (
+                "GPU == CPU"
+                if got == expected
+                else f"MISMATCH: GPU {got:016x}, CPU {expected:016x}"
+            )
         else:
             head = t.reshape(-1).view(torch.uint8)[: 4 << 20].numpy()
             same = digest_numpy(head) == _digest_numpy_reference(head)
-            report.verified = "fast CPU path == reference (first 4 MiB)" if same else "MISMATCH with the reference"
+            report.verified = (
+                "fast CPU path == reference (first 4 MiB)"
+                if same
+                else "MISMATCH with the reference"
+            )
     return report
 
 
@@ -214,16 +273,28 @@ def sweep(size: int, device: torch.device, reps: int = 30) -> list[dict[str, obj
         if not 4 <= block // (32 * warps) <= 32:  # words per thread per iteration
             continue
         for per_sm in (2, 4, 32):  # 32: as many as fit on an SM
-            config = k.KernelConfig(block=block, num_warps=warps, programs_per_sm=per_sm, shift_mode=mode)
-            seconds = _time_cuda(lambda: k.accumulate_digest(flat, out, 0, config=config), reps, 3)
+            config = k.KernelConfig(
+                block=block, num_warps=warps, programs_per_sm=per_sm, shift_mode=mode
+            )
+            seconds = _time_cuda(
+                functools.partial(k.accumulate_digest, flat, out, 0, config=config), reps, 3
+            )
             fit = k._fit_per_sm.get((device.index or 0, config, False, True))
-            results.append({**asdict(config), "programs_per_sm_used": fit, "seconds": seconds, "gb_per_s": size / seconds / 1e9})
+            results.append(
+                {
+                    **asdict(config),
+                    "programs_per_sm_used": fit,
+                    "seconds": seconds,
+                    "gb_per_s": size / seconds / 1e9,
+                }
+            )
     return sorted(results, key=lambda r: -float(r["gb_per_s"]))  # type: ignore[arg-type]
 
 
 def render_markdown(report: Report) -> str:
     lines = [
-        f"### Digest throughput, {report.size_bytes / (1 << 20):,.0f} MiB of {report.dtype} on {report.device}",
+        f"### Digest throughput: {report.size_bytes / (1 << 20):,.0f} MiB of {report.dtype}"
+        f" on {report.device}",
         "",
         f"- date: {report.date}",
         f"- machine: {report.machine}",
@@ -234,9 +305,16 @@ def render_markdown(report: Report) -> str:
     if report.verified:
         lines.append(f"- check: {report.verified}")
     lines += ["", "| method | GB/s | ms | note |", "| --- | ---: | ---: | --- |"]
-    lines += [f"| {r.method} | {r.gb_per_s:,.1f} | {r.seconds * 1e3:,.3f} | {r.note} |" for r in report.rows]
+    lines += [
+        f"| {r.method} | {r.gb_per_s:,.1f} | {r.seconds * 1e3:,.3f} | {r.note} |"
+        for r in report.rows
+    ]
     if report.sweep:
-        lines += ["", "| block | warps | shift_mode | programs/SM (asked, used) | GB/s |", "| ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            "| block | warps | shift_mode | programs/SM (asked, used) | GB/s |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in report.sweep:
             lines.append(
                 f"| {r['block']} | {r['num_warps']} | {r['shift_mode']} | {r['programs_per_sm']}, "
@@ -247,12 +325,27 @@ def render_markdown(report: Report) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    parser.add_argument("--size", type=parse_size, default=None, help="tensor bytes (default 1GiB on GPU, 64MiB on CPU)")
-    parser.add_argument("--dtype", default="float32", help="torch dtype of the tensor (default float32)")
-    parser.add_argument("--reps", type=int, default=None, help="timed runs per method (default 50 GPU, 5 CPU)")
-    parser.add_argument("--no-verify", action="store_true", help="skip checking the GPU digest against the CPU")
-    parser.add_argument("--sweep", action="store_true", help="GPU: also time rd64 under many launch shapes")
+    parser.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)"
+    )
+    parser.add_argument(
+        "--size",
+        type=parse_size,
+        default=None,
+        help="tensor bytes (default 1GiB on GPU, 64MiB on CPU)",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", help="torch dtype of the tensor (default float32)"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=None, help="timed runs per method (default 50 GPU, 5 CPU)"
+    )
+    parser.add_argument(
+        "--no-verify", action="store_true", help="skip checking the GPU digest against the CPU"
+    )
+    parser.add_argument(
+        "--sweep", action="store_true", help="GPU: also time rd64 under many launch shapes"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)
 
@@ -262,7 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = args.size or ((1 << 30) if device.type == "cuda" else (64 << 20))
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
-        parser.error(f"unknown dtype {args.dtype!r}; use a torch dtype name such as float32 or bfloat16")
+        parser.error(
+            f"unknown dtype {args.dtype!r}; use a torch dtype name such as float32 or bfloat16"
+        )
     if args.sweep and device.type != "cuda":
         parser.error("--sweep needs a CUDA device")
     report = run(size, device, dtype, args.reps, verify=not args.no_verify)

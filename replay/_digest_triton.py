@@ -130,7 +130,15 @@ def _full_block(words_ptr, start, first, koff, BLOCK: tl.constexpr, SHIFT_MODE: 
 # keeps its alignment specialisation, which the 128-bit loads need.
 @triton.jit(
     do_not_specialize=[
-        "tail_ptr", "out_ptr", "slot", "n_words", "n_blocks", "n_iter", "n_tail", "first_index", "extra"
+        "tail_ptr",
+        "out_ptr",
+        "slot",
+        "n_words",
+        "n_blocks",
+        "n_iter",
+        "n_tail",
+        "first_index",
+        "extra",
     ]
 )
 def _rd64_kernel(
@@ -172,7 +180,9 @@ def _rd64_kernel(
         mask = offs < n_words.to(tl.int64) - start
         w = tl.load(words_ptr + start + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
         c, h = _key_parts(first + start)
-        part = tl.where(mask, _mix64(w, (koff + c) ^ h, SHIFT_MODE), tl.zeros([BLOCK], dtype=tl.uint64))
+        part = tl.where(
+            mask, _mix64(w, (koff + c) ^ h, SHIFT_MODE), tl.zeros([BLOCK], dtype=tl.uint64)
+        )
         total += tl.sum(part, axis=0)
         if HAS_TAIL:
             # Little-endian word of the 1..3 trailing bytes, zero-padded like the reference.
@@ -195,7 +205,9 @@ _sm_counts: dict[int, int] = {}
 
 def _sm_count(device_index: int) -> int:
     if device_index not in _sm_counts:
-        _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+        _sm_counts[device_index] = torch.cuda.get_device_properties(
+            device_index
+        ).multi_processor_count
     return _sm_counts[device_index]
 
 
@@ -209,7 +221,9 @@ def _programs_that_fit(kernel: object, device_index: int, num_warps: int) -> int
     # Registers are allocated per warp in units of 256 (8 per thread).
     by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (-(-regs // 8) * 8 * threads)
     by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
-    shared = getattr(getattr(kernel, "metadata", None), "shared", 0) + 1024  # 1 KiB reserved per CTA
+    shared = (
+        getattr(getattr(kernel, "metadata", None), "shared", 0) + 1024
+    )  # 1 KiB reserved per CTA
     by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // shared
     return max(1, min(32, by_regs, by_threads, by_shared))
 
@@ -222,9 +236,13 @@ def _to_int64(value: int) -> int:
 def _check_out(out: torch.Tensor, index: int, device: torch.device) -> int:
     """Element offset of ``out[index]``, after checking ``out`` can take a digest there."""
     if out.dtype != torch.int64 or out.dim() != 1:
-        raise TypeError(f"out must be a 1-D torch.int64 tensor, got {out.dtype} with shape {tuple(out.shape)}")
+        raise TypeError(
+            f"out must be a 1-D torch.int64 tensor, got {out.dtype} with shape {tuple(out.shape)}"
+        )
     if out.device != device:
-        raise ValueError(f"out is on {out.device} but the tensor is on {device}; put both on one device")
+        raise ValueError(
+            f"out is on {out.device} but the tensor is on {device}; put both on one device"
+        )
     if not 0 <= index < out.shape[0]:
         raise IndexError(f"index {index} is out of range for out of length {out.shape[0]}")
     return index * out.stride(0)
@@ -245,7 +263,11 @@ def _launch(
     key: tuple[int, KernelConfig, bool, bool] | None = None
     if grid is None:
         if words.device.type == "cuda":
-            index = words.device.index if words.device.index is not None else torch.cuda.current_device()
+            index = (
+                words.device.index
+                if words.device.index is not None
+                else torch.cuda.current_device()
+            )
             key = (index, config, tail is not None, words.data_ptr() % 16 == 0)
             # Before the first launch the fit is unknown; one program per SM always fits.
             per_sm = _fit_per_sm.get(key, 1)
@@ -341,7 +363,9 @@ def accumulate_word_sum(
     if words.dtype != torch.int32 or words.dim() != 1 or not words.is_contiguous():
         raise TypeError("words must be a 1-D contiguous torch.int32 tensor")
     if first_index < 0 or first_index % config.block:
-        raise ValueError(f"first_index must be a non-negative multiple of {config.block}, got {first_index}")
+        raise ValueError(
+            f"first_index must be a non-negative multiple of {config.block}, got {first_index}"
+        )
     slot = _check_out(out, index, words.device)
     if words.numel():
         _launch(words, None, out, slot, first_index, 0, config, grid)

@@ -97,11 +97,12 @@ def demo_recording(out: Path, *, ranks: int = 4, steps: int = 300, odd_rank: int
             rec.record_inputs(input_ids=ids, input_pos=torch.full((bs,), s, dtype=torch.int32))
             logits = torch.randn(bs, VOCAB, generator=g) * 3
             # Margins: mostly comfortable, a few near-ties, the tightest exactly where the token flips.
-            top = logits.topk(2, dim=-1)
-            gap = float(np.exp(np.random.default_rng(s).normal(0.0, 1.3)))
+            gaps = np.exp(np.random.default_rng(s).normal(-0.5, 1.0, size=bs))
             if s == flip_at:
-                gap = 0.0039
-            logits[0, top.indices[0, 1]] = logits[0, top.indices[0, 0]] - gap
+                gaps[0] = 0.0039
+            top = logits.topk(2, dim=-1)
+            for row in range(bs):
+                logits[row, top.indices[row, 1]] = logits[row, top.indices[row, 0]] - float(gaps[row])
             tokens = logits.argmax(-1)
             if r == odd_rank and not eager:
                 logits.view(torch.int32)[0, 5] ^= 1  # the other kernel's last-bit difference
@@ -167,7 +168,7 @@ def _demo_layers(rank: int, step: int) -> dict:
             if name == "layers.2.moe.experts":
                 err = 0.0039
             elif err:
-                err *= 1.45
+                err *= 1.3
             v = "bitwise equal" if err == 0 else "within tolerance" if err < 0.02 else "different"
             mods.append({"name": name, "verdict": v, "max_abs": err, "max_rel": err / 4})
     mods.append({"name": "lm_head", "verdict": "different", "max_abs": err * 2, "max_rel": err / 2})

@@ -51,31 +51,54 @@ KNOWN_ANSWERS: list[tuple[str, object, str]] = [
     ("bytes 0..255", bytes(range(256)), "9301d6dc31a0107a"),
     ("replay!", b"replay!", "a338ecee105e40dd"),
     ("arange f32 1000", lambda: torch.arange(1000, dtype=torch.float32), "e747c6bf6227f0ea"),
-    ("arange i64 2x3", lambda: torch.arange(6, dtype=torch.int64).reshape(2, 3), "48e9f31f5bfe3537"),
-    ("bf16 eighths", lambda: (torch.arange(-38, 39, dtype=torch.float32) / 8).to(torch.bfloat16), "827f8b3d00deb335"),
+    (
+        "arange i64 2x3",
+        lambda: torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "48e9f31f5bfe3537",
+    ),
+    (
+        "bf16 eighths",
+        lambda: (torch.arange(-38, 39, dtype=torch.float32) / 8).to(torch.bfloat16),
+        "827f8b3d00deb335",
+    ),
     ("bool", lambda: torch.tensor([True, False, True]), "4cb408dd58583f7f"),
     ("pattern 300001 words", lambda: torch.from_numpy(_pattern(300_001)), "64071d7d582c75d4"),
-    ("pattern 1200003 bytes", lambda: torch.from_numpy(_pattern(300_001).view(np.uint8)[:1_200_003].copy()), "b29ad81a9e10515c"),
+    (
+        "pattern 1200003 bytes",
+        lambda: torch.from_numpy(_pattern(300_001).view(np.uint8)[:1_200_003].copy()),
+        "b29ad81a9e10515c",
+    ),
 ]
 
 
-@pytest.mark.parametrize("value, expected", [(v, e) for _, v, e in KNOWN_ANSWERS], ids=[n for n, _, _ in KNOWN_ANSWERS])
+@pytest.mark.parametrize(
+    "value, expected", [(v, e) for _, v, e in KNOWN_ANSWERS], ids=[n for n, _, _ in KNOWN_ANSWERS]
+)
 def test_known_answers(value: object, expected: str) -> None:
     if isinstance(value, bytes):
         assert format_digest(digest_bytes(value)) == expected
-        assert format_digest(_digest_numpy_reference(np.frombuffer(value, dtype=np.uint8))) == expected
+        assert (
+            format_digest(_digest_numpy_reference(np.frombuffer(value, dtype=np.uint8))) == expected
+        )
     else:
         assert callable(value)
         t = value()
         assert format_digest(digest(t)) == expected
-        assert format_digest(_digest_numpy_reference(t.reshape(-1).view(torch.uint8).numpy())) == expected
+        assert (
+            format_digest(_digest_numpy_reference(t.reshape(-1).view(torch.uint8).numpy()))
+            == expected
+        )
 
 
 @pytest.mark.parametrize(
     "words, first_index, expected",
     [
         (np.arange(8, dtype=np.uint32), 2**32 - 4, "76768c47cc02d013"),
-        (np.arange(1, 6, dtype=np.uint32) * np.uint32(0x01010101), 3 * 2**32 + 7, "be0bc344825b3f6a"),
+        (
+            np.arange(1, 6, dtype=np.uint32) * np.uint32(0x01010101),
+            3 * 2**32 + 7,
+            "be0bc344825b3f6a",
+        ),
         (_pattern(300_001)[:100_000], 2**32 - 50_000, "0b778ffb522f5a43"),
     ],
     ids=["straddles 2**32", "past 3*2**32", "long run across 2**32"],
@@ -96,7 +119,9 @@ def test_fast_path_equals_reference(data: bytes) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 65_535, 65_536, 65_537, 3 * 65_536 + 11])
-@pytest.mark.parametrize("first_index", [0, 12_345, 2**32 - 65_536, 2**32 - 70_001, 2**32 + 9, 7 * 2**32 - 3])
+@pytest.mark.parametrize(
+    "first_index", [0, 12_345, 2**32 - 65_536, 2**32 - 70_001, 2**32 + 9, 7 * 2**32 - 3]
+)
 def test_fast_word_sums_at_chunk_and_2_32_boundaries(n: int, first_index: int) -> None:
     words = _pattern(n) ^ np.uint32(0xA5A5A5A5)
     assert _sum_words_fast(words, first_index) == _sum_words(words, first_index)
@@ -120,7 +145,15 @@ def test_any_bit_flip_changes_the_digest(data: bytes, where: int) -> None:
     assert digest_bytes(bytes(flipped)) != digest_bytes(data)
 
 
-_SWAP_DTYPES = [torch.uint8, torch.int16, torch.bfloat16, torch.int32, torch.float32, torch.int64, torch.float64]
+_SWAP_DTYPES = [
+    torch.uint8,
+    torch.int16,
+    torch.bfloat16,
+    torch.int32,
+    torch.float32,
+    torch.int64,
+    torch.float64,
+]
 
 
 @_FAST
@@ -130,7 +163,9 @@ _SWAP_DTYPES = [torch.uint8, torch.int16, torch.bfloat16, torch.int32, torch.flo
     i=st.integers(min_value=0),
     j=st.integers(min_value=0),
 )
-def test_any_swap_of_two_different_elements_changes_the_digest(dtype: torch.dtype, raw: bytes, i: int, j: int) -> None:
+def test_any_swap_of_two_different_elements_changes_the_digest(
+    dtype: torch.dtype, raw: bytes, i: int, j: int
+) -> None:
     size = torch.empty(0, dtype=dtype).element_size()
     t = torch.frombuffer(bytearray(raw[: len(raw) // size * size]), dtype=dtype).clone()
     i, j = i % t.numel(), j % t.numel()
@@ -144,7 +179,11 @@ def test_any_swap_of_two_different_elements_changes_the_digest(dtype: torch.dtyp
 @_FAST
 @given(raw=st.binary(max_size=400))
 def test_equal_bits_give_equal_digests(raw: bytes) -> None:
-    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    t = (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if raw
+        else torch.empty(0, dtype=torch.uint8)
+    )
     first = digest(t)
     assert digest(t) == first
     assert digest(t.clone()) == first
@@ -162,6 +201,7 @@ def test_digest_sees_bytes_not_shape_or_dtype(words: list[int]) -> None:
     assert digest(t.view(torch.bfloat16).reshape(1, -1, 1)) == expected
     if len(words) % 2 == 0:
         assert digest(t.view(torch.int64).reshape(-1, 1)) == expected
+    assert digest(t[0]) == digest(t[:1])  # a 0-dim tensor is its one element's bytes
 
 
 @pytest.mark.parametrize("shape", [(0,), (0, 5), (3, 0, 2)], ids=str)
@@ -208,7 +248,12 @@ def test_non_contiguous_views_equal_their_contiguous_copy(view: torch.Tensor) ->
 
 
 def test_other_dtypes_digest_their_bits() -> None:
-    for dtype in [torch.float16, torch.complex64, torch.int8, getattr(torch, "float8_e4m3fn", torch.uint8)]:
+    for dtype in [
+        torch.float16,
+        torch.complex64,
+        torch.int8,
+        getattr(torch, "float8_e4m3fn", torch.uint8),
+    ]:
         t = torch.arange(24, dtype=torch.float32).to(dtype)
         assert digest(t) == digest_bytes(t.view(torch.uint8).numpy().tobytes()), dtype
 
@@ -250,7 +295,9 @@ def test_digest_into_writes_int64_bits_on_cpu() -> None:
     ],
     ids=["int32", "2-D", "past the end", "negative"],
 )
-def test_digest_into_refuses_bad_slots(out: torch.Tensor, index: int, error: type[Exception]) -> None:
+def test_digest_into_refuses_bad_slots(
+    out: torch.Tensor, index: int, error: type[Exception]
+) -> None:
     with pytest.raises(error):
         digest_into(torch.ones(3), out, index)
 
@@ -288,7 +335,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     _patch = interp._patch_lang_tensor
     def _patched(tensor, scope):
         _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+        index = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])  # noqa: E731
+        scope.set_attr(tensor, "__index__", index)
     interp._patch_lang_tensor = _patched
 
     from replay import _digest_triton as k
@@ -309,22 +357,26 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     for n in [3, 4, 5, 128, 32 * 4 * 3 + 4 * 7 + 3, 1001]:
         data = rng.integers(0, 256, n, dtype=np.uint8)
         for grid in (None, 1, 7):  # 7 > blocks for most sizes: idle programs
-            assert kernel_digest(torch.from_numpy(data.copy()), small, grid) == digest_bytes(data.tobytes()), (n, grid)
+            got = kernel_digest(torch.from_numpy(data.copy()), small, grid)
+            assert got == digest_bytes(data.tobytes()), (n, grid)
             checked += 1
     for mode in (0, 2):  # mode 1 ran above: the three ways to shift give the same bits
         data = rng.integers(0, 256, 777, dtype=np.uint8)
         config = k.KernelConfig(block=32, num_warps=1, shift_mode=mode)
-        assert kernel_digest(torch.from_numpy(data), config, 3) == digest_bytes(data.tobytes()), mode
+        got = kernel_digest(torch.from_numpy(data), config, 3)
+        assert got == digest_bytes(data.tobytes()), mode
         checked += 1
     # the default launch shape, on a tensor built through the public byte view (odd offset -> copy)
     t = torch.from_numpy(rng.integers(0, 256, 2 * 4096 * 4 + 4 * 5 + 3, dtype=np.uint8))[1:]
-    assert kernel_digest(_flat_bytes(t), k.DEFAULT_CONFIG, None) == digest_bytes(t.numpy().tobytes())
+    got = kernel_digest(_flat_bytes(t), k.DEFAULT_CONFIG, None)
+    assert got == digest_bytes(t.numpy().tobytes())
     checked += 1
     # word indices past 2**32: the hi32(i) key term, and a block boundary at 2**32
     words = rng.integers(0, 2**32, 200, dtype=np.uint64).astype(np.uint32)
     for first in [0, 2**32 - 96, 2**32, 5 * 2**32 - 64]:
         out = torch.zeros(1, dtype=torch.int64)
-        k.accumulate_word_sum(torch.from_numpy(words.view(np.int32).copy()), out, 0, first, config=small, grid=3)
+        w32 = torch.from_numpy(words.view(np.int32).copy())
+        k.accumulate_word_sum(w32, out, 0, first, config=small, grid=3)
         assert from_int64(int(out[0])) == _sum_words(words, first), first
         checked += 1
     print("checked", checked)
@@ -334,9 +386,101 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernel_matches_reference_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=240
+        [sys.executable, "-c", _INTERPRETER_SCRIPT],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "checked 25" in proc.stdout, proc.stdout
+
+
+# --- What the compiled kernel looks like, checked without a GPU (Triton compiles for a target
+# it does not have): the interpreter does not catch compile errors, lost vectorisation, or
+# arguments that would compile new variants during a CUDA graph capture.
+
+_INT_ARGS = ("slot", "n_words", "n_blocks", "n_iter", "n_tail", "first_index", "extra")
+
+
+def _triton_internals() -> tuple[object, object, object]:
+    pytest.importorskip("triton")
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.compiler import ASTSource
+    except ImportError as e:  # internals move between Triton releases; these checks are for 3.6
+        pytest.skip(f"this Triton lacks {e.name}")
+    return triton, GPUTarget, (ASTSource, CUDABackend)
+
+
+def test_kernel_variants_depend_only_on_alignment_and_tail() -> None:
+    _, GPUTarget, (_, CUDABackend) = _triton_internals()
+    from triton.runtime.jit import create_function_from_signature
+
+    from replay import _digest_triton as k
+
+    fn = k._rd64_kernel
+    binder = create_function_from_signature(
+        fn.signature, fn.params, CUDABackend(GPUTarget("cuda", 90, 32))
+    )
+    words, tail, out = (
+        torch.zeros(64, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.uint8),
+        torch.zeros(4, dtype=torch.int64),
+    )
+    int_values = [
+        (0, 1, 1, 1, 1, 0, 1),
+        (3, 2**31, 2**33, 16, 2, 2**40, -(2**63)),
+        (1, 16, 32, 48, 3, 64, 2**62),
+    ]
+    specs = set()
+    for ints in int_values:
+        for t, o in [(tail, out), (tail[1:], out[1:])]:
+            _, spec, _ = binder(words, t, o, *ints, BLOCK=4096, HAS_TAIL=True, SHIFT_MODE=1)
+            specs.add(tuple(spec))
+    assert len(specs) == 1, specs  # no value of a size, offset or slot compiles a new variant
+    _, spec, _ = binder(
+        words[1:], tail, out, *int_values[0], BLOCK=4096, HAS_TAIL=True, SHIFT_MODE=1
+    )
+    assert tuple(spec) not in specs  # the word pointer's alignment does (see replay.digest.warmup)
+
+
+def test_kernel_compiles_for_sm90_with_128_bit_loads() -> None:
+    triton, GPUTarget, (ASTSource, _) = _triton_internals()
+    from replay import _digest_triton as k
+
+    fn = k._rd64_kernel
+    signature = {
+        "words_ptr": "*i32",
+        "tail_ptr": "*u8",
+        "out_ptr": "*i64",
+        **{n: "i64" for n in _INT_ARGS},
+    }
+    constants = {"BLOCK": 4096, "HAS_TAIL": True, "SHIFT_MODE": 1}
+    signature.update({n: "constexpr" for n in constants})
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(n),): v for n, v in constants.items()},
+        attrs={(0,): [["tt.divisibility", 16]]},  # what a 16-byte aligned words tensor gets
+    )
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})  # type: ignore[attr-defined]
+    except RuntimeError as e:
+        if "ptxas" in str(e):
+            pytest.skip("no ptxas to assemble with")
+        raise
+    ptx = compiled.asm["ptx"]
+    # 4096 words over 256 threads is 4 vector loads a thread, in the loop and in the extra block.
+    assert ptx.count("ld.global.v4.b32") == 8
+    assert "atom.global.gpu.relaxed.add.u64" in ptx
+    assert "mul.hi.u32" in ptx  # shift_mode 1

@@ -71,7 +71,9 @@ def test_bool_tensor() -> None:
 
 
 @pytest.mark.parametrize("offset", range(8))
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.int32, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.bfloat16, torch.int32, torch.float64], ids=str
+)
 def test_storage_offsets(dtype: torch.dtype, offset: int) -> None:
     # Offsets that break 4-byte alignment take the copy path; 4-byte but not 16-byte aligned
     # ones take the kernel variant without 128-bit loads.
@@ -125,7 +127,9 @@ def test_tensor_over_16_gib() -> None:
     t = torch.empty(n, dtype=torch.uint8, device="cuda")
     chunk = GiB
     for start in range(0, n, chunk):
-        t[start : start + chunk].copy_(_random(min(chunk, n - start), torch.uint8, seed=start // chunk))
+        t[start : start + chunk].copy_(
+            _random(min(chunk, n - start), torch.uint8, seed=start // chunk)
+        )
     got = digest(t)
     total = 0
     n_full = n // 4
@@ -147,7 +151,13 @@ def test_launch_shape_does_not_change_the_value() -> None:
     expected = _cpu_digest(t)
     configs = [
         k.KernelConfig(block=b, num_warps=w, programs_per_sm=p, shift_mode=m)
-        for b, w, p, m in [(1024, 4, 8, 0), (2048, 8, 2, 1), (4096, 8, 4, 2), (8192, 16, 1, 1), (256, 2, 32, 0)]
+        for b, w, p, m in [
+            (1024, 4, 8, 0),
+            (2048, 8, 2, 1),
+            (4096, 8, 4, 2),
+            (8192, 16, 1, 1),
+            (256, 2, 32, 0),
+        ]
     ]
     for config in configs:
         for grid in (None, 1, 3, 1000):
@@ -177,9 +187,14 @@ def test_digest_into_in_a_cuda_graph_follows_the_input() -> None:
     x = _random(3 * 4096 * 4 + 5, torch.uint8, seed=1)  # static input: blocks, partial, tail
     y = _random(999, torch.bfloat16, seed=2).reshape(27, 37)
     out = torch.zeros(3, dtype=torch.int64, device="cuda")
-    # Warm up on the side stream too, as torch.cuda.graph recommends.
-    digest_into(x, out, 0)
-    digest_into(y.t(), out, 1)
+    # Warm up on a side stream before capturing, as torch.cuda.graph recommends.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        digest_into(x, out, 0)
+        digest_into(y.t(), out, 1)
+        digest_into(x[1:], out, 2)
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -192,7 +207,11 @@ def test_digest_into_in_a_cuda_graph_follows_the_input() -> None:
         out.fill_(-1)
         graph.replay()
         torch.cuda.synchronize()
-        assert [from_int64(v) for v in out.tolist()] == [_cpu_digest(x), _cpu_digest(y.t()), _cpu_digest(x[1:])]
+        assert [from_int64(v) for v in out.tolist()] == [
+            _cpu_digest(x),
+            _cpu_digest(y.t()),
+            _cpu_digest(x[1:]),
+        ]
 
 
 def test_digest_buffer_in_a_cuda_graph() -> None:

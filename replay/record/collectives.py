@@ -50,6 +50,14 @@ def _tensors(v: Any) -> list[torch.Tensor]:
     return []
 
 
+def _stacked(ts: Any) -> torch.Tensor | None:
+    """A list output (all_gather's tensor_list) as one tensor, so it is one recorded output."""
+    ts = [t for t in ts if isinstance(t, torch.Tensor)]
+    if not ts or any(t.shape != ts[0].shape or t.dtype != ts[0].dtype for t in ts):
+        return None
+    return torch.stack([t.detach() for t in ts])
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
@@ -86,7 +94,8 @@ def _wrap(session: Any, dist: Any, name: str, fn: Callable[..., Any], spec: Coll
             session._local.in_collective = False
         try:
             ins = [t for p in spec.inputs for t in (before[p] if p in before else _tensors(a.get(p)))]
-            outs = [t for p in spec.outputs for t in _tensors(a.get(p))]
+            outs = [_stacked(a.get(p)) if isinstance(a.get(p), (list, tuple)) else a.get(p) for p in spec.outputs]
+            outs = [t for t in outs if isinstance(t, torch.Tensor)]
             if a.get("async_op") and work is not None:
                 # The outputs are not there yet and Work objects cannot be wrapped safely:
                 # record what went in, and say that the output was not seen.

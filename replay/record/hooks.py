@@ -103,7 +103,8 @@ def _build_class(func: Any, name: str, *bases: Any, **kw: Any) -> Any:
     if cbs and cls.__module__ in ("__main__", "__mp_main__"):
         stem = _main_stem()
         for module, cb in cbs:
-            if module == stem:
+            # ``python -m pkg.mod`` runs pkg/mod.py as __main__: match on the last component.
+            if stem is not None and (module == stem or module.rsplit(".", 1)[-1] == stem):
                 try:
                     cb(cls)
                 except Exception as e:  # noqa: BLE001

@@ -258,7 +258,7 @@ class _RankSteps:
 def _align(part: Part) -> tuple[np.ndarray, list[_RankSteps]]:
     tables = {r: part[r].tables for r in part}
     all_steps = [t.steps["step"] for t in tables.values() if t.steps.size]
-    steps = np.unique(np.concatenate(all_steps)) if all_steps else np.zeros(0, np.int64)
+    steps = _unique(np.concatenate(all_steps)) if all_steps else np.zeros(0, np.int64)
     names: dict[str, int] = {}
     out = []
     for r, t in tables.items():
@@ -268,6 +268,20 @@ def _align(part: Part) -> tuple[np.ndarray, list[_RankSteps]]:
     return steps, out
 
 
+def _unique(a: np.ndarray, *, inverse: bool = False) -> Any:
+    """Sorted unique values (and the inverse map) by one sort: cheaper than np.unique's hashing here."""
+    order = np.argsort(a, kind="stable")
+    srt = a[order]
+    first = np.ones(srt.size, dtype=bool)
+    first[1:] = srt[1:] != srt[:-1]
+    uniq = srt[first]
+    if not inverse:
+        return uniq
+    inv = np.empty(a.size, dtype=np.int64)
+    inv[order] = np.cumsum(first) - 1
+    return uniq, inv
+
+
 def _field_digests(t: Any, steps: np.ndarray, names: dict[str, int]) -> np.ndarray:
     """[C, S] per step and field category: an order-sensitive sum of mixed field digests."""
     c, s = len(_CATEGORIES), int(steps.size)
@@ -275,7 +289,7 @@ def _field_digests(t: Any, steps: np.ndarray, names: dict[str, int]) -> np.ndarr
     out = np.zeros(c * s, dtype=np.uint64)
     if not f.size or not s:
         return out.reshape(c, s)
-    ids = np.unique(f["field"])
+    ids = np.flatnonzero(np.bincount(np.clip(f["field"], 0, None)))
     gid = np.full(int(ids.max()) + 1, 0, dtype=np.uint64)
     cat = np.full(int(ids.max()) + 1, _OTHER, dtype=np.int64)
     for i in ids:
@@ -449,17 +463,23 @@ def _timeline(
         vals[mode == RunMode.EAGER] = -1
         g = mode == RunMode.GRAPH
         if g.any():
-            pairs = np.stack([rows["graph_key"][g].astype(np.int64), rows["padded_size"][g].astype(np.int64)], 1)
-            uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
-            lut = np.array([key_ids.setdefault((t.string(int(k)) or "?", int(p)), len(key_ids)) for k, p in uniq])
+            # One int64 per (graph key id, padded size): a 1-D unique is far cheaper than axis=0.
+            pair = (rows["graph_key"][g].astype(np.int64) << 32) | (rows["padded_size"][g].astype(np.int64) & 0xFFFFFFFF)
+            uniq, inv = _unique(pair, inverse=True)
+            lut = np.array(
+                [key_ids.setdefault((t.string(int(k) >> 32) or "?", _int32(int(k) & 0xFFFFFFFF)), len(key_ids)) for k in uniq]
+            )
             vals[g] = lut[inv.reshape(-1)]
-            for gi, c in zip(*np.unique(vals[g], return_counts=True)):
-                counts[int(gi)] = counts.get(int(gi), 0) + int(c)
+            for gi, c in enumerate(np.bincount(vals[g])):
+                if c:
+                    counts[int(gi)] = counts.get(int(gi), 0) + int(c)
         full[i, rs.idx] = vals
         eager_rows = rows[mode == RunMode.EAGER]
         reasons: dict[str, int] = {}
-        for rid, c in zip(*np.unique(eager_rows["reason"], return_counts=True)):
-            reasons[t.string(int(rid)) or "(no reason given)"] = int(c)
+        for rid, c in enumerate(np.bincount(eager_rows["reason"].astype(np.int64) + 1)):
+            if c:
+                why = t.string(rid - 1) or "(no reason given)"
+                reasons[why] = reasons.get(why, 0) + int(c)
         runs.append(
             {
                 "rank": rs.rank,
@@ -487,6 +507,10 @@ def _timeline(
     else:
         binned = np.stack([_bin_mode(row, edges, len(keys)) for row in full]) if r else full[:, :0]
     return keys, binned.astype(np.int16), eager, runs
+
+
+def _int32(v: int) -> int:
+    return v - (1 << 32) if v >= 1 << 31 else v
 
 
 def _bin_mode(row: np.ndarray, edges: np.ndarray, n_keys: int) -> np.ndarray:

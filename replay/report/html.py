@@ -43,7 +43,7 @@ nav a:hover{text-decoration:underline}
 section{background:#fff;border:1px solid var(--line);border-radius:8px;padding:16px 20px 18px;margin:0 0 18px}
 section h2{font-size:17px;margin:0 0 4px}
 p.how{color:var(--muted);margin:0 0 10px;font-size:13px;max-width:980px}
-img.plot{display:block;max-width:100%;height:auto;margin:6px 0 2px}
+img.plot{display:block;width:100%;max-width:1254px;height:auto;margin:6px 0 2px}
 .verdict{border-radius:6px;padding:12px 16px;margin:4px 0 14px;font-size:15px}
 .verdict.bad{background:#fdecec;border-left:5px solid var(--red)}
 .verdict.good{background:#e9f6ee;border-left:5px solid var(--green)}
@@ -343,7 +343,7 @@ def _other_keys(r: dict[str, Any], skip: set[str]) -> str:
     rest = [(k, v) for k, v in r.items() if k not in skip and isinstance(v, (str, int, float, bool))]
     if not rest:
         return ""
-    return _table(["", ""], [[_e(k), _fmt(v)] for k, v in rest[:20]])
+    return '<p class="none">' + "; ".join(f"{_e(k)}: {_fmt(v)}" for k, v in rest[:20]) + "</p>"
 
 
 _RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {

@@ -1,0 +1,181 @@
+"""One rank replayed alone: torch.distributed answers with what the recording says.
+
+As rr replays a process's system calls, a one-rank re-run replays its collectives: each call
+returns the output the rank received when it was recorded (``--collectives full``), in the order
+it made them. The re-run's own collective inputs are digested and compared with the recorded
+ones, which tells whether the rank's local computation up to each collective still matches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from replay.digest import digest
+from replay.errors import RerunError
+from replay.format.reader import RankFile
+from replay.format.tables import combine_digests
+from replay.record.collectives import COLLECTIVES
+
+__all__ = ["RecordedCollectives", "CollectiveMismatch"]
+
+
+@dataclass(slots=True)
+class CollectiveMismatch:
+    step: int
+    index: int  # position within the step
+    op: str
+
+    def __str__(self) -> str:
+        return f"step {self.step}, collective #{self.index} ({self.op}): its input differs from the recorded one"
+
+
+class _DoneWork:
+    """What an ``async_op=True`` call returns: the recorded output is already in place."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        f: torch.futures.Future = torch.futures.Future()
+        f.set_result(None)
+        return f
+
+
+class _Group:
+    """A process group stand-in for ``new_group`` in a one-rank re-run."""
+
+    def __init__(self, ranks: list[int] | None, world: int) -> None:
+        self.ranks = ranks if ranks is not None else list(range(world))
+        self.group_name = f"replay-group-{'-'.join(map(str, self.ranks))}"
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(slots=True)
+class RecordedCollectives:
+    rank_file: RankFile
+    rank: int
+    world_size: int
+    mismatches: list[CollectiveMismatch] = field(default_factory=list)
+    _rows: np.ndarray | None = None
+    _queue: list[np.void] = field(default_factory=list)
+    _step: int = -1
+    _index: int = 0
+
+    def begin_step(self, step: int) -> None:
+        t = self.rank_file.full()
+        c = t.collectives
+        rows = c[c["step"] == step]
+        self._queue = list(rows[np.argsort(rows["ordinal"], kind="stable")])
+        self._step = step
+        self._index = 0
+
+    def end_step(self) -> None:
+        if self._queue:
+            ops = ", ".join(self.rank_file.full().string(int(r["op"])) for r in self._queue[:3])
+            raise RerunError(
+                f"step {self._step}: the re-run made {self._index} collectives, the recording has "
+                f"{self._index + len(self._queue)} (next recorded: {ops})"
+            )
+
+    def _next(self, op: str, inputs: list[torch.Tensor]) -> np.void:
+        t = self.rank_file.full()
+        if not self._queue:
+            raise RerunError(
+                f"step {self._step}: the re-run called {op} (collective #{self._index}) but the recording has no more "
+                "collectives in this step: the rebuilt target does not follow the recorded code path"
+            )
+        row = self._queue.pop(0)
+        rec_op = t.string(int(row["op"]))
+        if rec_op != op:
+            raise RerunError(
+                f"step {self._step}: collective #{self._index} was {rec_op} when recorded but {op} in the re-run"
+            )
+        if inputs and combine_digests(digest(x) for x in inputs) != int(row["in_digest"]):
+            self.mismatches.append(CollectiveMismatch(self._step, self._index, op))
+        self._index += 1
+        return row
+
+    def _output(self, row: np.void, op: str) -> torch.Tensor:
+        i = int(row["out_tensor"])
+        if i < 0:
+            raise RerunError(
+                f"step {self._step}: {op} (collective #{self._index - 1}) was recorded as a digest only, so rank "
+                f"{self.rank} cannot be replayed alone; record with `replay record --collectives full`, or re-run all "
+                "ranks together with --ranks"
+            )
+        t = self.rank_file.full()
+        return self.rank_file.read_tensor(t.tensors[i])
+
+    # -- the stand-ins -------------------------------------------------------------------------
+
+    def _make(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        spec = COLLECTIVES[name]
+        sig = inspect.signature(orig)
+
+        def stand_in(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            ins: list[torch.Tensor] = []
+            for p in spec.inputs:
+                v = a.get(p)
+                ins += [v] if isinstance(v, torch.Tensor) else [x for x in (v or []) if isinstance(x, torch.Tensor)]
+            row = self._next(name, ins)
+            if spec.outputs:
+                out = self._output(row, name)
+                dst = a.get(spec.outputs[0])
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(out.reshape(dst.shape).to(dst.device))
+                elif isinstance(dst, (list, tuple)):
+                    for d, o in zip(dst, out.reshape(len(dst), *dst[0].shape)):
+                        d.copy_(o.to(d.device))
+            return _DoneWork() if a.get("async_op") else None
+
+        return stand_in
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["RecordedCollectives"]:
+        """Patch torch.distributed for the duration of the re-run; restore it afterwards."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        world, rank = self.world_size, self.rank
+        patches: dict[str, Any] = {
+            "is_initialized": lambda: True,
+            "is_available": lambda: True,
+            "get_rank": lambda group=None: rank if group is None else (group.ranks.index(rank) if isinstance(group, _Group) and rank in group.ranks else rank),
+            "get_world_size": lambda group=None: world if group is None or not isinstance(group, _Group) else group.size(),
+            "get_backend": lambda group=None: "replay",
+            "new_group": lambda ranks=None, *a, **k: _Group(list(ranks) if ranks is not None else None, world),
+            "get_process_group_ranks": lambda group=None: group.ranks if isinstance(group, _Group) else list(range(world)),
+            "destroy_process_group": lambda group=None: None,
+        }
+        for name in COLLECTIVES:
+            orig = getattr(c10d, name, None)
+            if orig is not None:
+                patches[name] = self._make(name, getattr(orig, "__wrapped__", orig))
+        saved: list[tuple[Any, str, Any]] = []
+        for owner in (dist, c10d):
+            for name, fn in patches.items():
+                if hasattr(owner, name):
+                    saved.append((owner, name, getattr(owner, name)))
+                    setattr(owner, name, fn)
+        try:
+            yield self
+        finally:
+            for owner, name, fn in reversed(saved):
+                setattr(owner, name, fn)
