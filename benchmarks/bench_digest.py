@@ -34,7 +34,14 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parents[1])
 )  # run from a checkout, installed or not
 
-from replay.digest import _digest_numpy_reference, digest, digest_into, digest_numpy, warmup  # noqa: E402
+from replay.digest import (  # noqa: E402
+    _digest_numpy_reference,
+    digest,
+    digest_into,
+    digest_numpy,
+    from_int64,
+    warmup,
+)
 
 _UNITS = {
     "": 1,
@@ -175,7 +182,7 @@ def run(
     warm = 5 if gpu else 1
     t = _make_tensor(size, dtype, device)
     report = Report(
-        date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017 (3.10)
         device=str(device),
         machine=_machine(device),
         size_bytes=t.numel() * t.element_size(),
@@ -245,11 +252,13 @@ def run(
     if verify:
         if gpu:
             expected = digest_numpy(t.reshape(-1).view(torch.uint8).cpu().numpy())
-            got = digest(t)
+            graph.replay()
+            got = {"digest": digest(t), "graph replay": from_int64(int(out.item()))}
+            wrong = {k: f"{v:016x}" for k, v in got.items() if v != expected}
             report.verified = (
-                "GPU == CPU"
-                if got == expected
-                else f"MISMATCH: GPU {got:016x}, CPU {expected:016x}"
+                f"GPU (digest and graph replay) == CPU, {expected:016x}"
+                if not wrong
+                else f"MISMATCH: CPU {expected:016x}, GPU {wrong}"
             )
         else:
             head = t.reshape(-1).view(torch.uint8)[: 4 << 20].numpy()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -135,11 +136,12 @@ def _demo_results(folder: Path, rank: int, step: int) -> None:
     }
     results = {
         "step-r2-s212.json": {
-            "kind": "step", "rank": rank, "step": step, "part": "run-000", "modes": ["eager", "graph"],
+            "kind": "step", "rank": rank, "step": step, "part": "run-000", "device": "cuda:0", "keyframe": 200,
+            "modes": {"eager": {"repeats_equal": True, "departed": None}, "cudagraph": {"repeats_equal": True, "departed": None}},
             "verdicts": [
-                verdict("recording", "graph", "bitwise equal", 0.0, 0, True),
-                verdict("recording", "eager", "different", 0.0078, 2, False),
-                verdict("eager", "graph", "different", 0.0078, 2, False),
+                dict(verdict("eager", "cudagraph", "different", 0.0078, 2, False), mismatched=3, numel=512, output="logits"),
+                dict(verdict("recording", "cudagraph", "bitwise equal", 0.0, 0, True), output="logits"),
+                dict(verdict("recording", "eager", "different", 0.0078, 2, False), mismatched=3, numel=512, output="logits"),
             ],
         },
         "bisect-steps.json": {"kind": "bisect-steps", "first": 0, "ranks": [rank], "part": "run-000", "probes": 9},
@@ -206,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, default=None, help="screenshot path (default: beside the report)")
     ap.add_argument("--height", type=int, default=3000, help="window height in pixels (the screenshot's height)")
     args = ap.parse_args(argv)
+    args.png = args.png.resolve() if args.png else None
+    args.recording = args.recording.resolve() if args.recording else None
 
     from replay.errors import ReplayError
     from replay.format.reader import resolve_recording
@@ -216,16 +220,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.demo:
-            rec = args.recording or Path(tempfile.mkdtemp(prefix="replay-demo-")) / "demo"
+            if args.recording is not None:
+                rec = args.recording
+            else:
+                # Work from a scratch folder so the page names the recording as users see theirs.
+                os.chdir(tempfile.mkdtemp(prefix="replay-demo-"))
+                rec = Path("recordings") / "20261130-120000-demo"
             if rec.exists():
                 shutil.rmtree(rec)
             t = time.perf_counter()
             demo_recording(rec)
-            print(f"report-check: demo recording {rec} ({time.perf_counter() - t:.1f} s)")
+            print(f"report-check: demo recording {rec.resolve()} ({time.perf_counter() - t:.1f} s)")
         else:
             rec, _ = resolve_recording(args.recording, args.root)
         t = time.perf_counter()
         page = write_report(build_report(rec))
+        page = page.resolve()
         print(f"report-check: report {page} ({page.stat().st_size / 1e3:.0f} kB, {time.perf_counter() - t:.1f} s)")
     except ReplayError as e:
         print(f"report-check: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -410,7 +411,8 @@ def test_triton_kernel_matches_reference_under_the_interpreter() -> None:
 _INT_ARGS = ("slot", "n_words", "n_blocks", "n_iter", "n_tail", "first_index", "extra")
 
 
-def _triton_internals() -> tuple[object, object, object]:
+def _triton_internals() -> tuple[Any, Any, Any, Any]:
+    """``(triton, GPUTarget, ASTSource, CUDABackend)``, or a skip."""
     pytest.importorskip("triton")
     try:
         import triton
@@ -419,11 +421,11 @@ def _triton_internals() -> tuple[object, object, object]:
         from triton.compiler import ASTSource
     except ImportError as e:  # internals move between Triton releases; these checks are for 3.6
         pytest.skip(f"this Triton lacks {e.name}")
-    return triton, GPUTarget, (ASTSource, CUDABackend)
+    return triton, GPUTarget, ASTSource, CUDABackend
 
 
 def test_kernel_variants_depend_only_on_alignment_and_tail() -> None:
-    _, GPUTarget, (_, CUDABackend) = _triton_internals()
+    _, GPUTarget, _, CUDABackend = _triton_internals()
     from triton.runtime.jit import create_function_from_signature
 
     from replay import _digest_triton as k
@@ -455,7 +457,7 @@ def test_kernel_variants_depend_only_on_alignment_and_tail() -> None:
 
 
 def test_kernel_compiles_for_sm90_with_128_bit_loads() -> None:
-    triton, GPUTarget, (ASTSource, _) = _triton_internals()
+    triton, GPUTarget, ASTSource, _ = _triton_internals()
     from replay import _digest_triton as k
 
     fn = k._rd64_kernel
@@ -474,7 +476,7 @@ def test_kernel_compiles_for_sm90_with_128_bit_loads() -> None:
         attrs={(0,): [["tt.divisibility", 16]]},  # what a 16-byte aligned words tensor gets
     )
     try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})  # type: ignore[attr-defined]
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     except RuntimeError as e:
         if "ptxas" in str(e):
             pytest.skip("no ptxas to assemble with")

@@ -4,6 +4,7 @@ of the launch shape, and capturable in a CUDA graph. Run by `make test-gpu`."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -94,7 +95,7 @@ def test_storage_offsets(dtype: torch.dtype, offset: int) -> None:
     ],
     ids=["transpose", "steps", "column", "sliced transpose", "expand", "conj"],
 )
-def test_non_contiguous(make) -> None:  # type: ignore[no-untyped-def]
+def test_non_contiguous(make: Callable[[torch.Tensor], torch.Tensor]) -> None:
     t = make(_random(257 * 129, torch.bfloat16).reshape(257, 129))
     assert digest(t) == _cpu_digest(t) == digest(t.resolve_conj().contiguous())
 

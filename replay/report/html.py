@@ -67,6 +67,8 @@ td code{word-break:break-all}
 .result{border-top:1px solid var(--line);padding-top:10px;margin-top:12px}
 .result:first-of-type{border-top:none;margin-top:0}
 .result h3{font-size:14px;margin:0 0 4px}
+.result p{margin:3px 0}
+details summary{cursor:pointer;color:var(--muted);font-size:13px;margin:4px 0}
 .result .file{color:var(--muted);font-weight:normal;font-size:12px}
 .none{color:var(--muted);font-style:italic}
 footer{color:var(--muted);font-size:12px;text-align:center}
@@ -147,10 +149,8 @@ def _summary(rep: Report) -> str:
     at = rep.margin_at
     if at is not None:
         per = ", ".join(f"r{r} {_fmt(m)}" for r, m in list(at["per_rank"].items())[:16])
-        lines.append(
-            f"Top-1/top-2 margin there: {_fmt(at['margin'])} ({per}); "
-            f"{at['percentile']:.1f}% of steps had a smaller margin."
-        )
+        rank_of = "the smallest of the whole run" if at["percentile"] == 0 else f"{at['percentile']:.1f}% of steps had a smaller one"
+        lines.append(f"Top-1/top-2 logit margin there: {_fmt(at['margin'])} ({per}); {rank_of}.")
     s = rep.summary
     for td in s.get("tuner_differences", [])[:3]:
         lines.append(f"Tuner choice differs for <code>{_e(td['op'])}</code>: " + ", ".join(f"r{_e(r)} {_e(c)}" for r, c in td["choices"].items()))
@@ -290,16 +290,42 @@ def _pill(verdict: Any) -> str:
 
 
 def _result_step(r: dict[str, Any]) -> str:
-    head = f"rank {_fmt(r.get('rank'))}, step {_fmt(r.get('step'))}"
-    if r.get("modes"):
-        head += f", modes {_fmt(r.get('modes'))}"
+    head = [f"rank {_fmt(r.get('rank'))}, step {_fmt(r.get('step'))}"]
+    modes = r.get("modes")
+    if isinstance(modes, dict):
+        head.append("modes " + ", ".join(_e(m) for m in modes))
+    elif modes:
+        head.append(f"modes {_fmt(modes)}")
+    for key, label in (("device", "on"), ("keyframe", "from keyframe at step")):
+        if isinstance(r.get(key), (str, int)) and not isinstance(r.get(key), bool):
+            head.append(f"{label} {_fmt(r[key])}")
+    lines = [", ".join(head)]
+    if isinstance(modes, dict):
+        for name, m in modes.items():
+            if not isinstance(m, dict):
+                continue
+            facts = []
+            if isinstance(m.get("repeats_equal"), bool):
+                facts.append("repeats equal" if m["repeats_equal"] else "<b>repeats differ</b> (nondeterministic)")
+            dep = m.get("departed")
+            if isinstance(dep, dict):
+                facts.append(f"departed from the recording at step {_fmt(dep.get('step'))} ({_fmt(dep.get('field'))})")
+            if facts:
+                lines.append(f"{_e(name)}: " + "; ".join(facts))
+    verdicts = [v for v in r.get("verdicts") or [] if isinstance(v, dict)]
+    has_output = any("output" in v for v in verdicts)
     cols = ["max_abs", "max_rel", "ulp", "argmax_agree", "topk_overlap", "margin"]
     rows = []
-    for v in r.get("verdicts") or []:
-        if isinstance(v, dict):
-            rows.append([_fmt(v.get("a")), _fmt(v.get("b")), _pill(v.get("verdict", "?"))] + [_fmt(v.get(c)) for c in cols])
-    table = _table(["a", "b", "verdict"] + cols, rows, set(range(3, 9))) if rows else '<p class="none">No verdicts recorded.</p>'
-    return f"<p>{head}</p>{table}"
+    for v in verdicts:
+        diff = f"{_fmt(v.get('mismatched'))} / {_fmt(v.get('numel'))}" if v.get("numel") else "–"
+        row = [_fmt(v.get("a")), _fmt(v.get("b"))] + ([_fmt(v.get("output"))] if has_output else [])
+        rows.append(row + [_pill(v.get("verdict", "?"))] + [_fmt(v.get(c)) for c in cols] + [diff, _fmt(v.get("note", ""))])
+    heads = ["a", "b"] + (["output"] if has_output else []) + ["verdict", "max abs", "max rel", "ulp", "argmax agrees", "top-k overlap", "margin", "elements differ", "note"]
+    first_num = 4 if has_output else 3
+    table = _table(heads, rows, set(range(first_num, first_num + 7))) if rows else '<p class="none">No verdicts recorded.</p>'
+    notes = [n for n in r.get("notes") or [] if isinstance(n, str)] if isinstance(r.get("notes"), list) else []
+    extra = "".join(f'<p class="none">{_e(n)}</p>' for n in notes[:10])
+    return "".join(f"<p>{x}</p>" for x in lines) + table + extra
 
 
 def _result_bisect_steps(r: dict[str, Any]) -> str:

@@ -277,7 +277,7 @@ def margin_plot(rep: Report) -> str | None:
         hx.axhline(at["margin"] if at["margin"] > 0 else floor, color=CELL_COLOURS[Cell.TOKENS], lw=1.2)
     hx.set_xlabel("steps")
     hx.set_title("histogram", fontsize=9, color=_MUTED, fontweight="normal", loc="left")
-    hx.tick_params(axis="y", left=False, labelleft=False)
+    hx.tick_params(axis="y", which="both", left=False, labelleft=False)
     hx.grid(axis="x", color=_GRID, lw=0.6)
     return _png(fig)
 

@@ -75,6 +75,20 @@ class RecordedCollectives:
     _step: int = -1
     _index: int = 0
 
+    def check_replayable(self, first: int, last: int) -> None:
+        """Fail before anything is built if a collective in steps first..last lacks its output."""
+        t = self.rank_file.full()
+        c = t.collectives
+        rows = c[(c["step"] >= first) & (c["step"] <= last) & (c["out_tensor"] < 0)]
+        for row in rows:
+            op = t.string(int(row["op"]))
+            if COLLECTIVES.get(op, COLLECTIVES["barrier"]).outputs:
+                raise RerunError(
+                    f"step {int(row['step'])}: {op} was recorded as a digest only, so rank {self.rank} cannot be "
+                    "replayed alone; record with `replay record --collectives full`, or re-run all ranks together "
+                    "with --ranks"
+                )
+
     def begin_step(self, step: int) -> None:
         t = self.rank_file.full()
         c = t.collectives

@@ -31,7 +31,7 @@ from replay.rerun.collectives import RecordedCollectives
 from replay.rerun.graphs import GraphedStep
 from replay.rerun.target import Target, TargetSpec, build_target
 
-__all__ = ["MODES", "ModeRun", "StepRerun", "rerun_step", "StepDeparture"]
+__all__ = ["MODES", "ModeRun", "Replayer", "StepRerun", "rerun_step", "StepDeparture"]
 
 MODES = ("eager", "cudagraph")
 
@@ -203,6 +203,125 @@ def _ring_logits(rf: RankFile, step: int) -> torch.Tensor | None:
     return rf.read_tensor(rows[-1]) if rows.size else None
 
 
+class Replayer:
+    """A target rebuilt for one rank and mode, brought to the start of a recorded step.
+
+    The building block of ``rerun_step`` and of bisection::
+
+        rp = Replayer(part, rank, mode="eager", device="cpu")
+        rp.build(install=lambda target: ...)   # e.g. put taps on modules before graphs exist
+        rp.goto(812)                           # restore the keyframe, fast-forward teacher-forced
+        outs = rp.run(812)                     # outputs of step 812, on the CPU
+    """
+
+    def __init__(
+        self,
+        part: Part,
+        rank: int,
+        *,
+        mode: str = "eager",
+        device: str = "cpu",
+        factory: str | None = None,
+        options: dict[str, Any] | None = None,
+        live_collectives: bool = False,
+        use_recorded_tuner: bool = True,
+    ) -> None:
+        if mode not in MODES:
+            raise UsageError(f"unknown mode {mode!r}: use eager, cudagraph or both")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: no CUDA device here; use --device cpu")
+        self.part = part
+        self.rank = rank
+        self.rf = part[rank]
+        self.spec = TargetSpec.from_rank_file(self.rf)
+        self.mode = mode
+        self.device = device
+        self.factory = factory
+        self.world = part.world_size
+        self.live = live_collectives
+        opts = dict(options or {})
+        opts.setdefault("cudagraph", mode == "cudagraph")
+        tuner = self.rf.tuner_choices() if use_recorded_tuner else {}
+        if tuner:
+            opts.setdefault("tuner_choices", {k: v for k, v in tuner.items() if not k.startswith("triton:")})
+        self.options = opts
+        self.target: Target | None = None
+        self.collectives = None if (self.world == 1 or live_collectives) else RecordedCollectives(self.rf, rank, self.world)
+        self._driver: _StepDriver | None = None
+        self._ctx: contextlib.ExitStack | None = None
+        self.departed: StepDeparture | None = None
+        self.position: int | None = None  # the step the target's state is at the start of
+
+    @property
+    def factory_name(self) -> str | None:
+        return self.factory or self.spec.factory
+
+    def keyframe_for(self, step: int) -> tuple[int, dict[str, torch.Tensor]]:
+        kf = self.rf.keyframe(step)
+        if kf is None:
+            if self.spec.state is not None:
+                raise RerunError(f"rank {self.rank} has no state keyframe at or before step {step}")
+            return 0, {}
+        return kf
+
+    def check(self, first: int, last: int) -> None:
+        """Fail early (before importing anything) if steps first..last cannot be replayed."""
+        self.rf.step(last)
+        if self.collectives is not None:
+            self.collectives.check_replayable(first, last)
+
+    def build(self, install: Callable[[Target], None] | None = None) -> Target:
+        """Build the target; ``install(target)`` runs before any graph is captured."""
+        target = build_target(self.spec, rank=self.rank, world_size=self.world, device=self.device, options=self.options, factory=self.factory)
+        graphed = None
+        if self.mode == "cudagraph" and "cudagraph" not in target.toggles():
+            if not self.device.startswith("cuda"):
+                raise UsageError("cudagraph mode for a target without its own graph runner needs --device cuda")
+            graphed = GraphedStep(target)
+        if install is not None:
+            install(target)
+        self._ctx = contextlib.ExitStack()
+        if self.collectives is not None:
+            self._ctx.enter_context(self.collectives.installed())
+        if self.mode == "cudagraph":
+            target.prepare()
+        self.target = target
+        self._driver = _StepDriver(self.rf, target, self.device, self.collectives, self.spec.outputs, graphed)
+        return target
+
+    def goto(self, step: int, *, keyframe_at: int | None = None, progress: Callable[..., Iterable[int]] = lambda it, label="": it) -> StepDeparture | None:
+        """Restore the keyframe at or before ``step`` (or ``keyframe_at``) and fast-forward to it."""
+        if self.target is None:
+            self.build()
+        assert self.target is not None and self._driver is not None
+        kf_step, kf_state = self.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
+        if kf_state:
+            self.target.load_state(kf_state)
+        self.departed = None
+        for s in progress(range(kf_step, step), label=f"rank {self.rank} {self.mode}: steps {kf_step}..{step - 1}"):
+            outs = self._driver(s)
+            bad = _departure(outs, _recorded_fields(self.rf, s))
+            if bad and self.departed is None:
+                self.departed = StepDeparture(s, bad)
+        self.position = step
+        self.keyframe = kf_step
+        return self.departed
+
+    def run(self, step: int) -> dict[str, torch.Tensor]:
+        """Run recorded step ``step`` from the current state; its outputs on the CPU."""
+        assert self._driver is not None, "build() and goto() first"
+        outs = self._driver(step)
+        self.position = step + 1
+        return outs
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None
+        self.target = None
+        self._driver = None
+
+
 def rerun_step(
     part: Part,
     rank: int,
@@ -221,99 +340,69 @@ def rerun_step(
 ) -> StepRerun:
     """Re-run ``step`` of ``rank`` in each of ``modes``; see the module docstring."""
     modes = list(dict.fromkeys(modes))
-    for m in modes:
-        if m not in MODES:
-            raise UsageError(f"unknown mode {m!r}: use eager, cudagraph or both")
     if repeat < 1:
         raise UsageError("--repeat must be at least 1")
+    replayers = [
+        Replayer(part, rank, mode=m, device=device, factory=factory, options=options, live_collectives=live_collectives)
+        for m in modes
+    ]
     rf = part[rank]
-    rf.step(step)  # range check with a clear message
-    spec = TargetSpec.from_rank_file(rf)
-    kf = rf.keyframe(step if keyframe_at is None else min(keyframe_at, step))
-    if kf is None:
-        if spec.state is not None:
-            raise RerunError(f"rank {rank} has no state keyframe at or before step {step}")
-        kf_step, kf_state = 0, {}
-    else:
-        kf_step, kf_state = kf
-    world = part.world_size
-    fac = factory or spec.factory
-    result = StepRerun(recording=recording, part=part.name, rank=rank, step=step, keyframe=kf_step, device=device, factory=fac, modes={})
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: no CUDA device here; use --device cpu")
-    if fac is not None:
-        announce(f"importing factory {fac}" + (" (named by the recording)" if factory is None else " (--factory)"))
-    tuner = rf.tuner_choices()
-    for mode in modes:
+    first = replayers[0]
+    kf_step, _ = first.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
+    first.check(kf_step, step)
+    result = StepRerun(recording=recording, part=part.name, rank=rank, step=step, keyframe=kf_step, device=device,
+                       factory=first.factory_name, modes={})
+    if first.factory_name is not None:
+        announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if factory is None else " (--factory)"))
+    recorded = _recorded_fields(rf, step)
+    ring = _ring_logits(rf, step)
+    for rp in replayers:
         t0 = time.perf_counter()
-        opts = dict(options or {})
-        opts.setdefault("cudagraph", mode == "cudagraph")
-        if tuner:
-            opts.setdefault("tuner_choices", {k: v for k, v in tuner.items() if not k.startswith("triton:")})
-        target = build_target(spec, rank=rank, world_size=world, device=device, options=opts, factory=factory)
-        own_graphs = "cudagraph" in target.toggles()
-        graphed = None
-        if mode == "cudagraph" and not own_graphs:
-            if not device.startswith("cuda"):
-                raise UsageError("cudagraph mode for a target without its own graph runner needs --device cuda")
-            graphed = GraphedStep(target)
-        coll = None if (world == 1 or live_collectives) else RecordedCollectives(rf, rank, world)
-        ctx = coll.installed() if coll is not None else contextlib.nullcontext()
-        with ctx:
-            if mode == "cudagraph":
-                target.prepare()
-            if kf_state:
-                target.load_state(kf_state)
-            driver = _StepDriver(rf, target, device, coll, spec.outputs, graphed)
-            departed = None
-            for s in progress(range(kf_step, step), label=f"rank {rank} {mode}: steps {kf_step}..{step - 1}"):
-                outs = driver(s)
-                bad = _departure(outs, _recorded_fields(rf, s))
-                if bad and departed is None:
-                    departed = StepDeparture(s, bad)
-            saved = target.snapshot() if repeat > 1 else None
-            outs = driver(step)
-            run = ModeRun(mode=mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed)
-            info = getattr(target.obj, "last_run_info", None)
+        try:
+            rp.build()
+            departed = rp.goto(step, keyframe_at=kf_step, progress=progress)
+            saved = rp.target.snapshot() if repeat > 1 else None  # type: ignore[union-attr]
+            outs = rp.run(step)
+            run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed)
+            info = getattr(rp.target.obj, "last_run_info", None)  # type: ignore[union-attr]
             if isinstance(info, dict):
                 run.graph = f"{info.get('mode', '')} {info.get('key', '')}".strip() + (f" ({info['reason']})" if info.get("reason") else "")
             for _ in range(repeat - 1):
-                assert saved is not None
-                target.load_state(saved)
-                again = driver(step)
+                assert saved is not None and rp.target is not None
+                rp.target.load_state(saved)
+                again = rp.run(step)
                 run.repeat_digests.append({k: digest(v) for k, v in again.items()})
             if repeat > 1:
                 run.repeats_equal = all(d == run.digests for d in run.repeat_digests)
-        if coll is not None:
-            run.collective_mismatches = [str(m) for m in coll.mismatches]
-        recorded = _recorded_fields(rf, step)
-        ring = _ring_logits(rf, step)
+            if rp.collectives is not None:
+                run.collective_mismatches = [str(m) for m in rp.collectives.mismatches]
+        finally:
+            rp.close()
         for name, t in outs.items():
             key = next((p + name for p in ("output.", "tokens.") if p + name in recorded), None)
             if key is None:
                 continue
             if name == "logits" and ring is not None and ring.shape == t.shape:
-                run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{mode} re-run", name_b=f"rank {rank} recorded")
+                run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
             else:
-                run.vs_recording[name] = compare_digests(run.digests[name], recorded[key], name_a=f"{mode} re-run", name_b=f"rank {rank} recorded")
+                run.vs_recording[name] = compare_digests(run.digests[name], recorded[key], name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
             run.matches_ranks[name] = _ranks_with(part, step, key, run.digests[name])
         run.seconds = time.perf_counter() - t0
-        result.modes[mode] = run
-        del target
+        result.modes[rp.mode] = run
     if len(modes) == 2:
         a, b = (result.modes[m] for m in modes)
-        for name in a.outputs.keys() & b.outputs.keys():
+        for name in sorted(a.outputs.keys() & b.outputs.keys()):
             result.comparisons.append(compare_tensors(a.outputs[name], b.outputs[name], name_a=f"eager {name}", name_b=f"cudagraph {name}"))
     # Against the other ranks' logits, where their ring kept this step.
-    first = result.modes[modes[0]]
-    if "logits" in first.outputs:
+    head = result.modes[modes[0]]
+    if "logits" in head.outputs:
         for r, other in part.items():
             if r == rank:
                 continue
             lg = _ring_logits(other, step)
-            if lg is not None and lg.shape == first.outputs["logits"].shape:
-                result.comparisons.append(compare_tensors(first.outputs["logits"], lg, name_a=f"{modes[0]} re-run", name_b=f"rank {r} recorded"))
-    if spec.state is None:
+            if lg is not None and lg.shape == head.outputs["logits"].shape:
+                result.comparisons.append(compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run", name_b=f"rank {r} recorded"))
+    if first.spec.state is None:
         result.notes.append("the target declares no state: steps were re-run from a fresh target")
     return result
 

@@ -37,21 +37,17 @@ class ModelArgs:
     max_seq_len: int = 1024
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
-    residual_scale: float = 0.2
+    residual_scale: float = 0.15
     """Scale of the mixers' and the inner MoE layers' outputs against the token embedding: the
     share of context in a prediction. Small values make the target close to a per-token function
-    the MTP head imitates (high acceptance); large values make the context matter."""
-    final_moe_scale: float = 1.0
-    """Scale of the last MoE layer's output. The MTP head holds a copy of that layer, so a large
-    value keeps acceptance up while making the MoE combine a large share of the final hidden
-    state, which is what lets a combine tactic that differs on one rank flip tokens."""
-    mtp_context_scale: float = 0.25
-    """Weight of the target's hidden state in the MTP head's input projection."""
-    tie_fraction: float = 0.25
-    """Fraction of LM-head rows that are near-copies of another row: these token pairs are the
-    near-ties that turn a last-bit difference into a different greedy token."""
-    tie_eps: float = 2e-3
-    """Relative distance between the two rows of a near-tie pair."""
+    the MTP head imitates (high acceptance, repetitive text); large values make context matter."""
+    final_moe_scale: float = 3.0
+    """Scale of the last MoE layer's output. The MTP head starts as a copy of that layer, so a
+    large value keeps acceptance up while making the MoE combine a large share of the final
+    hidden state: that is what lets a combine tactic differing on one rank flip tokens."""
+    mtp_context_scale: float = 0.05
+    """Weight of the target's hidden state in the MTP head's input projection (the embedding
+    part is the identity)."""
 
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": {},

@@ -153,14 +153,3 @@ def init_weights(model: Transformer, seed: int) -> None:
     # The MTP head starts as a copy of the last MoE layer, so its drafts imitate the target's
     # per-token computation and acceptance is high where context matters little.
     model.mtp.moe.load_state_dict(model.layers[-1].moe.state_dict())
-    _make_near_ties(model.lm_head.weight, args, seed)
-
-
-def _make_near_ties(weight: torch.Tensor, args: ModelArgs, seed: int) -> None:
-    # weight: [V, D]. Pairs (i, j) with row_j = row_i + eps * noise score almost the same for any
-    # hidden state, so greedy argmax between them is decided by the last bits.
-    g = _generator(seed, "lm_head.near_ties")
-    n_pairs = int(args.vocab_size * args.tie_fraction) // 2
-    perm = torch.randperm(args.vocab_size, generator=g)[: 2 * n_pairs].view(n_pairs, 2)
-    noise = torch.randn(n_pairs, weight.shape[1], generator=g) * (args.tie_eps * weight.std())
-    weight[perm[:, 1]] = weight[perm[:, 0]] + noise
