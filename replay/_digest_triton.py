@@ -327,14 +327,15 @@ def accumulate_digest(
 ) -> None:
     """Add the rd64 digest of ``flat`` into ``out[index]`` (as int64 bits); no sync, no allocation.
 
-    ``flat`` is a 1-D contiguous uint8 tensor whose first byte is 4-byte aligned. ``out[index]``
-    must hold zero beforehand for it to end up holding the digest. ``grid`` overrides the number
-    of programs (tests use it to force many loop iterations).
+    ``flat`` is a 1-D contiguous uint8 tensor whose first byte is 4-byte aligned (in memory and
+    as a storage offset, so that it can be viewed as int32). ``out[index]`` must hold zero
+    beforehand for it to end up holding the digest. ``grid`` overrides the number of programs
+    (tests use it to force many loop iterations).
     """
     if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous():
         raise TypeError("flat must be a 1-D contiguous torch.uint8 tensor")
-    if flat.data_ptr() % 4:
-        raise ValueError("flat must start at a 4-byte aligned address; copy it with .clone()")
+    if flat.numel() and (flat.data_ptr() % 4 or flat.storage_offset() % 4):
+        raise ValueError("flat must start 4-byte aligned in memory and in its storage; .clone() it")
     slot = _check_out(out, index, flat.device)
     n = flat.numel()
     if n == 0:

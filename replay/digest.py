@@ -204,8 +204,9 @@ def format_digest(d: int) -> str:
     return f"{d & _MASK64:016x}"
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes in row-major order as a 1-D uint8 tensor on ``t``'s device, 4-byte aligned."""
+def _flat_bytes(t: torch.Tensor, aligned: bool = True) -> torch.Tensor:
+    """``t``'s bytes in row-major order as a 1-D uint8 tensor on ``t``'s device; when
+    ``aligned``, starting on a 4-byte boundary (copied if need be), as the GPU kernel needs."""
     if t.layout != torch.strided:
         raise TypeError(
             f"digest needs a dense tensor, got layout {t.layout}; call .to_dense() first"
@@ -213,14 +214,15 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     # Conjugate and negative views are lazy: their bits in memory are not the values they show.
     t = t.detach().resolve_conj().resolve_neg()
     flat = t.contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
-    if flat.numel() and flat.data_ptr() % 4:
-        # A view that starts mid-word (an odd storage offset): word loads need an aligned copy.
+    if aligned and flat.numel() and (flat.data_ptr() % 4 or flat.storage_offset() % 4):
+        # A view that starts mid-word: word loads need an aligned start, and torch's int32 view
+        # needs an offset that is a multiple of 4 (they differ for a misaligned foreign buffer).
         flat = flat.clone()
     return flat
 
 
 def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    flat = _flat_bytes(t)
+    flat = _flat_bytes(t, aligned=False)  # numpy reads unaligned words
     if flat.device.type != "cpu":
         flat = flat.cpu()
     # A uint8 view keeps every dtype (bf16, fp8, bool) representable in numpy.

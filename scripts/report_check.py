@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from replay import Recorder, RecorderConfig  # noqa: E402
+from replay import Recorder, RecorderConfig
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 DOCS_IMG = ROOT / "docs" / "img"
@@ -61,7 +61,7 @@ def screenshot(page: Path, png: Path, *, width: int = 1400, height: int = 3000, 
             f"--window-size={width},{height}", page.resolve().as_uri(),
         ]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
             raise SystemExit(f"report-check: chromium did not finish within {timeout:.0f} s") from None
     if not png.exists() or png.stat().st_size < 5000:
@@ -74,8 +74,8 @@ def screenshot(page: Path, png: Path, *, width: int = 1400, height: int = 3000, 
 
 def demo_recording(out: Path, *, ranks: int = 4, steps: int = 300, odd_rank: int = 2, flip_at: int = 212) -> Path:
     """A demo-like recording: rank ``odd_rank`` tuned another MoE kernel into its graphs."""
-    batch_of = lambda s: 8 if s < 120 else 6 if s < 200 else 3  # noqa: E731 - requests finish over time
-    bucket_of = lambda b: 8 if b > 4 else 4  # noqa: E731
+    batch_of = lambda s: 8 if s < 120 else 6 if s < 200 else 3
+    bucket_of = lambda b: 8 if b > 4 else 4
     base_kernels = ["rmsnorm_fwd", "flash_decode_bf16", "gemm_bf16_128x128", "moe_router_topk", "MOE_GEMM", "moe_combine", "allgather_ll", "lm_head_gemm"]
     for r in range(ranks):
         rec = Recorder(RecorderConfig(out=out, part="run-000", rank=r, world_size=ranks, keyframe_every=100, rng=False),
@@ -130,7 +130,7 @@ def demo_recording(out: Path, *, ranks: int = 4, steps: int = 300, odd_rank: int
 
 def _demo_results(folder: Path, rank: int, step: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    verdict = lambda a, b, v, m, u, agree: {  # noqa: E731
+    verdict = lambda a, b, v, m, u, agree: {
         "a": a, "b": b, "verdict": v, "max_abs": m, "max_rel": m / 7.5 if m else 0.0, "ulp": u,
         "argmax_agree": agree, "topk_overlap": 1.0 if agree else 0.8, "margin": 0.0039,
     }
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demo", action="store_true", help="build the synthetic demo recording and use it")
     ap.add_argument("--docs", action="store_true", help="also save docs/img/report.png and docs/img/report-example.html")
     ap.add_argument("--png", type=Path, default=None, help="screenshot path (default: beside the report)")
-    ap.add_argument("--height", type=int, default=3000, help="window height in pixels (the screenshot's height)")
+    ap.add_argument("--height", type=int, default=None, help="window height in pixels (default 3000; 6000 with --docs, then trimmed)")
     args = ap.parse_args(argv)
     args.png = args.png.resolve() if args.png else None
     args.recording = args.recording.resolve() if args.recording else None
@@ -238,12 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         page = page.resolve()
         print(f"report-check: report {page} ({page.stat().st_size / 1e3:.0f} kB, {time.perf_counter() - t:.1f} s)")
     except ReplayError as e:
-        print(f"report-check: {e}", file=sys.stderr)
+        hint = "" if args.demo or args.recording else " (or pass --demo for a synthetic one)"
+        print(f"report-check: {e}{hint}", file=sys.stderr)
         return 1
     png = args.png or page.with_suffix(".png")
     t = time.perf_counter()
     try:
-        screenshot(page, png, height=args.height)
+        screenshot(page, png, height=args.height or (6000 if args.docs else 3000))
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 1

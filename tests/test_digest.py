@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from replay.digest import (
     DigestBuffer,
     _digest_numpy_reference,
+    _flat_bytes,
     _sum_words,
     _sum_words_fast,
     digest,
@@ -246,6 +247,18 @@ def test_non_contiguous_views_equal_their_contiguous_copy(view: torch.Tensor) ->
     copy = view.resolve_conj().resolve_neg().contiguous()
     assert digest(view) == digest(copy)
     assert digest(view) == digest_numpy(copy.reshape(-1).view(torch.uint8).numpy())
+
+
+def test_flat_bytes_are_word_aligned_even_from_a_misaligned_buffer() -> None:
+    # What the GPU path reads: torch.frombuffer can start a storage mid-word, so alignment in
+    # memory and alignment of the storage offset differ; both must hold for the int32 view.
+    raw = bytearray(bytes(range(97)))
+    base = torch.frombuffer(memoryview(raw)[1:], dtype=torch.uint8)  # [96]
+    for start in range(5):
+        flat = _flat_bytes(base[start:])
+        assert flat.data_ptr() % 4 == 0 and flat.storage_offset() % 4 == 0
+        assert flat[: flat.numel() // 4 * 4].view(torch.int32).numel() == flat.numel() // 4
+        assert bytes(flat.numpy()) == bytes(raw[1 + start :])
 
 
 def test_other_dtypes_digest_their_bits() -> None:

@@ -170,3 +170,50 @@ def test_info_reads_unsealed_journal(tmp_path, run_cli):
     res = run_cli("verify", out)
     assert res.code == 4 and "ended without its end marker" in res.out and "after step 2" in res.out
     rec._closed = True
+
+
+def test_extra_collective_on_one_rank_is_found(tmp_path, run_cli):
+    """Ranks whose field rows do not line up (one made an extra collective) are still compared."""
+    import torch
+
+    from replay import Recorder, RecorderConfig
+
+    out = tmp_path / "rec"
+    for r in range(3):
+        rec = Recorder(RecorderConfig(out=out, rank=r, world_size=3, rng=False))
+        for s in range(6):
+            rec.begin_step()
+            rec.record_inputs(x=torch.arange(4) + s)
+            if r == 1 and s == 4:
+                rec.record_collective("broadcast", group_size=3, inputs=[torch.ones(2)], outputs=[torch.ones(2)])
+            rec.record_collective("all_reduce", group_size=3, inputs=[torch.ones(2) * r], outputs=[torch.ones(2) * 3])
+            rec.record_outputs(logits=torch.ones(2, 4) * s)
+            rec.end_step()
+        rec.close()
+    d = run_cli("info", out, "--json").json()["first_divergence"]
+    assert d["step"] == 4 and d["ranks"] == [1] and d["field"].startswith("collective.0.")
+
+
+def test_rank_that_stopped_early_is_not_a_divergence(tmp_path, run_cli):
+    rec = make_recording(tmp_path, ranks=3, steps=8)
+    # Rank 2 recorded only 5 steps (as if it had crashed): drop its later steps.
+    import torch
+
+    from replay import Recorder, RecorderConfig
+
+    for f in (rec / "run-000").glob("rank-00002.*"):
+        f.unlink()
+    r2 = Recorder(RecorderConfig(out=rec, rank=2, world_size=3))
+    from tests.factories import step_inputs, step_logits
+
+    for s in range(5):
+        r2.begin_step()
+        r2.record_inputs(**step_inputs(s))
+        lg = step_logits(s)
+        r2.record_outputs(logits=lg, tokens=lg.argmax(-1), accepted=torch.ones(4, dtype=torch.int64))
+        r2.set_run("graph" if s % 2 == 0 else "eager", key="bs4", padded_size=4, reason="" if s % 2 == 0 else "test")
+        r2.end_step()
+    r2.close()
+    data = run_cli("info", rec, "--json").json()
+    assert data["first_divergence"] is None
+    assert [r["steps"] for r in data["ranks"]] == [8, 8, 5]

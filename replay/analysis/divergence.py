@@ -55,21 +55,25 @@ def vote(values: dict[int, int]) -> tuple[list[int], list[int]]:
     return majority, odd
 
 
-def _keys(rf: RankFile, names: dict[str, int], prefix: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(key, digest, order) of a rank's fields; key = step * 2**20 + global field id."""
+def _field_ids(rf: RankFile, names: dict[str, int], prefix: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step, global field id, digest) of a rank's field rows, in program order.
+
+    Field names are per-file string ids; they are mapped to ids shared by all ranks through a
+    lookup table over the few distinct names, so no per-row Python work is done.
+    """
     t = rf.tables
     f = t.fields
     lut = np.full(len(t.strings) + 1, -1, dtype=np.int64)
     for i in np.unique(f["field"]):
-        s = t.string(int(i))
-        if prefix is not None and not s.startswith(prefix):
-            continue
-        lut[int(i)] = names.setdefault(s, len(names))
-    gid = lut[np.clip(f["field"], -1, len(t.strings))]
-    keep = gid >= 0
-    step = f["step"][keep].astype(np.int64)
-    key = (step << 20) | gid[keep]
-    return key, f["digest"][keep], f["order"][keep].astype(np.int64)
+        name = t.string(int(i))
+        if prefix is None or name.startswith(prefix):
+            lut[int(i)] = names.setdefault(name, len(names))
+    gid = lut[f["field"]]
+    steps, digests = f["step"], f["digest"]
+    if prefix is not None:
+        keep = gid >= 0
+        gid, steps, digests = gid[keep], steps[keep], digests[keep]
+    return steps, gid, digests
 
 
 def first_divergence(
@@ -84,53 +88,84 @@ def first_divergence(
     if len(chosen) < 2:
         return None
     names: dict[str, int] = {}
-    per_rank = {r: _keys(part[r], names, prefix) for r in chosen}
-    all_keys = np.unique(np.concatenate([k for k, _, _ in per_rank.values()]))
-    if all_keys.size == 0:
+    rows = {r: _field_ids(part[r], names, prefix) for r in chosen}
+    ids = {i: n for n, i in names.items()}
+    # Fast path: ranks in lockstep record the same fields in the same order, so their rows line
+    # up one to one and a column-wise comparison finds the first difference in O(ranks x rows).
+    n = min(len(rows[r][0]) for r in chosen)
+    s0, g0, d0 = rows[chosen[0]]
+    if all(np.array_equal(rows[r][0][:n], s0[:n]) and np.array_equal(rows[r][1][:n], g0[:n]) for r in chosen[1:]):
+        differs = np.zeros(n, dtype=bool)
+        for r in chosen[1:]:
+            differs |= rows[r][2][:n] != d0[:n]
+        if differs.any():
+            i = int(np.argmax(differs))
+            return _verdict(int(s0[i]), ids[int(g0[i])], {r: int(rows[r][2][i]) for r in chosen})
+        longer = [r for r in chosen if len(rows[r][0]) > n]
+        if len(longer) < 2:
+            return None
+        # Some ranks went on past the others' last step: compare those among themselves.
+        last = int(s0[n - 1]) if n else -1
+        return _general({r: tuple(a[rows[r][0] > last] for a in rows[r]) for r in longer}, part, ids)
+    return _general(rows, part, ids)
+
+
+def _verdict(step: int, field_name: str, values: dict[int, int]) -> Divergence:
+    majority, odd = vote(values)
+    return Divergence(step=step, field=field_name, ranks=odd, majority=majority,
+                      digests={r: v for r, v in values.items() if v >= 0})
+
+
+def _general(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], part: Part, ids: dict[int, str]) -> Divergence | None:
+    """Ranks whose field rows do not line up (an extra collective, a missing output): align the
+    rows by (step, field) and compare; a field missing at a step a rank did record differs."""
+    chosen = sorted(rows)
+    keys = {r: (rows[r][0].astype(np.int64) << 20) | rows[r][1] for r in chosen}
+    order_in_step = {r: _order_in_step(rows[r][0]) for r in chosen}
+    merged = np.sort(np.concatenate(list(keys.values())), kind="stable")
+    if merged.size == 0:
         return None
+    all_keys = merged[np.concatenate(([True], merged[1:] != merged[:-1]))]
     n = all_keys.size
+    key_step = all_keys >> 20
     ref = np.zeros(n, dtype=np.uint64)
     have_ref = np.zeros(n, dtype=bool)
     differs = np.zeros(n, dtype=bool)
     order = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
-    last_step = {r: (int(part[r].tables.steps["step"].max()) if part[r].tables.steps.size else -1) for r in chosen}
-    key_step = all_keys >> 20
     aligned: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for r in chosen:
-        k, d, o = per_rank[r]
-        idx = np.searchsorted(all_keys, k)
+        idx = np.searchsorted(all_keys, keys[r])
         present = np.zeros(n, dtype=bool)
         present[idx] = True
         dig = np.zeros(n, dtype=np.uint64)
-        dig[idx] = d
-        np.minimum.at(order, idx, o)
-        # A field absent at a step this rank did record is a disagreement (e.g. an extra
-        # collective); absent beyond its last step is not.
-        missing = ~present & (key_step <= last_step[r])
+        dig[idx] = rows[r][2]
+        order[idx] = np.minimum(order[idx], order_in_step[r])
+        last_step = int(rows[r][0].max()) if rows[r][0].size else -1
+        missing = ~present & (key_step <= last_step)
         newref = present & ~have_ref
         ref[newref] = dig[newref]
         have_ref |= present
         differs |= (present & (dig != ref)) | missing
         aligned[r] = (present, dig)
-    # Any rank missing a field that others have where the reference was set later: recheck.
     if not differs.any():
         return None
     cand = np.flatnonzero(differs)
-    first = cand[np.lexsort((order[cand], key_step[cand]))[0]]
-    gid = int(all_keys[first] & ((1 << 20) - 1))
-    fname = next(s for s, i in names.items() if i == gid)
+    first = int(cand[np.lexsort((order[cand], key_step[cand]))[0]])
     values: dict[int, int] = {}
     for r in chosen:
         present, dig = aligned[r]
+        last_step = int(rows[r][0].max()) if rows[r][0].size else -1
         if present[first]:
             values[r] = int(dig[first])
-        elif key_step[first] <= last_step[r]:
+        elif key_step[first] <= last_step:
             values[r] = -1  # the field is missing on this rank
-    majority, odd = vote(values)
-    return Divergence(
-        step=int(key_step[first]),
-        field=fname,
-        ranks=odd,
-        majority=majority,
-        digests={r: v for r, v in values.items() if v >= 0},
-    )
+    return _verdict(int(key_step[first]), ids[int(all_keys[first] & ((1 << 20) - 1))], values)
+
+
+def _order_in_step(steps: np.ndarray) -> np.ndarray:
+    """Position of each row within its step (rows of a step are contiguous, in program order)."""
+    if steps.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], steps[1:] != steps[:-1])))
+    pos = np.arange(steps.size, dtype=np.int64)
+    return pos - np.repeat(pos[starts], np.diff(np.append(starts, steps.size)))

@@ -19,6 +19,7 @@ class RankCheck:
     part: str
     rank: int
     steps: int = 0
+    last_step: int | None = None  # the last step kept, None when there is none
     tensors_checked: int = 0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -32,6 +33,7 @@ class RankCheck:
             "part": self.part,
             "rank": self.rank,
             "steps": self.steps,
+            "last_step": self.last_step,
             "tensors_checked": self.tensors_checked,
             "intact": self.intact,
             "problems": self.problems,
@@ -48,6 +50,9 @@ def _check_rank(part: Part, rf: RankFile, *, payload: bool) -> RankCheck:
         return c
     steps = t.steps["step"]
     c.steps = int(steps.size)
+    last = int(steps[-1]) if steps.size else None
+    c.last_step = last
+    kept = f"steps 0..{last} are kept" if last is not None else "no step was recorded"
     if rf.live:
         c.notes.append("still recording (its process holds the journal)")
     elif not rf.sealed:
@@ -55,16 +60,24 @@ def _check_rank(part: Part, rf: RankFile, *, payload: bool) -> RankCheck:
     problem = t.attrs.get("journal_problem")
     if problem:
         c.problems.append(
-            f"journal ended inside a frame ({problem}); {t.attrs.get('lost_bytes', '?')} bytes of an unfinished "
-            f"record were dropped; steps 0..{int(steps[-1]) if steps.size else -1} are whole"
+            f"journal ended inside a frame ({problem}): the last {t.attrs.get('lost_bytes', '?')} bytes, "
+            "an unfinished record, were dropped"
         )
-    if not t.attrs.get("complete") and not rf.live:
-        last = int(steps[-1]) if steps.size else None
+    stopped = t.attrs.get("stopped")
+    if stopped and not rf.live:
         c.problems.append(
-            "ended without its end marker (the process was killed or crashed)"
-            + (f" after step {last}" if last is not None else " before its first step")
-            + "; every step before that is kept"
+            f"recording stopped {f'after step {last}' if last is not None else 'before its first step'} "
+            f"({stopped}): {kept}; the steps the program ran after that were not recorded"
         )
+    elif not t.attrs.get("complete") and not rf.live:
+        if t.attrs.get("no_header"):
+            c.problems.append("killed before it wrote its header: nothing was recorded")
+        else:
+            c.problems.append(
+                "ended without its end marker (the process was killed or crashed) "
+                + (f"after step {last}: {kept}; anything it did after that was not recorded" if last is not None
+                   else "before its first step: no step was recorded")
+            )
     if steps.size and not np.array_equal(steps, np.arange(steps.size)):
         gaps = np.flatnonzero(np.diff(steps) != 1)
         c.problems.append(f"steps are not contiguous (first gap after step {int(steps[gaps[0]]) if gaps.size else '?'})")

@@ -22,9 +22,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Generic, Iterable, Iterator, TextIO, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Generic, TextIO, TypeVar
 
-__all__ = ["progress", "Progress", "progress_enabled"]
+__all__ = ["Progress", "progress", "progress_enabled"]
 
 T = TypeVar("T")
 
@@ -120,11 +121,11 @@ class Progress(Generic[T]):
         finally:
             self.close()
 
-    def __enter__(self) -> "Progress[T]":
+    def __enter__(self) -> Progress[T]:
         self._draw(force=True)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

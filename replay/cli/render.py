@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import click
 
-__all__ = ["table", "style", "colour_enabled", "fmt_margin", "fmt_verdict", "VERDICT_COLOURS"]
+__all__ = ["VERDICT_COLOURS", "colour_enabled", "fmt_margin", "fmt_verdict", "style", "table"]
 
 VERDICT_COLOURS = {"bitwise equal": "green", "within tolerance": "yellow", "different": "red"}
 

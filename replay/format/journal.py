@@ -102,12 +102,15 @@ class JournalWriter:
         self.payload_size += view.nbytes
         return offset
 
-    def write_frame(self, kind: FrameKind, body: dict[str, Any]) -> None:
+    def write_frame(self, kind: FrameKind, body: dict[str, Any], *, over_budget: bool = False) -> None:
+        """Append one frame. ``over_budget``: the small end marker that says why recording
+        stopped is written even past ``max_bytes``, or readers would take the stop for a crash."""
         raw = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
         if len(raw) > MAX_FRAME_BYTES:
             raise ValueError(f"journal frame of {len(raw)} bytes exceeds {MAX_FRAME_BYTES}")
         frame = _HEADER.pack(MAGIC, int(kind), 0, len(raw), zlib.crc32(raw)) + raw
-        self._check_budget(len(frame))
+        if not over_budget:
+            self._check_budget(len(frame))
         # One write call per frame: a kill leaves a frame either whole or cut short, never
         # interleaved with another.
         _write_all(self._jfd, memoryview(frame))
@@ -118,7 +121,12 @@ class JournalWriter:
         os.fsync(self._jfd)
 
     def close(self) -> None:
-        for fd in (self._pfd, self._jfd):
+        """Close both files; safe to call twice (a second ``os.close`` of a number could close
+        an unrelated file that reused it)."""
+        fds, self._pfd, self._jfd = (self._pfd, self._jfd), -1, -1
+        for fd in fds:
+            if fd < 0:
+                continue
             try:
                 os.close(fd)
             except OSError:

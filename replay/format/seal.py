@@ -2,8 +2,9 @@
 
 A journal is sealed by the recorder itself when it closes cleanly, and by ``replay record`` for
 every rank its command left behind, however it ended. Sealing never touches what was recorded:
-it writes ``rank-NNNNN.h5.tmp``, renames it into place, and only then removes the journal. A
-journal that a live process still holds (``fcntl.flock``) is never sealed.
+it writes ``rank-NNNNN.h5.<pid>.tmp``, renames it into place, and only then removes the journal.
+A journal that a live process still holds (``fcntl.flock``) is never sealed, and a sealer holds
+that lock while it seals, so two sealers never race.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class SealResult:
     complete: bool
     problem: str | None  # why the journal ended early (a kill mid-frame), if it did
     lost_bytes: int
+    error: str | None = None  # why it could not be sealed (its journal is kept, still readable)
 
 
 def rank_paths(part_dir: Path, rank: int) -> tuple[Path, Path, Path]:
@@ -37,9 +39,12 @@ def rank_paths(part_dir: Path, rank: int) -> tuple[Path, Path, Path]:
 
 
 def journal_is_live(journal: Path) -> bool:
-    """True while the recording process that owns ``journal`` is alive (it holds a lock on it)."""
+    """True while the recording process that owns ``journal`` is alive (it holds a lock on it).
+
+    A sealer holds the same lock while it seals, so a journal being sealed also reads as live.
+    """
     try:
-        fd = os.open(journal, os.O_RDONLY)
+        fd = os.open(journal, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return False
     try:
@@ -51,13 +56,48 @@ def journal_is_live(journal: Path) -> bool:
     return False
 
 
+def _lock_for_sealing(journal: Path) -> int | None:
+    """An fd holding the journal's exclusive lock, or None if its writer or another sealer has it.
+
+    Two sealers (the recorder at exit and ``replay record`` after CMD, or two ``replay seal``)
+    must not race: the loser would find the journal gone, or remove the winner's file.
+    """
+    try:
+        fd = os.open(journal, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # The journal may have been sealed (and removed) between our open and our lock.
+        if os.fstat(fd).st_ino != os.stat(journal).st_ino:
+            raise FileNotFoundError(journal)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def seal_rank(part_dir: Path, rank: int, *, force: bool = False) -> SealResult | None:
-    """Seal one rank's journal. Returns None when there is nothing to seal (or it is live)."""
+    """Seal one rank's journal. Returns None when there is nothing to seal (or it is live).
+
+    ``force``: the caller is the journal's own writer, which holds its lock.
+    """
     journal, payload, h5 = rank_paths(part_dir, rank)
     if not journal.exists():
         return None
-    if not force and journal_is_live(journal):
-        return None
+    fd = None
+    if not force:
+        fd = _lock_for_sealing(journal)
+        if fd is None:
+            return None
+    try:
+        return _seal_locked(journal, payload, h5, rank)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int) -> SealResult:
     scan = read_journal(journal)
     payload_size = payload.stat().st_size if payload.exists() else 0
     tables = build_tables(scan.frames, payload_size=payload_size)
@@ -67,12 +107,17 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False) -> SealResult |
         tables.attrs["lost_bytes"] = scan.total_bytes - scan.valid_bytes
     if not payload.exists():
         payload.touch()
-    tmp = h5.with_name(h5.name + ".tmp")
+    # A name of our own: a sealer killed half-way leaves only its own temporary file behind.
+    tmp = h5.with_name(f"{h5.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
-    write_rank_file(tables, tmp, payload.name)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, h5)
+    try:
+        write_rank_file(tables, tmp, payload.name)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, h5)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     journal.unlink()
     return SealResult(
         rank=rank,
@@ -85,13 +130,26 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False) -> SealResult |
 
 
 def seal_part(part_dir: Path) -> list[SealResult]:
-    """Seal every journal of a part whose process has ended."""
+    """Seal every journal of a part whose process has ended.
+
+    A journal that cannot be sealed (a full disk, an unwritable directory, a damaged header) is
+    left as it is, still readable, and reported with ``error`` set: one bad rank never stops the
+    others from being sealed.
+    """
     results = []
     for j in sorted(part_dir.glob("rank-*.journal")):
         rank = parse_rank_stem(j.stem)
         if rank is None:
             continue
-        r = seal_rank(part_dir, rank)
+        try:
+            r = seal_rank(part_dir, rank)
+        except (OSError, ValueError, RuntimeError) as e:
+            r = SealResult(rank=rank, path=j, steps=0, complete=False, problem=None, lost_bytes=0, error=_describe(e))
         if r is not None:
             results.append(r)
     return results
+
+
+def _describe(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or e.__class__.__name__
+    return text[:200]

@@ -256,8 +256,14 @@ def _array(rows: list[tuple], dtype: np.dtype) -> np.ndarray:
 
 
 def build_tables(frames: list[Frame], *, payload_size: int) -> RankTables:
-    """Turn a journal's frames into tables; raise ValueError on a frame that is not well formed."""
-    if not frames or frames[0].kind != FrameKind.HEADER:
+    """Turn a journal's frames into tables; raise ValueError on a frame that is not well formed.
+
+    No frames at all is a rank killed before it wrote its header: empty tables, not an error,
+    so one such rank never makes the rest of a recording unreadable.
+    """
+    if not frames:
+        return _empty_tables({"complete": False, "no_header": True}, payload_size)
+    if frames[0].kind != FrameKind.HEADER:
         raise ValueError("journal does not start with a header frame")
     attrs = dict(frames[0].body)
     b = _Builder()
@@ -268,31 +274,57 @@ def build_tables(frames: list[Frame], *, payload_size: int) -> RankTables:
             continue
         try:
             b.add(f)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
             raise ValueError(f"malformed {f.kind.name.lower()} frame at byte {f.offset}: {e}") from None
     if b.target is not None:
         attrs["target"] = b.target
     attrs["complete"] = closed is not None
     if closed is not None:
         attrs["ended_at"] = closed.get("ended_at")
-        attrs["end_status"] = closed.get("status", "ok")
-    tables = RankTables(
-        attrs=attrs,
-        strings=b.s.strings,
-        steps=_array(b.steps, STEP_DTYPE),
-        fields=_array(b.fields, FIELD_DTYPE),
-        tensors=_array(b.tensors, TENSOR_DTYPE),
-        graphs=_array(b.graphs, GRAPH_DTYPE),
-        kernels=_array(b.kernels, KERNEL_DTYPE),
-        replays=_array(b.replays, REPLAY_DTYPE),
-        collectives=_array(b.collectives, COLLECTIVE_DTYPE),
-        keyframes=_array(b.keyframes, KEYFRAME_DTYPE),
-        tuner=_array(b.tuner, TUNER_DTYPE),
-        events=b.events,
-        payload_size=payload_size,
-    )
+        attrs["end_status"] = str(closed.get("status", "ok"))
+        if attrs["end_status"] == "stopped":
+            # The recorder switched itself off (size limit, full disk, a writer error) and said
+            # so: the file is whole, but the steps the program ran afterwards were not recorded.
+            attrs["complete"] = False
+            attrs["stopped"] = str(closed.get("error") or "recording stopped")
+    try:
+        tables = RankTables(
+            attrs=attrs,
+            strings=b.s.strings,
+            steps=_array(b.steps, STEP_DTYPE),
+            fields=_array(b.fields, FIELD_DTYPE),
+            tensors=_array(b.tensors, TENSOR_DTYPE),
+            graphs=_array(b.graphs, GRAPH_DTYPE),
+            kernels=_array(b.kernels, KERNEL_DTYPE),
+            replays=_array(b.replays, REPLAY_DTYPE),
+            collectives=_array(b.collectives, COLLECTIVE_DTYPE),
+            keyframes=_array(b.keyframes, KEYFRAME_DTYPE),
+            tuner=_array(b.tuner, TUNER_DTYPE),
+            events=b.events,
+            payload_size=payload_size,
+        )
+    except (OverflowError, TypeError, ValueError) as e:
+        # A number that does not fit its column (a damaged or hostile frame).
+        raise ValueError(f"a frame holds a value that does not fit its table ({e})") from None
     check_payload_bounds(tables)
     return tables
+
+
+def _empty_tables(attrs: dict[str, Any], payload_size: int) -> RankTables:
+    return RankTables(
+        attrs=attrs,
+        strings=[],
+        steps=np.zeros(0, STEP_DTYPE),
+        fields=np.zeros(0, FIELD_DTYPE),
+        tensors=np.zeros(0, TENSOR_DTYPE),
+        graphs=np.zeros(0, GRAPH_DTYPE),
+        kernels=np.zeros(0, KERNEL_DTYPE),
+        replays=np.zeros(0, REPLAY_DTYPE),
+        collectives=np.zeros(0, COLLECTIVE_DTYPE),
+        keyframes=np.zeros(0, KEYFRAME_DTYPE),
+        tuner=np.zeros(0, TUNER_DTYPE),
+        payload_size=payload_size,
+    )
 
 
 def check_payload_bounds(t: RankTables) -> None:

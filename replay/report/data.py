@@ -8,6 +8,7 @@ steps take about a second. Steps are then grouped into at most ``max_bins`` equa
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from replay.format.reader import Part, Recording
 from replay.format.schema import RunMode, StepStatus
 from replay.log import get_logger
 
-__all__ = ["Report", "build_report", "load_results", "Cell", "CELL_LABELS", "MAX_BINS"]
+__all__ = ["CELL_LABELS", "MAX_BINS", "Cell", "Report", "build_report", "load_results"]
 
 log = get_logger(__name__)
 
@@ -129,7 +130,7 @@ class Report:
 
     @property
     def bin_size(self) -> int:
-        return int(math.ceil(self.n_steps / max(1, self.cells.shape[1]))) if self.n_steps else 1
+        return math.ceil(self.n_steps / max(1, self.cells.shape[1])) if self.n_steps else 1
 
     @property
     def first_divergence(self) -> dict[str, Any] | None:
@@ -143,7 +144,10 @@ class Report:
         def arr(a: np.ndarray | None, nd: int = 3) -> Any:
             if a is None:
                 return None
-            return np.where(np.isnan(a), None, np.round(a, nd)).tolist() if a.dtype.kind == "f" else a.tolist()
+            if a.dtype.kind != "f":
+                return a.tolist()
+            return [[None if math.isnan(v) else v for v in row] if isinstance(row, list) else (None if math.isnan(row) else row)
+                    for row in np.round(a, nd).tolist()]
 
         hist_counts, hist_edges = margin_histogram(self.margins)
         return {
@@ -313,7 +317,7 @@ def _vote(values: np.ndarray, present: np.ndarray) -> np.ndarray:
     ref = np.where(present.any(0), first, 0)
     if r < 2 or not s:
         return ref
-    cols = np.flatnonzero(((values == values[ref, np.arange(s)]) | ~present).all(0) == False)  # noqa: E712
+    cols = np.flatnonzero(((values == values[ref, np.arange(s)]) | ~present).all(0) == False)
     for lo in range(0, cols.size, 4096):
         c = cols[lo : lo + 4096]
         v, p = values[:, c], present[:, c]
@@ -417,7 +421,7 @@ def _margins(
     if int(np.max(np.diff(edges))) <= 1:
         med = per_step[edges[:-1]].copy()
     else:
-        med = np.array([np.nanmedian(per_step[a:b]) if ok[a:b].any() else np.nan for a, b in zip(edges[:-1], edges[1:])])
+        med = np.array([np.nanmedian(per_step[a:b]) if ok[a:b].any() else np.nan for a, b in itertools.pairwise(edges)])
     at = None
     if tok is not None:
         i = int(np.searchsorted(steps, tok["step"]))

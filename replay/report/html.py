@@ -11,14 +11,15 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from replay.errors import ReplayError
 from replay.report import plots
 from replay.report.data import Report, check_report_path
 
-__all__ = ["render_html", "write_report", "SECTIONS"]
+__all__ = ["SECTIONS", "render_html", "write_report"]
 
 SECTIONS = [
     ("summary", "Summary"),
@@ -107,7 +108,7 @@ def _ranks(rs: Iterable[Any]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
 
 
-def _table(headers: list[str], rows: list[list[str]], numeric: set[int] | None = None) -> str:
+def _table(headers: list[str], rows: Sequence[Sequence[str | tuple[str, str]]], numeric: set[int] | None = None) -> str:
     numeric = numeric or set()
     head = "".join(f"<th>{h}</th>" for h in headers)
     body = []

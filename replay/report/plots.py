@@ -17,7 +17,7 @@ import numpy as np
 from replay.errors import ReplayError
 from replay.report.data import CELL_LABELS, Cell, Report, margin_histogram
 
-__all__ = ["agreement_map", "accepted_plot", "margin_plot", "timeline_plot", "layer_curve", "CELL_COLOURS"]
+__all__ = ["CELL_COLOURS", "accepted_plot", "agreement_map", "layer_curve", "margin_plot", "timeline_plot"]
 
 # Every step-axis figure has the same geometry, so the step axes of the map, the curves and the
 # timeline line up when the page is read from top to bottom; legends live in the right column.

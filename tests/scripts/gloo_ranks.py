@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--as-rank", type=int, default=None, help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
+    a.dir = os.path.abspath(a.dir)  # the file:// rendezvous needs an absolute path
     os.makedirs(a.dir, exist_ok=True)
     if a.as_rank is not None:
         rank_main(a.as_rank, a)

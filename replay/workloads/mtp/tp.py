@@ -1,9 +1,11 @@
 """Tensor parallelism as a transform on the plain model (as gpt-fast's ``tp.py`` does).
 
-Attention is split by heads, the recurrence by channels, the experts by their hidden dim: each
-input projection is column-sharded, each output projection row-sharded and followed by an
-all-reduce. Embedding, router, norms, LM head and MTP head stay replicated; they see the same
-(all-reduced) inputs on every rank, which is why TP hides drift from the sharded parts.
+Attention is split by heads, the recurrence by channels, the experts (the target's and the MTP
+head's) by their hidden dim: each input projection is column-sharded, each output projection
+row-sharded and followed by an all-reduce. Embedding, routers, norms, the MTP input projection and
+the LM head stay replicated; they see the same (all-reduced) inputs on every rank, which is why TP
+hides drift from the sharded parts. A replicated op that differs per rank (a forced ``lm_head``
+tactic) still drifts under TP.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from replay.workloads.mtp.collectives import AllReduce
 from replay.workloads.mtp.model import Transformer
+from replay.workloads.mtp.moe import MoE
 
 __all__ = ["apply_tp"]
 
@@ -51,7 +54,7 @@ def apply_tp(model: Transformer, *, rank: int, world_size: int, one_shot: bool) 
             rec.w_out.weight = _shard(rec.w_out.weight, 1, rank, world_size)
             rec.state_dim //= world_size
             rec.reduce = reduce
-        moe = layer.moe
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
         moe.w1 = _shard(moe.w1, 2, rank, world_size)  # [E, D, H]
         moe.w3 = _shard(moe.w3, 2, rank, world_size)
         moe.w2 = _shard(moe.w2, 1, rank, world_size)  # [E, H, D]
