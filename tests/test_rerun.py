@@ -30,7 +30,7 @@ def recordings(tmp_path_factory):
     base = tmp_path_factory.mktemp("rerun")
     jobs = {
         "drift": record(base / "drift", 3, 12, {"seed": 0, "perturb_rank": 1, "perturb_at": 6}, "--collectives", "full"),
-        "digest_only": record(base / "digest_only", 2, 5, {"seed": 1}),
+        "digest_only": record(base / "digest_only", 2, 5, {"seed": 1}, "--collectives", "digest"),
         "rng": record(base / "rng", 1, 9, {"seed": 2, "use_rng": True}),
     }
     for name, p in jobs.items():

@@ -116,10 +116,15 @@ def _kernel_differences(part: Part) -> list[dict[str, Any]]:
         seqs = {tuple(v) for v in ranks.values()}
         if len(seqs) > 1:
             common = set.intersection(*(set(v) for v in ranks.values()))
+            first = next(i for i in range(max(map(len, ranks.values())) + 1)
+                         if len({tuple(v[i:i + 1]) for v in ranks.values()}) > 1)
             diffs.append(
                 {
                     "key": key,
                     "only_on": {r: sorted(set(v) - common) for r, v in ranks.items() if set(v) - common},
+                    "first_difference": first,
+                    "at_first_difference": {r: (v[first] if first < len(v) else None) for r, v in ranks.items()},
+                    "counts": {r: len(v) for r, v in ranks.items()},
                     "kernels": ranks,
                 }
             )

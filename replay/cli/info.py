@@ -70,10 +70,16 @@ def render_info(s: dict) -> str:
     elif d is not None:
         lines.append("no token divergence: the ranks differ in bits but sampled the same tokens")
     for td in s.get("tuner_differences", []):
-        lines.append(f"tuner choice differs     {td['op']}: " + ", ".join(f"r{r} {c}" for r, c in td["choices"].items()))
+        lines.append(f"tuner choice differs     {td['op']}: " + ", ".join(f"r{r} {c or 'default'}" for r, c in td["choices"].items()))
     for kd in s.get("kernel_differences", []):
-        only = "; ".join(f"rank {r} only: {', '.join(v)}" for r, v in kd["only_on"].items())
-        lines.append(f"graph kernels differ     {kd['key']}: {only or 'same kernels, different order'}")
+        only = "; ".join(f"rank {r} only: {', '.join(v[:4])}{' ...' if len(v) > 4 else ''}" for r, v in kd["only_on"].items())
+        at = kd.get("at_first_difference", {})
+        groups: dict[str, list[str]] = {}
+        for r, k in at.items():
+            groups.setdefault(str(k), []).append(r)
+        where = f"first difference at kernel #{kd.get('first_difference')}: " + "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {','.join(rs)} {k}" for k, rs in groups.items())
+        lines.append(f"graph kernels differ     {kd['key']}: {where}" + (f" ({only})" if only else ""))
     target = t or d
     if target is not None:
         lines.append(f"next: replay step --rank {target['ranks'][0]} --step {target['step']} --mode both")

@@ -76,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:
+        # The file system said no (permissions, a full disk, a path that is not a directory):
+        # the user's environment, not a bug, so one line that names the path.
+        if os.environ.get("REPLAY_DEBUG"):
+            traceback.print_exc()
+        where = f"{e.filename}: " if e.filename else ""
+        click.echo(f"replay: error: {where}{e.strerror or e}", err=True)
+        return 74  # EX_IOERR
     except Exception as e:  # noqa: BLE001 - the last line of defence against a traceback
         if os.environ.get("REPLAY_DEBUG"):
             traceback.print_exc()

@@ -36,10 +36,12 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--modules", default=None, help="Attribute holding the nn.Module (for per-layer bisection).")
 @click.option("--graph-capture", multiple=True, metavar="MODULE:QUALNAME", help="A custom graph-capture callable.")
 @click.option("--graph-replay", multiple=True, metavar="MODULE:QUALNAME", help="A custom graph-replay callable.")
+@click.option("--probe", "probes", multiple=True, metavar="MODULE:QUALNAME", help="A callable inside the step whose outputs are recorded too.")
 @click.option("--output-name", "outputs", multiple=True, help="Names for the values a step returns, in order.")
 @click.option("--keyframe-every", type=click.IntRange(min=0), default=None, help="State keyframe every K steps [50].")
 @click.option("--ring", type=click.IntRange(min=0), default=None, help="Keep full logits of the last N steps [16].")
-@click.option("--collectives", type=click.Choice(["digest", "full"]), default=None, help="Collective outputs: digests or in full.")
+@click.option("--collectives", type=click.Choice(["digest", "auto", "full"]), default=None,
+              help="Collective outputs: digests, in full, or auto (in full up to 1 MiB each) [auto].")
 @click.option("--durability", type=click.Choice(["step", "async"]), default=None, help="step: no completed step lost on SIGKILL.")
 @click.option("--max-bytes", type=click.IntRange(min=1), default=None, help="Stop recording a rank past this many bytes.")
 @click.option("--check-lockstep", is_flag=True, default=None, help="Compare output digests across ranks every step.")
@@ -49,7 +51,7 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--quiet", is_flag=True, help="Do not print the summary at the end.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def record(out, name, steps, profile, state, config_attr, factory, tuner, modules, graph_capture, graph_replay, outputs,
+def record(out, name, steps, profile, state, config_attr, factory, tuner, modules, graph_capture, graph_replay, probes, outputs,
            keyframe_every, ring, collectives, durability, max_bytes, check_lockstep, stop_on_divergence, node_rank,
            grace, quiet, as_json, cmd) -> int:
     """Run CMD (after --) and record every rank of every Python process it starts."""
@@ -62,7 +64,7 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
         base = RecordSettings(**load_pyproject_settings(Path.cwd()))
         settings = base.merged(
             steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
-            modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), outputs=list(outputs),
+            modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), outputs=list(outputs),
             keyframe_every=keyframe_every, ring=ring, collectives=collectives, durability=durability,
             max_bytes=max_bytes, check_lockstep=check_lockstep, stop_on_divergence=stop_on_divergence,
         )

@@ -141,6 +141,13 @@ def render_step(r: StepRerun) -> str:
                 lines.append(style(f"  {m.mode}: the re-run departed from the recording at {m.departed} (teacher-forced from there)", fg="yellow"))
         for c in m.collective_mismatches[:3]:
             lines.append(style(f"  {m.mode}: {c}", fg="yellow"))
+        if m.error or m.recorded_error:
+            if m.error == m.recorded_error:
+                lines.append(style(f"  {m.mode}: step {r.step} raised, as it did when recorded: {m.error}", fg="yellow"))
+            else:
+                what = f"raised {m.error}" if m.error else "completed"
+                rec = f"raised {m.recorded_error}" if m.recorded_error else "completed"
+                lines.append(style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}", fg="red"))
     rows = []
     for m in r.modes.values():
         for name, c in m.vs_recording.items():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -84,17 +85,36 @@ def write_rank_file(tables: RankTables, path: Path, payload_name: str) -> None:
             f.create_dataset("payload", shape=(0,), dtype="u1")
 
 
+_MAX_ATTR_ITEMS = 4096  # an array attribute longer than this is not one we wrote: dropped
+
+
+def _plain(v: Any) -> Any:
+    """An attribute value as a plain Python value (str, int, float, bool, list), or None."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if isinstance(v, np.generic):
+        v = v.item()
+        return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+    if isinstance(v, np.ndarray):
+        if v.size > _MAX_ATTR_ITEMS:
+            return None
+        return [_plain(x) for x in v.reshape(-1).tolist()]
+    if isinstance(v, (str, int, float, bool)):
+        return v
+    return str(v)[:1000]
+
+
 def _attrs(f: h5py.File) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for k, v in f.attrs.items():
-        if isinstance(v, bytes):
-            v = v.decode("utf-8", "replace")
-        if isinstance(v, np.generic):
-            v = v.item()
+    for k in list(f.attrs):
+        try:
+            v = _plain(f.attrs[k])
+        except (OSError, TypeError, ValueError, KeyError, RuntimeError):
+            continue  # an attribute h5py cannot read (odd type, damaged): not one we wrote
         if k in _JSON_ATTRS and isinstance(v, str):
             try:
                 v = json.loads(v)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         out[k] = v
     return out
@@ -107,17 +127,37 @@ def _check_header(f: h5py.File, path: Path) -> dict[str, Any]:
     return attrs
 
 
+def _open(path: Path) -> h5py.File:
+    # h5py would block forever opening a FIFO, and read a device: only regular files.
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{path.name} is not a regular file")
+    return h5py.File(path, "r")
+
+
 def read_rank_header(path: Path) -> dict[str, Any]:
-    with h5py.File(path, "r") as f:
+    with _open(path) as f:
         return _check_header(f, path)
+
+
+def _strings(ds: Any, name: str, limit: int) -> list[str]:
+    if not isinstance(ds, h5py.Dataset) or ds.ndim != 1:
+        raise ValueError(f"table /{name} is missing")
+    if ds.shape[0] > limit:
+        raise ValueError(f"table /{name} claims {ds.shape[0]} entries, more than the file holds")
+    return [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s) for s in ds[()]]
 
 
 def read_rank_file(path: Path, *, tables: tuple[str, ...] | None = None) -> RankTables:
     """Read a sealed rank file. ``tables`` limits which tables are loaded (the rest are empty)."""
-    with h5py.File(path, "r") as f:
+    with _open(path) as f:
+        # Tables are stored contiguous and uncompressed: one that claims more bytes than the
+        # file holds is damaged or hostile, and reading it could allocate without bound.
+        limit = os.stat(path).st_size + (1 << 20)
         attrs = _check_header(f, path)
         version = attrs.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"{path.name} has no valid format_version attribute")
+        if version > FORMAT_VERSION:
             # Raised before any table is read, so a newer layout is never misread.
             raise _VersionError(version)
         loaded: dict[str, np.ndarray] = {}
@@ -130,17 +170,12 @@ def read_rank_file(path: Path, *, tables: tuple[str, ...] | None = None) -> Rank
             ds = f[name]
             if not isinstance(ds, h5py.Dataset) or ds.dtype != dtype or ds.ndim != 1:
                 raise ValueError(f"table /{name} has the wrong layout")
+            if ds.shape[0] * dtype.itemsize > limit:
+                raise ValueError(f"table /{name} claims {ds.shape[0]} rows, more than the file holds")
             loaded[name] = ds[()]
-        strings_ds = f.get("strings")
-        if not isinstance(strings_ds, h5py.Dataset) or strings_ds.ndim != 1:
-            raise ValueError("table /strings is missing")
-        strings = [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s) for s in strings_ds[()]]
+        strings = _strings(f.get("strings"), "strings", limit)
         events_ds = f.get("events")
-        events = (
-            [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s) for s in events_ds[()]]
-            if isinstance(events_ds, h5py.Dataset)
-            else []
-        )
+        events = _strings(events_ds, "events", limit) if isinstance(events_ds, h5py.Dataset) else []
         payload = f.get("payload")
         payload_size = int(payload.shape[0]) if isinstance(payload, h5py.Dataset) and payload.ndim == 1 else 0
     t = RankTables(attrs=attrs, strings=strings, events=events, payload_size=payload_size, **loaded)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -152,41 +153,55 @@ class JournalScan:
 
 
 def read_journal(path: Path) -> JournalScan:
-    """Read every whole frame of a journal; stop at the first one that is cut short or damaged."""
-    with open(path, "rb") as fh:
-        data = fh.read()
+    """Read every whole frame of a journal; stop at the first one that is cut short or damaged.
+
+    The file is read frame by frame, never whole, and only up to the size it had when opened:
+    a live journal gives a consistent prefix, and a huge or sparse file cannot blow up memory.
+    """
     frames: list[Frame] = []
     pos = 0
     problem: str | None = None
-    n = len(data)
-    while pos < n:
-        if n - pos < _HEADER.size:
-            problem = f"last frame cut short at byte {pos}"
-            break
-        magic, kind, _flags, length, crc = _HEADER.unpack_from(data, pos)
-        if magic != MAGIC:
-            problem = f"no frame marker at byte {pos}"
-            break
-        if length > MAX_FRAME_BYTES:
-            problem = f"frame at byte {pos} claims {length} bytes"
-            break
-        end = pos + _HEADER.size + length
-        if end > n:
-            problem = f"last frame cut short at byte {pos}"
-            break
-        body = data[pos + _HEADER.size : end]
-        if zlib.crc32(body) != crc:
-            problem = f"checksum mismatch in frame at byte {pos}"
-            break
-        try:
-            kind_e = FrameKind(kind)
-            obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            problem = f"unreadable frame at byte {pos}"
-            break
-        if not isinstance(obj, dict):
-            problem = f"unreadable frame at byte {pos}"
-            break
-        frames.append(Frame(kind_e, obj, pos))
-        pos = end
+    # O_NONBLOCK: opening a FIFO put where a journal should be must not block forever.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"{Path(path).name} is not a regular file")
+    with os.fdopen(fd, "rb") as fh:
+        n = st.st_size
+        while pos < n:
+            head = fh.read(_HEADER.size) if n - pos >= _HEADER.size else b""
+            if len(head) < _HEADER.size:
+                problem = f"last frame cut short at byte {pos}"
+                break
+            magic, kind, _flags, length, crc = _HEADER.unpack(head)
+            if magic != MAGIC:
+                problem = f"no frame marker at byte {pos}"
+                break
+            if length > MAX_FRAME_BYTES:
+                problem = f"frame at byte {pos} claims {length} bytes"
+                break
+            end = pos + _HEADER.size + length
+            if end > n:
+                problem = f"last frame cut short at byte {pos}"
+                break
+            body = fh.read(length)
+            if len(body) < length:
+                problem = f"last frame cut short at byte {pos}"
+                break
+            if zlib.crc32(body) != crc:
+                problem = f"checksum mismatch in frame at byte {pos}"
+                break
+            try:
+                kind_e = FrameKind(kind)
+                obj = json.loads(body)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                # RecursionError: a hostile body nested deeper than the parser's stack.
+                problem = f"unreadable frame at byte {pos}"
+                break
+            if not isinstance(obj, dict):
+                problem = f"unreadable frame at byte {pos}"
+                break
+            frames.append(Frame(kind_e, obj, pos))
+            pos = end
     return JournalScan(frames=frames, valid_bytes=pos, total_bytes=n, problem=problem)

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 RECORDING_KIND = "replay-recording"
+_MAX_MANIFEST_BYTES = 16 << 20
 
 # Environment that changes numerics or collective algorithms: kept with every rank file.
 _ENV_PREFIXES = ("NCCL_", "CUBLAS_", "CUBLASLT_", "TORCH_", "CUDA_", "PYTORCH_", "TRITON_", "NVIDIA_TF32")
@@ -153,11 +155,21 @@ def read_manifests(recording: Path) -> list[dict[str, Any]]:
     """Every manifest file of a recording (node 0's first); unreadable ones raise ValueError."""
     out = []
     for p in sorted(recording.glob("manifest*.json"), key=lambda p: (p.name != "manifest.json", p.name)):
-        if p.stat().st_size > (16 << 20):
+        try:
+            # Only a regular file, read with a bound: a manifest that is a link to /dev/zero or a
+            # FIFO must neither fill memory nor block.
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(fd, "rb") as fh:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError(f"{p.name} is not a regular file")
+                raw = fh.read(_MAX_MANIFEST_BYTES + 1)
+        except OSError as e:
+            raise ValueError(f"{p.name} cannot be read ({e.strerror or e.__class__.__name__})") from None
+        if len(raw) > _MAX_MANIFEST_BYTES:
             raise ValueError(f"{p.name} is implausibly large")
         try:
-            data = json.loads(p.read_text())
-        except (OSError, ValueError, UnicodeDecodeError) as e:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ValueError(f"{p.name} is not valid JSON ({e.__class__.__name__})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{p.name} is not a JSON object")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from replay.format.seal import journal_is_live
 from replay.format.tables import RankTables, build_tables
 
 __all__ = ["Recording", "Part", "RankFile", "StepView", "open_recording", "find_recordings", "resolve_recording"]
+
+# The most ranks a recording may declare (a larger world_size attribute is taken as damage).
+MAX_WORLD_SIZE = 1 << 16
 
 # Small tables that `info` needs; /tensors, /collectives and /replays grow with the run.
 _SUMMARY_TABLES = ("steps", "fields", "graphs", "kernels", "tuner")
@@ -158,23 +162,34 @@ class RankFile:
 
     def _load(self, full: bool) -> RankTables:
         try:
-            if self.sealed:
-                return _h5.read_rank_file(self.h5_path, tables=None if full else _SUMMARY_TABLES)
-            scan = read_journal(self.journal_path)
-            self._journal_problem = scan.problem
-            size = self.payload_path.stat().st_size if self.payload_path.exists() else 0
-            t = build_tables(scan.frames, payload_size=size)
-            if scan.problem and not self.live:
-                t.attrs["journal_problem"] = scan.problem
-                t.attrs["lost_bytes"] = scan.total_bytes - scan.valid_bytes
-            return t
+            if not self.sealed:
+                try:
+                    return self._load_journal()
+                except FileNotFoundError:
+                    if not self.h5_path.exists():
+                        raise
+                    # Sealed (by its recorder at exit) between our listing and our read.
+                    self.sealed, self.live = True, False
+            return _h5.read_rank_file(self.h5_path, tables=None if full else _SUMMARY_TABLES)
         except _h5._VersionError as e:
             raise FormatVersionError(
                 f"{self.path}: written by format version {e.version}; this replay reads versions up to "
                 f"{FORMAT_VERSION}: upgrade replay to open it"
             ) from None
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, OverflowError) as e:
             raise RecordingDamaged(f"{self.path}: cannot be read ({_describe(e)}); `replay verify` says more") from None
+
+    def _load_journal(self) -> RankTables:
+        scan = read_journal(self.journal_path)
+        self._journal_problem = scan.problem
+        # The payload's size is taken after the frames are read: every whole frame points at
+        # bytes written before it, so a live journal still reads consistently.
+        size = self.payload_path.stat().st_size if self.payload_path.exists() else 0
+        t = build_tables(scan.frames, payload_size=size)
+        if scan.problem and not self.live:
+            t.attrs["journal_problem"] = scan.problem
+            t.attrs["lost_bytes"] = scan.total_bytes - scan.valid_bytes
+        return t
 
     @property
     def tables(self) -> RankTables:
@@ -233,7 +248,16 @@ class RankFile:
         if offset < 0 or offset + nbytes > t.payload_size:
             raise RecordingDamaged(f"{self.path}: tensor {name!r} lies outside the payload file")
         try:
-            with open(self.payload_path, "rb") as fh:
+            # O_NONBLOCK and the checks below: a FIFO or device put where the payload should be
+            # must not block, and a row claiming more bytes than the file has must not make us
+            # allocate them.
+            fd = os.open(self.payload_path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(fd, "rb") as fh:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise RecordingDamaged(f"{self.payload_path}: is not a regular file")
+                if offset + nbytes > st.st_size:
+                    raise RecordingDamaged(f"{self.payload_path}: ends before tensor {name!r} (file truncated)")
                 fh.seek(offset)
                 data = fh.read(nbytes)
         except OSError as e:
@@ -266,7 +290,7 @@ class RankFile:
             return None
         row = k[np.argmax(k["step"])]
         first, n = int(row["first_tensor"]), int(row["n_tensors"])
-        if first < 0 or first + n > t.tensors.size:
+        if first < 0 or n < 0 or first + n > t.tensors.size:
             raise RecordingDamaged(f"{self.path}: keyframe at step {int(row['step'])} points outside /tensors")
         rows = t.tensors[first : first + n]
         return int(row["step"]), {t.string(int(r["name"])): self.read_tensor(r) for r in rows}
@@ -304,12 +328,18 @@ class Part(Mapping[int, RankFile]):
 
     @property
     def world_size(self) -> int:
-        """The world size the ranks declared (a damaged rank file is skipped, not fatal)."""
+        """The world size the ranks declared (a damaged rank file is skipped, not fatal).
+
+        A declared size beyond ``MAX_WORLD_SIZE`` is damage, not a run: it is ignored, so that
+        listing the ranks it says are missing cannot take unbounded time and memory.
+        """
         sizes = {len(self._files)}
         for f in self._files.values():
             try:
-                sizes.add(int(f.attrs.get("world_size", 0)))
-            except (RecordingDamaged, ValueError, TypeError):
+                ws = f.attrs.get("world_size", 0)
+                if isinstance(ws, int) and 0 < ws <= MAX_WORLD_SIZE:
+                    sizes.add(ws)
+            except RecordingDamaged:
                 continue
         return max(sizes)
 

@@ -44,7 +44,8 @@ def journal_is_live(journal: Path) -> bool:
     A sealer holds the same lock while it seals, so a journal being sealed also reads as live.
     """
     try:
-        fd = os.open(journal, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: a FIFO where a journal should be must not block the reader.
+        fd = os.open(journal, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return False
     try:
@@ -63,8 +64,8 @@ def _lock_for_sealing(journal: Path) -> int | None:
     must not race: the loser would find the journal gone, or remove the winner's file.
     """
     try:
-        fd = os.open(journal, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
+        fd = os.open(journal, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

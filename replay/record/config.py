@@ -41,8 +41,13 @@ class RecorderConfig:
     outputs: Literal["digest", "full"] = "digest"
     """Step outputs: digests only, or exact bits too."""
 
-    collectives: Literal["digest", "full"] = "digest"
-    """Collective outputs: digests only, or in full (a single rank can then be replayed alone)."""
+    collectives: Literal["digest", "auto", "full"] = "auto"
+    """Collective outputs: digests only, in full (a single rank can then be replayed alone), or
+    ``auto``: in full when an output is at most ``collective_full_bytes`` (lockstep all-gathers
+    of token counts, small decode all-reduces), digests otherwise."""
+
+    collective_full_bytes: int = 1 << 20
+    """With ``collectives="auto"``: the largest output kept in full."""
 
     logits: str | None = "logits"
     """Name of the step output holding logits: its top-1/top-2 margin is recorded every step."""
@@ -74,9 +79,11 @@ class RecorderConfig:
             raise ValueError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
         if self.durability not in ("step", "async"):
             raise ValueError(f"durability must be 'step' or 'async', not {self.durability!r}")
-        for name in ("inputs", "outputs", "collectives"):
+        for name in ("inputs", "outputs"):
             if getattr(self, name) not in _MODES:
                 raise ValueError(f"{name} must be one of {', '.join(_MODES)}")
+        if self.collectives not in ("digest", "auto", "full"):
+            raise ValueError("collectives must be one of digest, auto, full")
         if self.keyframe_every < 0 or self.ring < 0 or self.queue_depth < 1:
             raise ValueError("keyframe_every and ring must be >= 0, queue_depth >= 1")
         if not self.part or "/" in self.part or self.part.startswith("."):

@@ -47,6 +47,8 @@ class Profile:
     steps: tuple[StepSpec, ...]
     graph_capture: tuple[str, ...] = ()
     graph_replay: tuple[str, ...] = ()
+    probes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Callables inside a step whose outputs are recorded as fields: (target, output names)."""
     description: str = ""
     toggles_doc: dict[str, str] = field(default_factory=dict)
 
@@ -72,5 +74,8 @@ PROFILES: dict[str, Profile] = {
         ),
         graph_capture=(f"{_MTP}.graphs:GraphRunner.capture",),
         graph_replay=(f"{_MTP}.graphs:GraphRunner.replay",),
+        # Greedy acceptance runs before the lockstep check that raises on drift: probing it
+        # records the tokens each rank computed at the step where they first disagree.
+        probes=((f"{_MTP}.engine:Engine.accept", ("tokens", "accepted")),),
     ),
 }

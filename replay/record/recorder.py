@@ -276,7 +276,7 @@ class Recorder:
                 e = self._entry(st, name, TensorKind.OUTPUT, t, store=cfg.outputs == "full")
                 st.groups.setdefault("outputs", []).append(e)
                 if name == cfg.logits and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
-                    self._logits(st, t, e)
+                    self._logits(st, t, e.host)
             if name == cfg.accepted:
                 if t.device.type == "cuda":
                     st.accepted_src = t
@@ -292,23 +292,57 @@ class Recorder:
         for name, t in tensors.items():
             st.groups.setdefault("tokens", []).append(self._entry(st, name, TensorKind.TOKENS, t, store=True))
 
-    def _logits(self, st: _Step, t: torch.Tensor, e: Entry) -> None:
+    @_failsafe()
+    def record_logits(self, t: torch.Tensor) -> None:
+        """The step's logits, for its top-2 margin and the logits ring, without adding a field
+        (a probe sees them before a step that later raises could return them)."""
+        st = self._cur
+        if st is not None and isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
+            self._logits(st, t, None)
+
+    def _logits(self, st: _Step, t: torch.Tensor, host_copy: torch.Tensor | None) -> None:
         if t.device.type == "cuda":
             top = t.detach().float().topk(2, dim=-1).values
             st.margin_dev = (top[..., 0] - top[..., 1]).min()
         else:
-            st.margin_src = e.host
+            if host_copy is None:
+                host_copy = t.detach().clone()
+            st.margin_src = host_copy
         if self.config.ring:
+            dtype, shape = dtype_to_str(t.dtype), tuple(t.shape)
             if t.device.type == "cuda":
                 host, buf = self._pool.get(t.dtype, tuple(t.shape))
                 host.copy_(t.detach(), non_blocking=True)
-                ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=e.dtype, shape=e.shape, host=host, store=True, release=buf)
+                ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=dtype, shape=shape, host=host, store=True, release=buf)
             else:
-                ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=e.dtype, shape=e.shape, host=e.host, store=True)
+                ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=dtype, shape=shape, host=host_copy, store=True)
+            if self._ring and self._ring[-1][0] == st.index:
+                # The same step's logits seen twice (a probe, then the step's output): keep one.
+                old = self._ring.pop()[1]
+                if old.release is not None:
+                    self._pool.release(old.release)
             if len(self._ring) == self._ring.maxlen and self._ring[0][1].release is not None:
                 # Only after the copy into it has landed: the step that filled it is long done.
                 self._pool.release(self._ring[0][1].release)
             self._ring.append((st.index, ring_e))
+
+    @_failsafe()
+    def record_probe(self, name: str, **tensors: torch.Tensor) -> None:
+        """Outputs of a callable inside the step (a probe), as fields of the step in call order.
+
+        Integer tensors count as tokens (compared first for token divergence), the rest as outputs.
+        Probes see what a step computed even when the step later raises (a lockstep check)."""
+        st = self._cur
+        if st is None:
+            return
+        for k, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            label = f"{name}.{k}"
+            if t.is_floating_point() or t.is_complex():
+                st.groups.setdefault("outputs", []).append(self._entry(st, label, TensorKind.OUTPUT, t, store=False))
+            else:
+                st.groups.setdefault("tokens", []).append(self._entry(st, label, TensorKind.TOKENS, t, store=True))
 
     @_failsafe()
     def set_run(self, mode: str, *, key: str = "", padded_size: int = -1, reason: str = "") -> None:
@@ -459,9 +493,14 @@ class Recorder:
         st = self._cur
         ordinal = self._collective_counter
         self._collective_counter += 1
-        full = self.config.collectives == "full"
+        mode = self.config.collectives
+        limit = self.config.collective_full_bytes
+
+        def keep(t: torch.Tensor) -> bool:
+            return mode == "full" or (mode == "auto" and t.numel() * t.element_size() <= limit)
+
         ins = [self._entry(st, f"in{i}", TensorKind.COLLECTIVE, t, store=False) for i, t in enumerate(inputs)]
-        outs = [self._entry(st, f"{op}.{ordinal}.out{i}", TensorKind.COLLECTIVE, t, store=full) for i, t in enumerate(outputs)]
+        outs = [self._entry(st, f"{op}.out{i}", TensorKind.COLLECTIVE, t, store=keep(t)) for i, t in enumerate(outputs)]
         meta = {
             "ordinal": ordinal,
             "op": op,
@@ -523,19 +562,29 @@ class Recorder:
             except Exception as e:  # noqa: BLE001
                 self._fail(e)
         w = self._writer
-        sealed = False
-        if w is not None and not self._disabled:
-            if w.stop(timeout=self.config.sync_timeout_s):
-                w.journal.close()
-                self._release_lock()
-                try:
-                    sealed = seal_rank(self.part_dir, self.config.rank, force=True) is not None
-                except Exception as e:  # noqa: BLE001
-                    log.warning("could not seal rank %d (%s); its journal is kept and readable", self.config.rank, e)
-        if not sealed:
-            if w is not None and not w._thread.is_alive():
-                w.journal.close()
-            self._release_lock()
+        if w is not None and self._disabled:
+            self._mark_stopped(w)
+        elif w is not None and w.stop(timeout=self.config.sync_timeout_s):
+            w.journal.close()
+            try:
+                # Still holding this rank's lock: `replay record`, sealing what its command left
+                # behind, must not seal the same journal at the same time.
+                seal_rank(self.part_dir, self.config.rank, force=True)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not seal rank %d (%s); its journal is kept and readable", self.config.rank, e)
+        if w is not None and not w._thread.is_alive():
+            w.journal.close()
+        self._release_lock()
+
+    def _mark_stopped(self, w: Writer) -> None:
+        """End the journal with why recording stopped, so that readers do not take it for a crash."""
+        try:
+            if not w.stop(timeout=2.0):
+                return  # the writer is stuck (a hung filesystem): leave the journal as it is
+            body = {"ended_at": time.time(), "status": "stopped", "error": self.error, "steps": self._step_counter}
+            w.journal.write_frame(FrameKind.CLOSE, body, over_budget=True)
+        except Exception:  # noqa: BLE001 - a full disk cannot take this frame either; the journal stays readable
+            pass
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:

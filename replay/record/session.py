@@ -172,6 +172,8 @@ class Session:
             self._arm(t, self._wrap_capture)
         for t in s.graph_replay:
             self._arm(t, self._wrap_replay)
+        for t in s.probes:
+            self._arm(t, lambda fn, tt: self._wrap_probe(fn, tt, ()))
         if s.profile not in ("none", "auto") and s.profile not in PROFILES:
             raise ValueError(f"unknown profile {s.profile!r} (profiles: {', '.join(PROFILES)}, auto, none)")
         profiles = list(PROFILES.values()) if s.profile == "auto" else [PROFILES[s.profile]] if s.profile in PROFILES else []
@@ -206,6 +208,8 @@ class Session:
             self._patch(t, self._wrap_capture)
         for t in p.graph_replay:
             self._patch(t, self._wrap_replay)
+        for t, names in p.probes:
+            self._patch(t, lambda fn, tt, names=names: self._wrap_probe(fn, tt, names))
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -324,6 +328,10 @@ class Session:
             self.warn_once(f"config:{spec.step}", f"cannot record the config of {spec.step} ({e}); re-runs will need --factory")
         devices = {str(t.device) for t in inputs.values()}
         info["device"] = sorted(devices)[0] if devices else "cpu"
+        probes = [[t, []] for t in self.settings.probes]
+        if spec.profile in PROFILES:
+            probes += [[t, list(names)] for t, names in PROFILES[spec.profile].probes]
+        info["probes"] = probes
         return info
 
     def _recorder_for(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor]) -> Recorder | None:
@@ -400,6 +408,26 @@ class Session:
             )
         elif not self._step_replays:
             rec.set_run("eager", reason="no graph replayed during the step")
+
+    def _wrap_probe(self, fn: Callable[..., Any], target: str, names: tuple[str, ...]) -> Callable[..., Any]:
+        label = target.partition(":")[2].split(".")[-1]
+        sig = inspect.signature(fn)
+        logits_name = "logits"
+
+        def probe_wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            rec = self.recorder
+            if rec is not None and getattr(self._local, "depth", 0) and not _capturing():
+                rec.record_probe(label, **name_outputs(out, names))
+                try:
+                    lg = sig.bind(*args, **kwargs).arguments.get(logits_name)
+                except TypeError:
+                    lg = None
+                if isinstance(lg, torch.Tensor):
+                    rec.record_logits(lg)
+            return out
+
+        return probe_wrapper
 
     # -- tuner choices -----------------------------------------------------------------------
 

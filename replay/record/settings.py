@@ -54,13 +54,17 @@ class RecordSettings:
     modules: str | None = None
     """Attribute of the step's object holding its ``nn.Module`` (for per-layer bisection)."""
 
+    probes: list[str] = field(default_factory=list)
+    """Callables called inside a step whose outputs are recorded as fields of the step (they
+    show what a step computed even when it later raises)."""
+
     outputs: list[str] = field(default_factory=list)
     """Names for a step's returned values when it returns a tuple (default: out0, out1, ...)."""
 
     keyframe_every: int = 50
     ring: int = 16
     inputs: Literal["digest", "full"] = "full"
-    collectives: Literal["digest", "full"] = "digest"
+    collectives: Literal["digest", "auto", "full"] = "auto"
     durability: Literal["step", "async"] = "step"
     max_bytes: int | None = None
     check_lockstep: bool = False
@@ -70,7 +74,7 @@ class RecordSettings:
     """Capture CUDA graphs in debug mode to list the kernels inside them."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "graph_capture", "graph_replay"):
+        for name in ("steps", "graph_capture", "graph_replay", "probes"):
             for target in getattr(self, name):
                 if ":" not in target:
                     raise ValueError(f"{target!r} is not of the form module:qualname")
@@ -91,7 +95,7 @@ class RecordSettings:
         for k, v in overrides.items():
             if v is None or v == [] or v == ():
                 continue
-            if k in ("steps", "graph_capture", "graph_replay") and data.get(k):
+            if k in ("steps", "graph_capture", "graph_replay", "probes") and data.get(k):
                 data[k] = list(dict.fromkeys([*data[k], *v]))
             else:
                 data[k] = v

@@ -21,11 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import replay
+from replay.errors import UsageError
+from replay.log import get_logger
 from replay.format.manifest import write_manifest
 from replay.format.seal import SealResult, journal_is_live, seal_part
 from replay.record.settings import ENV_DIR, ENV_SETTINGS, RecordSettings
 
 __all__ = ["RecordResult", "record_command", "recording_dir_for", "child_environment"]
+
+log = get_logger("replay.record")
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -94,7 +98,13 @@ def record_command(
     node: int | None = None,
     grace_s: float = 30.0,
 ) -> RecordResult:
-    """Run ``cmd`` recording into ``out``; return once it has ended and its files are sealed."""
+    """Run ``cmd`` recording into ``out``; return once it has ended and its files are sealed.
+
+    Before CMD starts, a recording directory that cannot be written is a ``UsageError`` (nothing
+    has run yet). Once CMD has started, nothing the recording does can change the result: a
+    journal that cannot be sealed stays a readable journal, a manifest that cannot be written is
+    a warning, and the exit code is always CMD's.
+    """
     env = child_environment(out, settings)
     started = time.time()
     manifest: dict[str, Any] = {
@@ -107,19 +117,24 @@ def record_command(
         "settings": _settings_json(settings),
         "replay_version": replay.__version__,
     }
-    write_manifest(out, manifest, node=node)
     try:
-        proc = subprocess.Popen(cmd, env=env, process_group=0)
-    except OSError as e:
-        manifest.update(status="failed to start", error=str(e), ended_at=time.time())
         write_manifest(out, manifest, node=node)
-        raise
-    tty = _take_terminal(proc.pid)
+    except OSError as e:
+        raise UsageError(
+            f"cannot write the recording to {out} ({e.strerror or e}): choose a writable directory with --out"
+        ) from None
+    # Installed before CMD starts, so that a signal sent to us in between is not lost: it is
+    # delivered to CMD's group as soon as there is one.
+    child: list[int] = []
+    pending: list[int] = []
     previous = {}
 
     def forward(signum: int, _frame: Any) -> None:
+        if not child:
+            pending.append(signum)
+            return
         try:
-            os.killpg(proc.pid, signum)
+            os.killpg(child[0], signum)
         except ProcessLookupError:
             pass
 
@@ -128,7 +143,18 @@ def record_command(
             previous[sig] = signal.signal(sig, forward)
         except (ValueError, OSError):
             pass
+    tty = None
     try:
+        try:
+            proc = subprocess.Popen(cmd, env=env, process_group=0)
+        except OSError as e:
+            manifest.update(status="failed to start", error=str(e), ended_at=time.time())
+            _try_write_manifest(out, manifest, node)
+            raise
+        child.append(proc.pid)
+        tty = _take_terminal(proc.pid)
+        for signum in pending:
+            forward(signum, None)
         while True:
             try:
                 rc = proc.wait()
@@ -139,29 +165,61 @@ def record_command(
         _give_back_terminal(tty)
         for sig, h in previous.items():
             signal.signal(sig, h)
-    # Rank processes can outlive CMD (a launcher killed first): give them a moment to finish.
-    deadline = time.monotonic() + grace_s
-    while _any_live(out) and time.monotonic() < deadline:
-        time.sleep(0.1)
     result = RecordResult(path=out, exit_code=rc if rc >= 0 else 128 - rc, signal=-rc if rc < 0 else None)
-    for part in sorted(p for p in out.iterdir() if p.is_dir()):
-        for r in seal_part(part):
-            result.sealed.append((part.name, r))
-    result.still_live = [str(j.relative_to(out)) for j in _any_live(out)]
-    # Empty part directories (a process group that never got to record) would only confuse.
-    for part in out.iterdir():
-        if part.is_dir() and not any(part.iterdir()):
-            part.rmdir()
+    try:
+        _finish(out, result, grace_s)
+    except OSError as e:
+        _warn(f"could not finish the recording in {out} ({e}); its journals are kept and readable")
     manifest.update(
         status="complete" if not result.still_live else "ranks still running",
         exit_code=result.exit_code,
         signal=result.signal,
         ended_at=time.time(),
-        parts=sorted(p.name for p in out.iterdir() if p.is_dir()),
+        parts=_parts(out),
         still_live=result.still_live,
     )
-    write_manifest(out, manifest, node=node)
+    _try_write_manifest(out, manifest, node)
     return result
+
+
+def _finish(out: Path, result: RecordResult, grace_s: float) -> None:
+    """Wait for ranks that outlive CMD, seal what they left, tidy empty parts."""
+    # Rank processes can outlive CMD (a launcher killed first): give them a moment to finish.
+    deadline = time.monotonic() + grace_s
+    while _any_live(out) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for part in sorted(p for p in out.iterdir() if p.is_dir()):
+        for r in seal_part(part):
+            if r.error is not None:
+                _warn(f"could not seal {part.name} rank {r.rank} ({r.error}); its journal is kept and readable")
+            result.sealed.append((part.name, r))
+    result.still_live = [str(j.relative_to(out)) for j in _any_live(out)]
+    # Empty part directories (a process group that never got to record) would only confuse.
+    for part in out.iterdir():
+        try:
+            if part.is_dir() and not any(part.iterdir()):
+                part.rmdir()
+        except OSError:
+            pass
+
+
+def _parts(out: Path) -> list[str]:
+    try:
+        return sorted(p.name for p in out.iterdir() if p.is_dir())
+    except OSError:
+        return []
+
+
+def _try_write_manifest(out: Path, manifest: dict[str, Any], node: int | None) -> None:
+    try:
+        write_manifest(out, manifest, node=node)
+    except OSError as e:
+        _warn(f"could not write the manifest of {out} ({e.strerror or e}); the rank files are kept")
+
+
+def _warn(message: str) -> None:
+    # One line on stderr: the wrapper's result is CMD's exit code, whatever happened here.
+    log.warning("%s", message)
 
 
 def _settings_json(settings: RecordSettings) -> dict[str, Any]:

@@ -58,10 +58,14 @@ class ModeRun:
     matches_ranks: dict[str, list[int]] = field(default_factory=dict)  # output -> ranks whose bits it has
     graph: str = ""
     seconds: float = 0.0
+    error: str | None = None  # the step raised in the re-run
+    recorded_error: str | None = None  # the step raised when recorded
 
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "error": self.error,
+            "recorded_error": self.recorded_error,
             "digests": {k: f"{v:016x}" for k, v in self.digests.items()},
             "repeats_equal": self.repeats_equal,
             "departed": {"step": self.departed.step, "field": self.departed.field} if self.departed else None,
@@ -139,8 +143,28 @@ class _StepDriver:
         self.collectives = collectives
         self.outputs_names = outputs_names
         self.graphed = graphed
+        self.probed: dict[str, torch.Tensor] = {}
+        self.last_error: str | None = None
+
+    def probe_sink(self, label: str, outputs: dict[str, Any]) -> None:
+        for k, v in outputs.items():
+            if isinstance(v, torch.Tensor):
+                self.probed[f"{label}.{k}" if label else k] = v.detach().to("cpu", copy=True)
 
     def __call__(self, step: int) -> dict[str, torch.Tensor]:
+        """Run one step; a step that raises returns what its probes saw (``last_error`` says why)."""
+        self.probed = {}
+        self.last_error = None
+        try:
+            outs = self._call(step)
+        except (RerunError, UsageError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a recorded step may raise (a lockstep check): compare it
+            self.last_error = f"{e.__class__.__name__}: {e}"
+            outs = {}
+        return {**self.probed, **outs}
+
+    def _call(self, step: int) -> dict[str, torch.Tensor]:
         view = self.rf.step(step)
         inputs = {k: _to_device(v, self.device) for k, v in view.inputs.items()}
         args = _step_args(self.rf, step)
@@ -251,6 +275,7 @@ class Replayer:
         self._ctx: contextlib.ExitStack | None = None
         self.departed: StepDeparture | None = None
         self.position: int | None = None  # the step the target's state is at the start of
+        self.last_outputs: dict[str, torch.Tensor] = {}  # outputs of the last step scan() ran
 
     @property
     def factory_name(self) -> str | None:
@@ -283,10 +308,14 @@ class Replayer:
         self._ctx = contextlib.ExitStack()
         if self.collectives is not None:
             self._ctx.enter_context(self.collectives.installed())
+        self._driver = _StepDriver(self.rf, target, self.device, self.collectives, self.spec.outputs, graphed)
+        if self.spec.probes:
+            from replay.rerun.probes import installed_probes
+
+            self._ctx.enter_context(installed_probes(self.spec.probes, self._driver.probe_sink))
         if self.mode == "cudagraph":
             target.prepare()
         self.target = target
-        self._driver = _StepDriver(self.rf, target, self.device, self.collectives, self.spec.outputs, graphed)
         return target
 
     def goto(self, step: int, *, keyframe_at: int | None = None, progress: Callable[..., Iterable[int]] = lambda it, label="": it) -> StepDeparture | None:
@@ -308,11 +337,56 @@ class Replayer:
         return self.departed
 
     def run(self, step: int) -> dict[str, torch.Tensor]:
-        """Run recorded step ``step`` from the current state; its outputs on the CPU."""
+        """Run recorded step ``step`` from the current state; its outputs on the CPU.
+
+        If the step raises (as a recorded step that raised will), ``last_error`` says how and the
+        outputs are those its probes saw."""
         assert self._driver is not None, "build() and goto() first"
         outs = self._driver(step)
         self.position = step + 1
         return outs
+
+    @property
+    def last_error(self) -> str | None:
+        return self._driver.last_error if self._driver is not None else None
+
+    def departure(self, step: int, outs: dict[str, torch.Tensor]) -> StepDeparture | None:
+        """Where ``outs`` (this re-run of ``step``) leave the recorded digests; None if they do not.
+
+        A step that raised in the re-run but not when recorded departs too (field ``error``).
+        """
+        bad = _departure(outs, _recorded_fields(self.rf, step))
+        if bad is None and self.last_error is not None and self.rf.step(step).ok:
+            bad = "error"
+        return StepDeparture(step, bad) if bad else None
+
+    def scan(self, first: int, last: int, *, stop: bool = True) -> StepDeparture | None:
+        """Re-run steps up to ``last`` from the keyframe at or before ``first``, teacher-forced.
+
+        Each step from the keyframe on is compared with the recording and the first that departs
+        is returned (None: all re-ran as recorded); with ``stop`` the scan ends there, so it runs
+        no more steps than it needs. A target without state starts at ``first`` itself, since its
+        steps do not depend on each other. ``last_outputs`` holds the outputs of the last step run.
+        """
+        if self.target is None:
+            self.build()
+        assert self.target is not None and self._driver is not None
+        kf_step = first
+        if self.spec.state is not None:
+            kf_step, kf_state = self.keyframe_for(first)
+            if kf_state:
+                self.target.load_state(kf_state)
+        self.keyframe = kf_step
+        found: StepDeparture | None = None
+        for s in range(kf_step, last + 1):
+            self.last_outputs = self._driver(s)
+            self.position = s + 1
+            dep = self.departure(s, self.last_outputs)
+            if dep is not None and found is None:
+                found = dep
+                if stop:
+                    break
+        return found
 
     def close(self) -> None:
         if self._ctx is not None:
@@ -364,6 +438,9 @@ def rerun_step(
             saved = rp.target.snapshot() if repeat > 1 else None  # type: ignore[union-attr]
             outs = rp.run(step)
             run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed)
+            run.error = rp.last_error
+            view = rf.step(step)
+            run.recorded_error = None if view.ok else view.reason
             info = getattr(rp.target.obj, "last_run_info", None)  # type: ignore[union-attr]
             if isinstance(info, dict):
                 run.graph = f"{info.get('mode', '')} {info.get('key', '')}".strip() + (f" ({info['reason']})" if info.get("reason") else "")
@@ -381,6 +458,8 @@ def rerun_step(
         for name, t in outs.items():
             key = next((p + name for p in ("output.", "tokens.") if p + name in recorded), None)
             if key is None:
+                if name == "logits" and ring is not None and ring.shape == t.shape:
+                    run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
                 continue
             if name == "logits" and ring is not None and ring.shape == t.shape:
                 run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")

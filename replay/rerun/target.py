@@ -38,6 +38,7 @@ class TargetSpec:
     device: str
     outputs: list[str] = field(default_factory=list)
     profile: str | None = None
+    probes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
 
     @classmethod
     def from_rank_file(cls, rf: RankFile) -> "TargetSpec":
@@ -56,6 +57,8 @@ class TargetSpec:
             device=str(t.get("device") or "cpu"),
             outputs=[str(x) for x in t.get("outputs") or []],
             profile=t.get("profile") if isinstance(t.get("profile"), str) else None,
+            probes=[(str(p[0]), tuple(str(n) for n in p[1])) for p in t.get("probes") or []
+                    if isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)],
         )
 
 

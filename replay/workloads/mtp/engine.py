@@ -87,7 +87,9 @@ def _set_numerics(config: EngineConfig, device: torch.device) -> None:
     torch.backends.cudnn.allow_tf32 = config.tf32
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(config.deterministic)
+    if torch.are_deterministic_algorithms_enabled() != config.deterministic:
+        # Only when it changes: the setter imports torch._dynamo, seconds of a rank's start-up.
+        torch.use_deterministic_algorithms(config.deterministic)
 
 
 class Engine:
