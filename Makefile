@@ -38,5 +38,10 @@ bench: setup
 soak: setup
 	$(PYTEST) -q -m slow tests/test_soak.py -p no:cacheprovider
 
+# Render a report (RUN=path, or a synthetic demo recording) and screenshot it in headless
+# Chromium (apt-get install chromium).
+report-check: setup
+	$(PYTHON) scripts/report_check.py $(if $(RUN),$(RUN),--demo)
+
 clean:
 	rm -rf .make .pytest_cache build *.egg-info

@@ -14,6 +14,8 @@ from replay.record.settings import current
 __all__ = ["start", "session"]
 
 _session: Session | None = None
+# How long a SIGTERM waits for the recorder to write its end marker and seal before dying.
+_SIGTERM_SHUTDOWN_S = 10.0
 
 
 def session() -> Session | None:
@@ -45,7 +47,12 @@ def _close_on_sigterm(s: Session) -> None:
 
     def handler(signum: int, frame: Any) -> None:
         try:
-            s.shutdown()
+            # On a thread, with a bound: the signal may have interrupted the main thread while it
+            # held a lock that shutting down needs (the writer queue's), and dying late is
+            # better than not dying. Steps already written are kept either way.
+            t = threading.Thread(target=s.shutdown, name="replay-sigterm", daemon=True)
+            t.start()
+            t.join(_SIGTERM_SHUTDOWN_S)
         finally:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

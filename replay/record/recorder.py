@@ -159,7 +159,10 @@ class Recorder:
 
     def _fail(self, e: BaseException) -> None:
         self._disabled = True
-        self.error = f"{e.__class__.__name__}: {e}"
+        if self.error is None:
+            # The first failure is the cause; later ones (a step's wait seeing the dead writer)
+            # only repeat it.
+            self.error = f"{e.__class__.__name__}: {e}"
         if not self._warned:
             self._warned = True
             log.warning(

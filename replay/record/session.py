@@ -35,7 +35,13 @@ _SCALARS = (int, float, bool, str, type(None))
 
 def allocate_part(out: Path) -> str:
     """Create the next free ``run-NNN`` directory (atomic, also across nodes on a shared FS)."""
-    out.mkdir(parents=True, exist_ok=True)
+    # An unwritable directory must not raise into the program (this runs inside its step or
+    # init_process_group call, and the other ranks wait for rank 0's answer): the name is
+    # returned anyway, and the recorder that cannot open it switches itself off with a warning.
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return "run-000"
     for i in range(100_000):
         name = f"run-{i:03d}"
         try:
@@ -43,6 +49,8 @@ def allocate_part(out: Path) -> str:
             return name
         except FileExistsError:
             continue
+        except OSError:
+            return name
     raise RuntimeError(f"no free part name under {out}")
 
 

@@ -221,6 +221,17 @@ def _ranks_with(part: Part, step: int, fieldname: str, value: int) -> list[int]:
     return out
 
 
+def _ranks_with_ring_logits(part: Part, step: int, value: int) -> list[int]:
+    """Ranks whose logits ring kept this step with exactly these bits (digests only, no payload)."""
+    out = []
+    for r, rf in part.items():
+        t = rf.full().tensors
+        rows = t[(t["kind"] == TensorKind.LOGITS) & (t["step"] == step)]
+        if rows.size and int(rows["digest"][-1]) == value:
+            out.append(r)
+    return out
+
+
 def _ring_logits(rf: RankFile, step: int) -> torch.Tensor | None:
     t = rf.full()
     rows = t.tensors[(t.tensors["kind"] == TensorKind.LOGITS) & (t.tensors["step"] == step)]
@@ -460,6 +471,7 @@ def rerun_step(
             if key is None:
                 if name == "logits" and ring is not None and ring.shape == t.shape:
                     run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
+                    run.matches_ranks[name] = _ranks_with_ring_logits(part, step, run.digests[name])
                 continue
             if name == "logits" and ring is not None and ring.shape == t.shape:
                 run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")

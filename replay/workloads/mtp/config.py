@@ -128,6 +128,9 @@ class EngineConfig:
     """Warm-up runs before each capture; the tuner times its candidates during these."""
     device: str = "cpu"
     dtype: str = "float32"
+    max_seq_len: int = 0
+    """Longest sequence a request may reach (0: the preset's). A request that reaches it restarts
+    with a fresh prompt, a prefill between two decode steps."""
     cpu_threads: int = 1
     """Intra-op threads on CPU, fixed so a re-run in another process computes the same bits."""
     # -- cause 1: per-rank autotuning ------------------------------------------------------------
@@ -173,6 +176,8 @@ class EngineConfig:
             raise ValueError(f"unknown tuner mode {self.tuner!r}; choose one of {list(TUNER_MODES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {list(DTYPES)}")
+        if self.max_seq_len < 0:
+            raise ValueError(f"max_seq_len must be 0 (preset) or positive, got {self.max_seq_len}")
         for name in ("ranks", "k", "batch", "prompt_len_min", "warmup_iters", "cpu_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -188,6 +193,8 @@ class EngineConfig:
             _parse_force_tactic(spec)
 
     def model_args(self) -> ModelArgs:
+        if self.max_seq_len:
+            return ModelArgs.from_preset(self.preset, max_seq_len=self.max_seq_len)
         return ModelArgs.from_preset(self.preset)
 
     def forced_tactics(self, rank: int) -> dict[str, str]:

@@ -1,0 +1,388 @@
+"""Bisection across layers: the first module whose output differs between two executions of a step.
+
+The two executions (``--between A,B``) are re-runs of one recorded step:
+
+- ``eager`` / ``cudagraph``: rank R in that mode;
+- ``rank:N``: rank N, from its own keyframe, inputs and collectives, in ``--mode``;
+- ``recorded``: rank R in the mode the step was recorded in, with its recorded tuner choices (it
+  stands for the recording, which holds no per-module outputs; the result says whether it
+  reproduces the recorded digests);
+- ``rerun``: rank R in ``--mode`` with the current settings: no recorded tuner choices, ``--set``
+  overrides applied.
+
+Each side is tapped (``replay.bisect.taps``), so module outputs are captured inside CUDA graphs
+too. Outputs are paired by (module, nth call, nth tensor) and compared in the execution order
+of side A. The first pair that is not bitwise equal is named with its figures and the modules
+just before it; its inputs say whether the module itself computes differently (same inputs) or
+received a difference made by code of its parent that runs before it.
+
+Rank against rank on a tensor-parallel model: modules whose parameters differ across the ranks
+are shards, and their outputs differ by design until a reduction. Such an output is *rank-local*
+(shown, never named first) when it is a shard's result that no collective inside the call
+reduced, or when the next collective of the step runs inside an enclosing sharded call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from replay.analysis.compare import Comparison, Verdict, compare_tensors
+from replay.bisect.taps import TapCapture, TapEvent, Taps
+from replay.digest import digest
+from replay.errors import UsageError
+from replay.format.reader import Part
+from replay.rerun.runner import Replayer
+from replay.rerun.target import Target
+
+__all__ = ["Side", "SideRun", "ModuleVerdict", "LayersBisection", "parse_between", "bisect_layers", "recorded_mode"]
+
+MISSING = "missing"
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One execution of the step: which rank, in which mode, with which options."""
+
+    label: str
+    rank: int
+    mode: str
+    options: dict[str, Any] = field(default_factory=dict)
+    use_recorded_tuner: bool = True
+
+
+@dataclass(slots=True)
+class SideRun:
+    side: Side
+    capture: TapCapture
+    outputs: dict[str, torch.Tensor]
+    reproduces: bool  # the step's outputs have the rank's recorded digests
+    departed: str | None  # first fast-forward step that left the recording
+    keyframe: int
+    ran_as: str
+    params: dict[str, int]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        cap = self.capture
+        return {
+            "label": self.side.label, "rank": self.side.rank, "mode": self.side.mode, "keyframe": self.keyframe,
+            "reproduces_recording": self.reproduces, "departed": self.departed, "ran_as": self.ran_as,
+            "tapped": len(cap.tapped), "fired": len(cap.fired), "events": len(cap.events),
+            "graph_events": sum(1 for e in cap.events if e.source == "graph"),
+            "graphs_replayed": cap.graphs_replayed, "notes": cap.notes, "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass(slots=True)
+class ModuleVerdict:
+    name: str  # label: module, #call when called more than once, [i] for one of several outputs
+    module: str
+    verdict: str  # a compare Verdict's text, or "missing"
+    comparison: Comparison | None = None
+    inputs_equal: bool | None = None
+    rank_local: bool = False
+    source: str = ""  # "eager" / "graph" on side A (and B, when they differ)
+    note: str = ""
+
+    @property
+    def differs(self) -> bool:
+        return self.verdict != str(Verdict.BITWISE_EQUAL)
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.comparison
+        return {
+            "name": self.name, "module": self.module, "verdict": self.verdict,
+            "max_abs": c.max_abs if c else None, "max_rel": c.max_rel if c else None, "ulp": c.ulp if c else None,
+            "mismatched": c.mismatched if c else None, "numel": c.numel if c else None,
+            "inputs_equal": self.inputs_equal, "rank_local": self.rank_local, "source": self.source, "note": self.note,
+        }
+
+    def figures(self) -> str:
+        c = self.comparison
+        if c is None:
+            return self.note or self.verdict
+        parts = [self.verdict]
+        if self.differs:
+            if c.mismatched is not None and c.numel:
+                parts.append(f"{c.mismatched}/{c.numel} elements")
+            if c.max_abs is not None:
+                parts.append(f"max abs {c.max_abs:.3g}")
+            if c.max_rel is not None:
+                parts.append(f"max rel {c.max_rel:.3g}")
+            if c.ulp is not None:
+                parts.append(f"{c.ulp} ulp")
+        return ", ".join(parts)
+
+
+@dataclass(slots=True)
+class LayersBisection:
+    recording: str
+    part: str
+    step: int
+    sides: list[SideRun]
+    modules: list[ModuleVerdict]
+    first: ModuleVerdict | None
+    before: list[ModuleVerdict]
+    origin: str
+    outputs: list[Comparison]
+    silent: list[str]  # tapped modules whose forward ran on neither side
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def between(self) -> list[str]:
+        return [s.side.label for s in self.sides]
+
+    def verdict(self) -> str:
+        a, b = self.between
+        head = f"rank {self.sides[0].side.rank}" if self.sides[0].side.rank == self.sides[1].side.rank else f"ranks {self.sides[0].side.rank} and {self.sides[1].side.rank}"
+        head += f", step {self.step}, {a} vs {b}: "
+        compared = [m for m in self.modules if not m.rank_local]
+        if self.first is None:
+            if any(not c.equal for c in self.outputs):
+                return head + f"the step's outputs differ but none of the {len(compared)} tapped module outputs does"
+            return head + f"all {len(compared)} module outputs are bitwise equal"
+        n_eq = sum(1 for m in self.before_first() if not m.differs)
+        return head + f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
+
+    def before_first(self) -> list[ModuleVerdict]:
+        if self.first is None:
+            return []
+        i = self.modules.index(self.first)
+        return [m for m in self.modules[:i] if not m.rank_local]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "bisect-layers",
+            "recording": self.recording,
+            "part": self.part,
+            "rank": self.sides[0].side.rank,
+            "ranks": [s.side.rank for s in self.sides],
+            "step": self.step,
+            "between": self.between,
+            "first": self.first.name if self.first else None,
+            "first_module": self.first.module if self.first else None,
+            "before": [m.name for m in self.before],
+            "origin": self.origin,
+            "modules": [m.to_json() for m in self.modules],
+            "outputs": [c.to_json() for c in self.outputs],
+            "silent": self.silent,
+            "sides": [s.to_json() for s in self.sides],
+            "notes": self.notes,
+        }
+
+
+def recorded_mode(part: Part, rank: int, step: int) -> str:
+    """The re-run mode that matches how the step ran when recorded."""
+    return "cudagraph" if part[rank].step(step).mode == "graph" else "eager"
+
+
+def parse_between(text: str, *, rank: int | None, mode: str | None, recorded: Callable[[int], str],
+                  options: dict[str, Any] | None = None) -> tuple[Side, Side]:
+    """``eager,cudagraph`` | ``rank:0,rank:3`` | ``recorded,rerun`` (and mixes) as two Sides."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if len(items) != 2:
+        raise UsageError(f"--between {text!r}: name two executions, e.g. eager,cudagraph or rank:0,rank:3 or recorded,rerun")
+    opts = dict(options or {})
+    sides = []
+    for item in items:
+        if item.startswith("rank:"):
+            try:
+                r = int(item.partition(":")[2])
+            except ValueError:
+                raise UsageError(f"--between: {item!r} is not rank:N") from None
+            sides.append(Side(f"rank {r}", r, mode or "eager", opts))
+            continue
+        if rank is None:
+            raise UsageError(f"--between {text}: give --rank R, the rank whose step to re-run as {item}")
+        if item in ("eager", "cudagraph"):
+            sides.append(Side(item, rank, item, opts))
+        elif item == "recorded":
+            sides.append(Side("recorded", rank, recorded(rank), {}, use_recorded_tuner=True))
+        elif item == "rerun":
+            # The current settings: tuner choices are the target's own, not the recorded winners.
+            sides.append(Side("rerun", rank, mode or "eager", {"tuner_choices": {}, **opts}, use_recorded_tuner=False))
+        else:
+            raise UsageError(f"--between: unknown execution {item!r}; use eager, cudagraph, rank:N, recorded or rerun")
+    if sides[0] == sides[1]:
+        raise UsageError(f"--between {text}: the two executions are the same")
+    return sides[0], sides[1]
+
+
+def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, device: str, factory: str | None,
+              want_params: bool, progress: Callable[..., Iterable[int]]) -> SideRun:
+    t0 = time.perf_counter()
+    rp = Replayer(part, side.rank, mode=side.mode, device=device, factory=factory, options=side.options,
+                  use_recorded_tuner=side.use_recorded_tuner)
+    kf, _ = rp.keyframe_for(step)
+    rp.check(kf, step)
+    rc = rp.collectives
+    # One rank alone: the recorded collectives count the step's collectives (stand-ins cannot be
+    # wrapped from here: they are installed after the taps).
+    taps = Taps(patterns, collectives=(lambda: rc._index) if rc is not None else None)
+
+    def install(t: Target) -> None:
+        taps.install(t)
+
+    try:
+        target = rp.build(install=install)
+        departed = rp.goto(step, progress=progress)
+        taps.arm()
+        try:
+            outs = rp.run(step)
+        finally:
+            capture = taps.disarm()
+        params: dict[str, int] = {}
+        model = target.module()
+        if want_params and model is not None:
+            params = {n: digest(p.detach()) for n, p in model.named_parameters()}
+        reproduces = rp.departure(step, outs) is None
+        info = getattr(target.obj, "last_run_info", None)
+        ran_as = ""
+        if isinstance(info, dict):
+            ran_as = f"{info.get('mode', '')} {info.get('key', '')}".strip()
+        if rp.last_error:
+            capture.notes.append(f"the step raised: {rp.last_error}")
+    finally:
+        # The Replayer first (it restores torch.distributed), then the taps' own patches.
+        rp.close()
+        taps.close()
+    return SideRun(side=side, capture=capture, outputs=outs, reproduces=reproduces,
+                   departed=str(departed) if departed else None, keyframe=kf, ran_as=ran_as or side.mode,
+                   params=params, seconds=time.perf_counter() - t0)
+
+
+def _align(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Trim padded rows: a graph runs a padded batch, eager the real one (same leading rows)."""
+    if a.shape != b.shape and a.dim() == b.dim() and a.dim() >= 1 and a.shape[1:] == b.shape[1:]:
+        n = min(a.shape[0], b.shape[0])
+        return a[:n], b[:n], f"first {n} rows compared ({a.shape[0]} vs {b.shape[0]}: the rest is padding)"
+    return a, b, ""
+
+
+def _inputs_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool | None:
+    if len(a) != len(b):
+        return None
+    for x, y in zip(a, b):
+        x, y, _ = _align(x, y)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if not torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)):
+            return False
+    return True
+
+
+def _sharded(a: dict[str, int], b: dict[str, int]) -> set[str]:
+    return {n for n in a.keys() | b.keys() if a.get(n) != b.get(n)}
+
+
+def _rank_local(e: TapEvent, sharded_params: set[str]) -> bool:
+    """Whether ``e`` is a shard's partial result (see the module docstring)."""
+
+    def sharded(module: str) -> bool:
+        prefix = module + "." if module else ""
+        return any(p.startswith(prefix) for p in sharded_params)
+
+    own = e.frames.get(e.frame)
+    if own is None:
+        return False
+    if sharded(e.module) and own.coll_exit == own.coll_enter:
+        return True
+    k = own.coll_exit  # index of the next collective of the unit, if one runs after this output
+    holders = [f for f in e.frames.values() if f.coll_enter <= k < f.coll_exit]
+    if not holders:
+        return False
+    innermost = max(holders, key=lambda f: f.id)  # entered last: the deepest call active at it
+    return any(f.id == innermost.id for f in e.ancestors()) and sharded(innermost.module)
+
+
+def compare_captures(a: SideRun, b: SideRun) -> list[ModuleVerdict]:
+    """Pair the two sides' module outputs and compare them, in side A's execution order."""
+    sharded = _sharded(a.params, b.params) if a.side.rank != b.side.rank else set()
+    others: dict[tuple[str, int, int], TapEvent] = {e.key: e for e in b.capture.events}
+    rows: list[ModuleVerdict] = []
+    for e in a.capture.events:
+        o = others.pop(e.key, None)
+        local = bool(sharded) and (_rank_local(e, sharded) or (o is not None and _rank_local(o, sharded)))
+        if o is None:
+            rows.append(ModuleVerdict(e.label, e.module, MISSING, source=e.source, rank_local=local,
+                                      note=f"no output on {b.side.label}: its tap never fired there"))
+            continue
+        x, y, note = _align(e.output, o.output)
+        c = compare_tensors(x, y, name_a=a.side.label, name_b=b.side.label)
+        src = e.source if e.source == o.source else f"{e.source}/{o.source}"
+        if local:
+            note = "; ".join(filter(None, [note, "rank-local: a shard's result before its reduction"]))
+        rows.append(ModuleVerdict(e.label, e.module, str(c.verdict), c, _inputs_equal(e.inputs, o.inputs), local, src, note))
+    for o in b.capture.events:
+        if o.key in others:
+            rows.append(ModuleVerdict(o.label, o.module, MISSING, source=o.source,
+                                      note=f"no output on {a.side.label}: its tap never fired there"))
+    return rows
+
+
+def _origin(first: ModuleVerdict | None, a: SideRun) -> str:
+    if first is None:
+        return ""
+    if first.verdict == MISSING:
+        return f"{first.name} ran on one side only: the two executions take different code paths there"
+    if first.inputs_equal:
+        return f"{first.name} receives bitwise equal inputs on both sides and returns different outputs: the difference is made inside it"
+    if first.inputs_equal is False:
+        ev = next((e for e in a.capture.events if e.label == first.name), None)
+        parents = ev.ancestors() if ev is not None else []
+        where = parents[0].module if parents and parents[0].module else "the step function"
+        return (f"{first.name} already receives different inputs, and no tapped module before it differs: the difference "
+                f"is made by code of {where or 'the model'} that runs before it (outside any tapped module)")
+    return ""
+
+
+def bisect_layers(
+    part: Part,
+    step: int,
+    a: Side,
+    b: Side,
+    *,
+    modules: list[str] | None = None,
+    device: str = "cpu",
+    factory: str | None = None,
+    context: int = 3,
+    recording: str = "",
+    progress: Callable[..., Iterable[int]] = lambda it, label="": it,
+) -> LayersBisection:
+    """Re-run ``step`` as ``a`` and as ``b`` with taps on every module; name the first that differs."""
+    for s in (a, b):
+        part[s.rank].step(step)
+    want_params = a.rank != b.rank
+    runs = [_run_side(part, s, step, patterns=modules, device=device, factory=factory, want_params=want_params,
+                      progress=progress) for s in (a, b)]
+    ra, rb = runs
+    rows = compare_captures(ra, rb)
+    first = next((m for m in rows if m.differs and not m.rank_local), None)
+    before: list[ModuleVerdict] = []
+    if first is not None:
+        i = rows.index(first)
+        before = [m for m in rows[:i] if not m.rank_local][-context:] if context > 0 else []
+    outputs = [compare_tensors(*_align(ra.outputs[k], rb.outputs[k])[:2], name_a=f"{a.label} {k}", name_b=f"{b.label} {k}")
+               for k in ra.outputs if k in rb.outputs]
+    silent = [m for m in ra.capture.tapped if m not in ra.capture.called and m not in rb.capture.called]
+    notes: list[str] = []
+    for r in runs:
+        if not r.reproduces:
+            notes.append(f"{r.side.label}: the re-run of step {step} does not reproduce rank {r.side.rank}'s recorded outputs"
+                         + (" (as expected: it runs with other settings than recorded)" if r.side.label in ("rerun", "eager", "cudagraph") else ""))
+        if r.departed:
+            notes.append(f"{r.side.label}: the fast-forward from the keyframe at step {r.keyframe} departed from the recording at {r.departed}")
+        notes += [f"{r.side.label}: {n}" for n in r.capture.notes]
+        if not r.capture.events:
+            notes.append(f"{r.side.label}: no tap fired at all in step {step}")
+    only = {m.module for m in rows if m.verdict == MISSING}
+    if only:
+        notes.append(f"{len(only)} module(s) have outputs on one side only: their taps never fired on the other ({', '.join(sorted(only)[:5])})")
+    if sum(1 for m in rows if m.rank_local):
+        notes.append(f"{sum(1 for m in rows if m.rank_local)} outputs are rank-local (shards of a tensor-parallel model before their reduction): shown, not named first")
+    return LayersBisection(recording=recording, part=part.name, step=step, sides=runs, modules=rows, first=first,
+                           before=before, origin=_origin(first, ra), outputs=outputs, silent=silent, notes=notes)
