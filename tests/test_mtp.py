@@ -111,7 +111,10 @@ def test_speculative_tokens_equal_greedy_decoding() -> None:
         table = torch.full((1, engine.args.pages_per_seq), checker.pages.dummy, dtype=torch.int64)
         table[0, :n_pages] = torch.tensor([checker.pages.take() for _ in range(n_pages)])
         meta = ForwardMeta(
-            input_pos=torch.arange(len(seq) - 1)[None], page_table=table, slot_ids=torch.tensor([0]), verify=False
+            input_pos=torch.arange(len(seq) - 1)[None],
+            page_table=table,
+            slot_ids=torch.tensor([0]),
+            verify=False,
         )
         logits, _ = checker.model(torch.tensor([seq[:-1]]), meta)
         greedy = logits[0].argmax(-1).tolist()[len(req.prompt) - 1 :]
@@ -135,8 +138,19 @@ def test_graph_runner_matches_eager(batch: int) -> None:
     [
         ({"batch": 2}, {"mode": "graph", "key": "bs2", "padded_size": 2, "reason": ""}),
         ({"batch": 5}, {"mode": "graph", "key": "bs8", "padded_size": 8, "reason": ""}),
-        ({"batch": 9}, {"mode": "eager", "key": "eager9", "padded_size": 9, "reason": "batch 9 exceeds largest bucket 8"}),
-        ({"batch": 3, "cudagraph": False}, {"mode": "eager", "key": "eager3", "padded_size": 3, "reason": "cudagraph off"}),
+        (
+            {"batch": 9},
+            {
+                "mode": "eager",
+                "key": "eager9",
+                "padded_size": 9,
+                "reason": "batch 9 exceeds largest bucket 8",
+            },
+        ),
+        (
+            {"batch": 3, "cudagraph": False},
+            {"mode": "eager", "key": "eager3", "padded_size": 3, "reason": "cudagraph off"},
+        ),
     ],
     ids=["exact-bucket", "pad-5-to-8", "beyond-largest", "cudagraph-off"],
 )
@@ -179,14 +193,23 @@ def test_state_tensors_are_live_references() -> None:
     engine = make_engine()
     state = engine.state_tensors()
     assert state["mtp_hidden"] is engine.mtp_hidden
-    assert state["layers.0.attn.kv_cache.k_pages"] is engine.model.layers[0].attn.kv_cache.k_pages
+    cache = engine.model.attention_layers()[0].kv_cache
+    assert cache is not None and state["layers.0.attn.kv_cache.k_pages"] is cache.k_pages
     assert {"layers.1.recurrent.state", "layers.1.recurrent.intermediate", "graphs.slot_ids"} <= set(state)
 
 
 def test_module_names_and_taps_inside_graph_runner() -> None:
     engine = make_engine(cudagraph=True)
     names = dict(engine.model.named_modules())
-    for name in ("layers.0.attn", "layers.0.moe", "layers.0.moe.combine", "layers.1.recurrent", "norm", "lm_head", "mtp"):
+    for name in (
+        "layers.0.attn",
+        "layers.0.moe",
+        "layers.0.moe.combine",
+        "layers.1.recurrent",
+        "norm",
+        "lm_head",
+        "mtp",
+    ):
         assert name in names
     seen: list[tuple[int, ...]] = []
     names["layers.0.moe.combine"].register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))
@@ -211,13 +234,15 @@ def test_graph_hazards_change_graph_results_only(bug: str) -> None:
     _, buggy_eager = run_steps(6, batch=3, cudagraph=False, **{bug: True})
     assert buggy_graph.logits_digests[0] != clean_graph.logits_digests[0]
     assert buggy_graph.tokens != clean_graph.tokens
-    assert buggy_eager.tokens == clean_graph.tokens  # the hazard lives in the graph runner only
+    # The hazard lives in the graph runner only.
+    assert buggy_eager.tokens == clean_graph.tokens
 
 
 def test_stale_padding_writes_a_real_slot() -> None:
     engine = make_engine(batch=3, cudagraph=True, bug_stale_padding=True)
     engine.generate(1)
-    assert engine.graphs.static["slot_ids"][3].item() == 0  # the padded row points at request 0
+    # The padded row points at request 0's slot.
+    assert engine.graphs.static["slot_ids"][3].item() == 0
 
 
 def test_baked_kv_len_is_frozen_at_capture() -> None:
@@ -236,8 +261,9 @@ def test_index_add_combine_repeatability(deterministic: bool) -> None:
         restore(engine, snap)
         logits.append(engine.decode_step(*inputs).logits)
     same = all(torch.equal(logits[0], other) for other in logits[1:])
+    # Process-wide: do not leak into later tests.
     if torch.are_deterministic_algorithms_enabled():
-        torch.use_deterministic_algorithms(False)  # process-wide: do not leak into later tests
+        torch.use_deterministic_algorithms(False)
     assert same == deterministic
 
 
@@ -259,11 +285,18 @@ def test_factory_rebuilds_with_forced_choices() -> None:
         engine.replay_config(), rank=0, world_size=1, device="cpu", options={"tuner_choices": choices}
     )
     assert rebuilt.tuner_choices()["moe_combine"] == "reverse"
-    same = build_engine(engine.replay_config(), rank=0, world_size=1, device="cpu",
-                        options={"tuner_choices": engine.tuner_choices()})
+    same = build_engine(
+        engine.replay_config(),
+        rank=0,
+        world_size=1,
+        device="cpu",
+        options={"tuner_choices": engine.tuner_choices()},
+    )
     restore(same, snap)
     assert torch.equal(same.decode_step(*inputs).logits, out.logits)
-    toggled = build_engine(engine.replay_config(), rank=0, world_size=1, device="cpu", options={"cudagraph": False})
+    toggled = build_engine(
+        engine.replay_config(), rank=0, world_size=1, device="cpu", options={"cudagraph": False}
+    )
     assert toggled.config.cudagraph is False
     with pytest.raises(ValueError, match="unknown EngineConfig field"):
         build_engine(engine.replay_config(), rank=0, world_size=1, device="cpu", options={"nope": 1})
@@ -271,8 +304,16 @@ def test_factory_rebuilds_with_forced_choices() -> None:
 
 def test_replay_toggles() -> None:
     toggles = make_engine(force_tactic=(DRIFT,)).replay_toggles()
-    for name in ("cudagraph", "deterministic", "tf32", "nondeterministic_combine", "one_shot_allreduce",
-                 "broadcast_tokens", "bug_baked_kv_len", "bug_stale_padding"):
+    for name in (
+        "cudagraph",
+        "deterministic",
+        "tf32",
+        "nondeterministic_combine",
+        "one_shot_allreduce",
+        "broadcast_tokens",
+        "bug_baked_kv_len",
+        "bug_stale_padding",
+    ):
         assert toggles[name] == [False, True]
     assert toggles["tuner"] == ["off", "independent", "broadcast"]
     assert toggles["force_tactic"] == [[], [DRIFT]]
@@ -355,7 +396,8 @@ def test_tp_matches_replicated_first_steps(four_ranks: dict[str, list[RankResult
         assert r.error is None
         assert r.prefill_tokens == replicated.prefill_tokens
         assert r.tokens[:3] == replicated.tokens
-    assert len({r.logits_digests[0] for r in four_ranks["tp"]}) == 1  # all-reduce: same bits everywhere
+    # The all-reduce gives every rank the same bits.
+    assert len({r.logits_digests[0] for r in four_ranks["tp"]}) == 1
 
 
 def test_one_shot_allreduce_gives_ranks_different_bits(four_ranks: dict[str, list[RankResult]]) -> None:
@@ -376,7 +418,9 @@ def test_drift_names_the_odd_rank_out(four_ranks: dict[str, list[RankResult]]) -
 def test_cli_reports_drift_with_exit_code_3() -> None:
     runner = CliRunner()
     # seed 1 with 8 requests drifts within a few steps (CPU runs are deterministic)
-    result = runner.invoke(main, ["--ranks", "2", "--steps", "12", "--seed", "1", "--batch", "8", "--force-tactic", DRIFT])
+    result = runner.invoke(
+        main, ["--ranks", "2", "--steps", "12", "--seed", "1", "--batch", "8", "--force-tactic", DRIFT]
+    )
     assert result.exit_code == EXIT_DRIFT, result.output
     err_lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(err_lines) == 1 and err_lines[0].startswith("error: rank drift at decode step")

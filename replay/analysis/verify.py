@@ -23,10 +23,23 @@ class RankCheck:
     tensors_checked: int = 0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    tail_problems: int = 0  # how many of ``problems`` are only a lost end (a kill, a size limit)
 
     @property
     def intact(self) -> bool:
         return not self.problems
+
+    @property
+    def state(self) -> str:
+        """``intact``; ``incomplete``: what is there is whole, but the end of the run is missing
+        (killed, crashed, recording stopped); ``damaged``: something recorded cannot be trusted."""
+        if not self.problems:
+            return "intact"
+        return "incomplete" if self.tail_problems == len(self.problems) else "damaged"
+
+    def lost_tail(self, message: str) -> None:
+        self.problems.append(message)
+        self.tail_problems += 1
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -36,6 +49,7 @@ class RankCheck:
             "last_step": self.last_step,
             "tensors_checked": self.tensors_checked,
             "intact": self.intact,
+            "state": self.state,
             "problems": self.problems,
             "notes": self.notes,
         }
@@ -59,21 +73,21 @@ def _check_rank(part: Part, rf: RankFile, *, payload: bool) -> RankCheck:
         c.notes.append("not sealed yet (a journal left by a process that ended without closing)")
     problem = t.attrs.get("journal_problem")
     if problem:
-        c.problems.append(
+        c.lost_tail(
             f"journal ended inside a frame ({problem}): the last {t.attrs.get('lost_bytes', '?')} bytes, "
             "an unfinished record, were dropped"
         )
     stopped = t.attrs.get("stopped")
     if stopped and not rf.live:
-        c.problems.append(
+        c.lost_tail(
             f"recording stopped {f'after step {last}' if last is not None else 'before its first step'} "
             f"({stopped}): {kept}; the steps the program ran after that were not recorded"
         )
     elif not t.attrs.get("complete") and not rf.live:
         if t.attrs.get("no_header"):
-            c.problems.append("killed before it wrote its header: nothing was recorded")
+            c.lost_tail("killed before it wrote its header: nothing was recorded")
         else:
-            c.problems.append(
+            c.lost_tail(
                 "ended without its end marker (the process was killed or crashed) "
                 + (f"after step {last}: {kept}; anything it did after that was not recorded" if last is not None
                    else "before its first step: no step was recorded")

@@ -87,6 +87,7 @@ class ModuleVerdict:
     rank_local: bool = False
     source: str = ""  # "eager" / "graph" on side A (and B, when they differ)
     note: str = ""
+    frame: int | None = None  # side A's module call this output came from
 
     @property
     def differs(self) -> bool:
@@ -126,6 +127,7 @@ class LayersBisection:
     sides: list[SideRun]
     modules: list[ModuleVerdict]
     first: ModuleVerdict | None
+    maker: ModuleVerdict | None  # first module whose output differs although its inputs do not
     before: list[ModuleVerdict]
     origin: str
     outputs: list[Comparison]
@@ -146,7 +148,10 @@ class LayersBisection:
                 return head + f"the step's outputs differ but none of the {len(compared)} tapped module outputs does"
             return head + f"all {len(compared)} module outputs are bitwise equal"
         n_eq = sum(1 for m in self.before_first() if not m.differs)
-        return head + f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
+        line = head + f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
+        if self.maker is not None and self.maker is not self.first:
+            line += f"; first to differ from equal inputs: {self.maker.name} ({self.maker.figures()})"
+        return line
 
     def before_first(self) -> list[ModuleVerdict]:
         if self.first is None:
@@ -165,6 +170,7 @@ class LayersBisection:
             "between": self.between,
             "first": self.first.name if self.first else None,
             "first_module": self.first.module if self.first else None,
+            "maker": self.maker.name if self.maker else None,
             "before": [m.name for m in self.before],
             "origin": self.origin,
             "modules": [m.to_json() for m in self.modules],
@@ -308,7 +314,7 @@ def compare_captures(a: SideRun, b: SideRun) -> list[ModuleVerdict]:
         o = others.pop(e.key, None)
         local = bool(sharded) and (_rank_local(e, sharded) or (o is not None and _rank_local(o, sharded)))
         if o is None:
-            rows.append(ModuleVerdict(e.label, e.module, MISSING, source=e.source, rank_local=local,
+            rows.append(ModuleVerdict(e.label, e.module, MISSING, source=e.source, rank_local=local, frame=e.frame,
                                       note=f"no output on {b.side.label}: its tap never fired there"))
             continue
         x, y, note = _align(e.output, o.output)
@@ -316,7 +322,7 @@ def compare_captures(a: SideRun, b: SideRun) -> list[ModuleVerdict]:
         src = e.source if e.source == o.source else f"{e.source}/{o.source}"
         if local:
             note = "; ".join(filter(None, [note, "rank-local: a shard's result before its reduction"]))
-        rows.append(ModuleVerdict(e.label, e.module, str(c.verdict), c, _inputs_equal(e.inputs, o.inputs), local, src, note))
+        rows.append(ModuleVerdict(e.label, e.module, str(c.verdict), c, _inputs_equal(e.inputs, o.inputs), local, src, note, e.frame))
     for o in b.capture.events:
         if o.key in others:
             rows.append(ModuleVerdict(o.label, o.module, MISSING, source=o.source,
@@ -324,20 +330,29 @@ def compare_captures(a: SideRun, b: SideRun) -> list[ModuleVerdict]:
     return rows
 
 
-def _origin(first: ModuleVerdict | None, a: SideRun) -> str:
+def _origin(first: ModuleVerdict | None, rows: list[ModuleVerdict], a: SideRun) -> str:
+    """Where the first difference is made: inside the module, in a parent's code, or before."""
     if first is None:
         return ""
     if first.verdict == MISSING:
         return f"{first.name} ran on one side only: the two executions take different code paths there"
     if first.inputs_equal:
         return f"{first.name} receives bitwise equal inputs on both sides and returns different outputs: the difference is made inside it"
-    if first.inputs_equal is False:
-        ev = next((e for e in a.capture.events if e.label == first.name), None)
-        parents = ev.ancestors() if ev is not None else []
-        where = parents[0].module if parents and parents[0].module else "the step function"
-        return (f"{first.name} already receives different inputs, and no tapped module before it differs: the difference "
-                f"is made by code of {where or 'the model'} that runs before it (outside any tapped module)")
-    return ""
+    if first.inputs_equal is None:
+        return ""
+    by_frame = {m.frame: m for m in rows if m.frame is not None}
+    ev = next((e for e in a.capture.events if e.frame == first.frame), None)
+    outer = first.name
+    for parent in ev.ancestors() if ev is not None else []:
+        row = by_frame.get(parent.id)
+        if row is None or row.inputs_equal is None:
+            continue
+        if row.inputs_equal:
+            return (f"{first.name} already receives different inputs and no tapped module before it differs: the difference "
+                    f"is made by code of {row.name} that runs before it (outside any tapped module)")
+        outer = row.name
+    return (f"{outer} already receives different inputs when it is called: the difference comes from outside the tapped "
+            f"modules (the step's inputs, state carried over from earlier steps, or code outside the model)")
 
 
 def bisect_layers(
@@ -362,6 +377,7 @@ def bisect_layers(
     ra, rb = runs
     rows = compare_captures(ra, rb)
     first = next((m for m in rows if m.differs and not m.rank_local), None)
+    maker = next((m for m in rows if m.differs and not m.rank_local and m.inputs_equal), None)
     before: list[ModuleVerdict] = []
     if first is not None:
         i = rows.index(first)
@@ -385,4 +401,4 @@ def bisect_layers(
     if sum(1 for m in rows if m.rank_local):
         notes.append(f"{sum(1 for m in rows if m.rank_local)} outputs are rank-local (shards of a tensor-parallel model before their reduction): shown, not named first")
     return LayersBisection(recording=recording, part=part.name, step=step, sides=runs, modules=rows, first=first,
-                           before=before, origin=_origin(first, ra), outputs=outputs, silent=silent, notes=notes)
+                           maker=maker, before=before, origin=_origin(first, rows, ra), outputs=outputs, silent=silent, notes=notes)

@@ -165,6 +165,8 @@ class Taps:
                 "`replay record --modules ATTR` naming the attribute that holds the model"
             )
         for name, mod in model.named_modules():
+            if type(mod).forward is torch.nn.Module.forward:
+                continue  # a container (ModuleList, a cache holder): it is never called
             tapped = self.matches(name)
             if tapped:
                 self.tapped.append(name)

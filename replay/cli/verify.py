@@ -21,16 +21,22 @@ def verify(run: Path | None, root: str, quick: bool, as_json: bool) -> int:
         checks = verify_recording(rec, payload=not quick)
         path = str(rec.path)
     intact = all(c.intact for c in checks)
+    state = "intact" if intact else ("incomplete" if all(c.state != "damaged" for c in checks) else "damaged")
     if as_json:
-        emit_json({"recording": path, "intact": intact, "ranks": [c.to_json() for c in checks]})
+        emit_json({"recording": path, "intact": intact, "state": state, "ranks": [c.to_json() for c in checks]})
     else:
         for c in checks:
             head = f"{c.part} rank {c.rank}: {c.steps} steps, {c.tensors_checked} tensors checked"
             if c.intact:
                 click.echo(f"{head}: " + style("intact", fg="green") + "".join(f"; {n}" for n in c.notes))
             else:
-                click.echo(f"{head}: " + style("DAMAGED", fg="red", bold=True))
+                click.echo(f"{head}: " + style(c.state.upper(), fg="red" if c.state == "damaged" else "yellow", bold=True))
                 for p in c.problems:
                     click.echo(f"  - {p}")
-        click.echo(style("recording is intact", fg="green") if intact else style("recording is damaged", fg="red"))
+        if intact:
+            click.echo(style("recording is intact", fg="green"))
+        elif state == "incomplete":
+            click.echo(style("recording is incomplete: what it holds is whole, the end of the run is missing", fg="yellow"))
+        else:
+            click.echo(style("recording is damaged", fg="red"))
     return 0 if intact else 4

@@ -103,6 +103,22 @@ class JournalWriter:
         self.payload_size += view.nbytes
         return offset
 
+    def write_payloads(self, views: list[memoryview]) -> int:
+        """Append several buffers with one system call (``writev``); return the first offset."""
+        views = [memoryview(v).cast("B") for v in views if memoryview(v).nbytes]
+        total = sum(v.nbytes for v in views)
+        self._check_budget(total)
+        offset = self.payload_size
+        while views:
+            n = os.writev(self._pfd, views[:1024])  # IOV_MAX
+            self.payload_size += n
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        return offset
+
     def write_frame(self, kind: FrameKind, body: dict[str, Any], *, over_budget: bool = False) -> None:
         """Append one frame. ``over_budget``: the small end marker that says why recording
         stopped is written even past ``max_bytes``, or readers would take the stop for a crash."""

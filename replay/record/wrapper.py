@@ -140,6 +140,11 @@ def record_command(
 
     for sig in _FORWARDED:
         try:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                # Ignored here (a background job, nohup): leave it so, and CMD inherits that, as
+                # it would without us. A handler of ours would be reset to the default by exec,
+                # making CMD interruptible where it was not.
+                continue
             previous[sig] = signal.signal(sig, forward)
         except (ValueError, OSError):
             pass

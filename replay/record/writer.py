@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from replay.digest import digest
+import numpy as np
+
+from replay.digest import digest, digest_numpy_many
 from replay.format.journal import FrameKind, JournalWriter
 from replay.format.schema import TensorKind, TensorRef, dtype_to_str
 
@@ -94,6 +96,8 @@ class Writer:
         # Payload dedupe: the last stored tensor per (kind, name), reused when its bytes repeat
         # (RNG state, page tables and other inputs that rarely change): no digest, no write.
         self._last: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
+        self._pending: list[memoryview] = []
+        self._pending_bytes = 0
         self._thread = threading.Thread(target=self._run, name="replay-writer", daemon=True)
         self._thread.start()
 
@@ -146,31 +150,56 @@ class Writer:
         if job.event is not None:
             job.event.synchronize()
         slots = job.digests_host.tolist() if job.digests_host is not None else None
+        # Payload bytes of the whole job go out in one writev, before the frame that refers to them.
+        self._pending = []
+        self._pending_bytes = 0
+        deduped: dict[int, TensorRef] = {}
+        for entries in job.groups.values():
+            for e in entries:
+                if e.digest is None and e.digest_slot >= 0 and slots is not None:
+                    e.digest = slots[e.digest_slot] & 0xFFFFFFFFFFFFFFFF
+                elif e.store and e.host is not None and e.digest is None:
+                    same = self._same_as_last(e)
+                    if same is not None:
+                        deduped[id(e)] = same
+        self._digest_small(job)
         for name, entries in job.groups.items():
             refs = []
             for e in entries:
-                if e.store and e.host is not None and e.digest is None:
-                    same = self._same_as_last(e)
-                    if same is not None:
-                        refs.append(same.to_json())
-                        continue
+                if id(e) in deduped:
+                    refs.append(deduped[id(e)].to_json())
+                    continue
                 if e.digest is None:
-                    if e.digest_slot >= 0 and slots is not None:
-                        e.digest = slots[e.digest_slot] & 0xFFFFFFFFFFFFFFFF
-                    else:
-                        assert e.host is not None
-                        e.digest = digest(e.host)
+                    assert e.host is not None
+                    e.digest = digest(e.host)
                 ref = TensorRef(name=e.name, dtype=e.dtype, shape=e.shape, digest=e.digest)
                 if e.store and e.host is not None:
                     ref = self._store(e, ref)
                 refs.append(ref.to_json())
             job.body[name] = refs
         if job.margin_host is not None:
-            m = float(job.margin_host.item())
-            job.body["margin"] = m
+            job.body["margin"] = float(job.margin_host.item())
         if job.finish is not None:
             job.finish(job)
+        if self._pending:
+            self.journal.write_payloads(self._pending)
+            self._pending = []
         self.journal.write_frame(job.kind, job.body)
+
+    def _digest_small(self, job: Job) -> None:
+        """Digest a job's small host tensors in one vectorised pass (a per-tensor numpy call costs
+        more than the hashing itself for the few-kilobyte tensors a step has)."""
+        todo = [
+            e
+            for entries in job.groups.values()
+            for e in entries
+            if e.digest is None and e.host is not None and e.host.numel() * e.host.element_size() <= (1 << 18)
+        ]
+        if len(todo) < 2:
+            return
+        arrays = [_as_bytes(e.host) for e in todo]  # type: ignore[arg-type]
+        for e, d in zip(todo, digest_numpy_many(arrays)):
+            e.digest = d
 
     def _same_as_last(self, e: Entry) -> TensorRef | None:
         last = self._last.get((int(e.kind), e.name))
@@ -189,12 +218,19 @@ class Writer:
         t = e.host.detach().contiguous()
         flat = t.reshape(-1)
         nbytes = flat.numel() * flat.element_size()
-        data = flat.view(torch.uint8).numpy() if nbytes else b""
-        offset = self.journal.write_payload(memoryview(data))
+        offset = self.journal.payload_size + self._pending_bytes
+        if nbytes:
+            self._pending.append(memoryview(flat.view(torch.uint8).numpy()))
+            self._pending_bytes += nbytes
         if nbytes <= (1 << 20):
             # Keep a copy only of small tensors: comparing is then cheaper than digesting.
             self._last[(int(e.kind), e.name)] = (t if e.release is None else t.clone(), offset, ref.digest)
         return TensorRef(ref.name, ref.dtype, ref.shape, ref.digest, offset, nbytes)
+
+
+def _as_bytes(t: torch.Tensor):  # noqa: ANN202 - numpy array
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy() if t.numel() else np.zeros(0, dtype=np.uint8)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

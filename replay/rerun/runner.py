@@ -260,7 +260,11 @@ class Replayer:
         options: dict[str, Any] | None = None,
         live_collectives: bool = False,
         use_recorded_tuner: bool = True,
+        as_rank: int | None = None,
     ) -> None:
+        """``as_rank``: build the target as that rank (its rank-specific settings and recorded
+        tuner choices) but replay ``rank``'s recorded data (keyframes, inputs, RNG, collectives):
+        bisection runs two ranks' targets on the same data, so only their settings differ."""
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}: use eager, cudagraph or both")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -276,12 +280,13 @@ class Replayer:
         self.live = live_collectives
         opts = dict(options or {})
         opts.setdefault("cudagraph", mode == "cudagraph")
-        tuner = self.rf.tuner_choices() if use_recorded_tuner else {}
+        self.target_rank = rank if as_rank is None else as_rank
+        tuner = part[self.target_rank].tuner_choices() if use_recorded_tuner else {}
         if tuner:
             opts.setdefault("tuner_choices", {k: v for k, v in tuner.items() if not k.startswith("triton:")})
         self.options = opts
         self.target: Target | None = None
-        self.collectives = None if (self.world == 1 or live_collectives) else RecordedCollectives(self.rf, rank, self.world)
+        self.collectives = None if (self.world == 1 or live_collectives) else RecordedCollectives(self.rf, self.target_rank, self.world)
         self._driver: _StepDriver | None = None
         self._ctx: contextlib.ExitStack | None = None
         self.departed: StepDeparture | None = None
@@ -308,7 +313,7 @@ class Replayer:
 
     def build(self, install: Callable[[Target], None] | None = None) -> Target:
         """Build the target; ``install(target)`` runs before any graph is captured."""
-        target = build_target(self.spec, rank=self.rank, world_size=self.world, device=self.device, options=self.options, factory=self.factory)
+        target = build_target(self.spec, rank=self.target_rank, world_size=self.world, device=self.device, options=self.options, factory=self.factory)
         graphed = None
         if self.mode == "cudagraph" and "cudagraph" not in target.toggles():
             if not self.device.startswith("cuda"):

@@ -13,7 +13,13 @@ from typing import Any
 
 import click
 
-from replay.workloads.mtp.config import DTYPES, LAYOUTS, TUNER_MODES, EngineConfig, ModelArgs
+from replay.workloads.mtp.config import (
+    DTYPES,
+    LAYOUTS,
+    TUNER_MODES,
+    EngineConfig,
+    ModelArgs,
+)
 from replay.workloads.mtp.launch import RankResult, init_from_env, run, run_rank
 
 EXIT_DRIFT = 3
@@ -35,7 +41,9 @@ def _render(config: EngineConfig, results: list[RankResult]) -> None:
         f"preset {config.preset} · layout {config.layout} · {len(results)} rank(s) · device {config.device} · "
         f"cudagraph {'on' if config.cudagraph else 'off'} · tuner {config.tuner} · k {config.k} · batch {config.batch}"
     )
-    click.echo(f"{'rank':>4}  {'steps':>5}  {'steps/s':>8}  {'tokens/s':>8}  {'accept':>6}  {'graph':>5}  {'eager':>5}  tuner")
+    click.echo(
+        f"{'rank':>4}  {'steps':>5}  {'steps/s':>8}  {'tokens/s':>8}  {'accept':>6}  {'graph':>5}  {'eager':>5}  tuner"
+    )
     for r in results:
         tok_s = r.steps_per_s * (1 + config.k * r.acceptance_rate) * config.batch
         tuner = ", ".join(f"{k}={v}" for k, v in sorted(r.tuner_choices.items())) or "-"
@@ -54,27 +62,37 @@ def _render(config: EngineConfig, results: list[RankResult]) -> None:
 @click.option("--preset", type=click.Choice(sorted(ModelArgs.presets)), default="tiny")
 @click.option("--seed", type=int, default=0)
 @click.option("--layout", type=click.Choice(LAYOUTS), default="replicated")
-@click.option("--ranks", type=click.IntRange(min=1), default=1, help="Ranks to spawn (ignored under torchrun).")
+@click.option(
+    "--ranks", type=click.IntRange(min=1), default=1, help="Ranks to spawn (ignored under torchrun)."
+)
 @click.option("--steps", type=click.IntRange(min=1), default=200, help="Decode steps.")
 @click.option("--k", "k", type=click.IntRange(min=1), default=3, help="Draft length.")
 @click.option("--batch", type=click.IntRange(min=1), default=4, help="Concurrent requests.")
-@click.option("--cudagraph/--no-cudagraph", default=False, help="Bucketed static-buffer runner (CUDA graphs on GPU).")
+@click.option(
+    "--cudagraph/--no-cudagraph", default=False, help="Bucketed static-buffer runner (CUDA graphs on GPU)."
+)
 @click.option("--buckets", default="1,2,4,8", help="Comma-separated batch buckets.")
 @click.option("--device", default="cpu", help="cpu, or cuda (one GPU per rank).")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32")
 @click.option("--tuner", type=click.Choice(TUNER_MODES), default="off", help="Autotuner mode during warm-up.")
 @click.option("--tuner-low-precision", is_flag=True, help="Let the tuner time the bf16 combine too.")
-@click.option("--force-tactic", multiple=True, metavar="RANK:OP:TACTIC", help="e.g. 1:moe_combine:bf16 (repeatable).")
+@click.option(
+    "--force-tactic", multiple=True, metavar="RANK:OP:TACTIC", help="e.g. 1:moe_combine:bf16 (repeatable)."
+)
 @click.option("--nondeterministic-combine", is_flag=True, help="MoE combine through index_add_ (atomics).")
 @click.option("--deterministic", is_flag=True, help="torch.use_deterministic_algorithms(True).")
 @click.option("--tf32", is_flag=True, help="Allow TF32 matmuls (CUDA).")
 @click.option("--bug-baked-kv-len", is_flag=True, help="Graph hazard: KV length baked in at capture.")
-@click.option("--bug-stale-padding", is_flag=True, help="Graph hazard: padded rows keep stale slot ids and pages.")
+@click.option(
+    "--bug-stale-padding", is_flag=True, help="Graph hazard: padded rows keep stale slot ids and pages."
+)
 @click.option("--one-shot-allreduce", is_flag=True, help="TP all-reduce summed in rank-rotated order.")
 @click.option("--broadcast-tokens", is_flag=True, help="Take rank 0's tokens every step (hides drift).")
 @click.option("--no-lockstep", is_flag=True, help="Do not check accepted counts across ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-rank results as JSON.")
-@click.option("--tokens", "with_tokens", is_flag=True, help="With --json: include tokens and accepted counts.")
+@click.option(
+    "--tokens", "with_tokens", is_flag=True, help="With --json: include tokens and accepted counts."
+)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, help="Seconds to wait for all ranks.")
 def main(
     *,
@@ -92,7 +110,11 @@ def main(
     try:
         bucket_sizes = tuple(int(b) for b in buckets.split(",") if b.strip())
         config = EngineConfig(
-            **fields, buckets=bucket_sizes, force_tactic=force_tactic, lockstep=not no_lockstep, timeout_s=timeout_s
+            **fields,
+            buckets=bucket_sizes,
+            force_tactic=force_tactic,
+            lockstep=not no_lockstep,
+            timeout_s=timeout_s,
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
@@ -102,7 +124,9 @@ def main(
     else:
         results = run(config, steps=steps, timeout_s=timeout_s)
     if as_json:
-        click.echo(json.dumps({"config": config.to_dict(), "ranks": _summary(results, with_tokens)}, indent=2))
+        click.echo(
+            json.dumps({"config": config.to_dict(), "ranks": _summary(results, with_tokens)}, indent=2)
+        )
     elif results[0].rank == 0:
         _render(config, results)
     drift = next((r for r in results if r.error_type == "RankDriftError"), None)

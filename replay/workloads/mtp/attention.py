@@ -33,22 +33,29 @@ class ForwardMeta(NamedTuple):
 
 
 class KVCache(nn.Module):
-    """A pool of pages shared by all requests; the last page is the dummy page padded rows use."""
+    """A pool of pages shared by all requests; the last page is the dummy page padded rows use.
+
+    Heads lead (``[H, pages, page_size, hd]``) so that the pages gathered for a batch are already
+    laid out as ``[H, B, L, hd]`` for the attention matmuls, without another copy.
+    """
+
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
 
     def __init__(self, n_pages: int, page_size: int, n_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        shape = (n_pages, page_size, n_heads, head_dim)
+        shape = (n_heads, n_pages, page_size, head_dim)
         self.register_buffer("k_pages", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_pages", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def write(self, page: torch.Tensor, offset: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # page, offset: [B, S]; k, v: [B, S, H, hd]
-        self.k_pages[page, offset] = k
-        self.v_pages[page, offset] = v
+        self.k_pages[:, page, offset] = k.permute(2, 0, 1, 3)
+        self.v_pages[:, page, offset] = v.permute(2, 0, 1, 3)
 
     def read(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # pages: [B, n] -> keys, values: [B, n * page_size, H, hd]
-        return self.k_pages[pages].flatten(1, 2), self.v_pages[pages].flatten(1, 2)
+        # pages: [B, n] -> keys, values: [H, B, n * page_size, hd]
+        return self.k_pages[:, pages].flatten(2, 3), self.v_pages[:, pages].flatten(2, 3)
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -61,6 +68,8 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads = args.n_heads
@@ -71,7 +80,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, inner, bias=False)
         self.wv = nn.Linear(args.dim, inner, bias=False)
         self.wo = nn.Linear(inner, args.dim, bias=False)
-        inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+        inv_freq = 1.0 / (
+            args.rope_base ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim)
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.kv_cache: KVCache | None = None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -92,13 +103,14 @@ class Attention(nn.Module):
         self.kv_cache.write(page, pos % self.page_size, k, v)
 
         n_pages = meta.page_table.shape[1] if meta.kv_pages is None else meta.kv_pages
-        keys, values = self.kv_cache.read(meta.page_table[:, :n_pages])  # [B, L, H, hd]
-        key_pos = torch.arange(keys.shape[1], device=x.device)  # [L]
+        keys, values = self.kv_cache.read(meta.page_table[:, :n_pages])  # [H, B, L, hd]
+        key_pos = torch.arange(keys.shape[2], device=x.device)  # [L]
         visible = key_pos[None, None, :] <= pos[:, :, None]  # [B, S, L]
 
-        scores = torch.einsum("bshd,blhd->bhsl", q.float(), keys.float()) / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        probs = F.softmax(scores, dim=-1)  # [B, H, S, L]
-        out = torch.einsum("bhsl,blhd->bshd", probs, values.float()).to(x.dtype)
-        out = self.wo(out.reshape(b, s, self.n_heads * self.head_dim))
+        qh = q.permute(2, 0, 1, 3).float()  # [H, B, S, hd]
+        scores = qh @ keys.float().transpose(-1, -2) / math.sqrt(self.head_dim)  # [H, B, S, L]
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = F.softmax(scores, dim=-1)
+        out = (probs @ values.float()).to(x.dtype)  # [H, B, S, hd]
+        out = self.wo(out.permute(1, 2, 0, 3).reshape(b, s, self.n_heads * self.head_dim))
         return self.reduce(out) if self.reduce is not None else out

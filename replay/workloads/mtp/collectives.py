@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["AllReduce", "all_gather_rows", "broadcast_", "broadcast_int", "one_shot_all_reduce", "require_group"]
+__all__ = [
+    "AllReduce",
+    "all_gather_rows",
+    "broadcast_",
+    "broadcast_int",
+    "one_shot_all_reduce",
+    "require_group",
+]
 
 
 def require_group() -> None:

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["ModelArgs", "EngineConfig", "LAYOUTS", "TUNER_MODES", "DTYPES"]
+__all__ = ["DTYPES", "LAYOUTS", "TUNER_MODES", "EngineConfig", "ModelArgs"]
 
 LAYOUTS = ("replicated", "tp")
 TUNER_MODES = ("off", "independent", "broadcast")
@@ -51,19 +51,19 @@ class ModelArgs:
 
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": {},
-        "small": dict(
-            vocab_size=32000,
-            dim=1024,
-            layer_kinds="arararar",
-            n_heads=16,
-            head_dim=64,
-            n_experts=8,
-            top_k=4,
-            expert_dim=1024,
-            state_dim=1024,
-            page_size=16,
-            max_seq_len=2048,
-        ),
+        "small": {
+            "vocab_size": 32000,
+            "dim": 1024,
+            "layer_kinds": "arararar",
+            "n_heads": 16,
+            "head_dim": 64,
+            "n_experts": 8,
+            "top_k": 4,
+            "expert_dim": 1024,
+            "state_dim": 1024,
+            "page_size": 16,
+            "max_seq_len": 2048,
+        },
     }
 
     def __post_init__(self) -> None:
@@ -74,7 +74,9 @@ class ModelArgs:
         if not 3 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k must be in [3, n_experts={self.n_experts}], got {self.top_k}")
         if self.max_seq_len % self.page_size:
-            raise ValueError(f"max_seq_len {self.max_seq_len} must be a multiple of page_size {self.page_size}")
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} must be a multiple of page_size {self.page_size}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
@@ -191,6 +193,7 @@ class EngineConfig:
         self.force_tactic = tuple(str(s) for s in self.force_tactic)
         for spec in self.force_tactic:
             _parse_force_tactic(spec)
+        self.model_args()  # a bad max_seq_len fails here, not when a rank builds its model
 
     def model_args(self) -> ModelArgs:
         if self.max_seq_len:
@@ -222,9 +225,8 @@ class EngineConfig:
             raise ValueError(
                 f"unknown EngineConfig field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}"
             )
-        kwargs = {name: tuple(v) if isinstance(v, list) else v for name, v in d.items()}
+        kwargs: dict[str, Any] = {name: tuple(v) if isinstance(v, list) else v for name, v in d.items()}
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return EngineConfig.from_dict({**self.to_dict(), **changes})
-

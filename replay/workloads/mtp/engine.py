@@ -123,7 +123,11 @@ class Engine:
         self.pages = PagePool(config.batch * self.args.pages_per_seq + 1)
         self.dummy_slot = n_slots - 1
         self.model.setup_caches(
-            n_pages=self.pages.dummy + 1, n_slots=n_slots, verify_len=self.k + 1, dtype=self.dtype, device=self.device
+            n_pages=self.pages.dummy + 1,
+            n_slots=n_slots,
+            verify_len=self.k + 1,
+            dtype=self.dtype,
+            device=self.device,
         )
         self.mtp_hidden = torch.zeros(n_slots, self.args.dim, dtype=self.dtype, device=self.device)
         """[slots, D] the target's pre-norm hidden state that produced each request's last token."""
@@ -253,8 +257,7 @@ class Engine:
         """One target forward over the input token and its k drafts: logits [B, k+1, V], hidden."""
         return self.model(tokens, meta)
 
-    @staticmethod
-    def accept(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def accept(self, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy acceptance: drafts match the target's argmax up to the first miss, plus one bonus."""
         # logits: [B, k+1, V]; drafts: [B, k]
         target = logits.argmax(dim=-1)  # [B, k+1]
@@ -280,7 +283,9 @@ class Engine:
             if bucket not in self.graphs.captured:
                 self.graphs.capture(bucket)
 
-    def generate(self, steps: int, *, digests: bool = False, history: GenerateResult | None = None) -> GenerateResult:
+    def generate(
+        self, steps: int, *, digests: bool = False, history: GenerateResult | None = None
+    ) -> GenerateResult:
         """Prefill (if needed) and run ``steps`` decode steps; ``history`` collects them as they
         complete, so a caller keeps the steps done before a RankDriftError."""
         prefill_tokens = self.prefill() if not self.requests else [r.next_token for r in self.requests]
@@ -326,22 +331,19 @@ class Engine:
             return logits, drafts, hidden
         self.last_run_info = {"mode": "eager", "key": f"eager{batch}", "padded_size": batch, "reason": reason}
         kv_pages = self._kv_pages(inputs[2]) if self.config.bug_baked_kv_len else None
-        return self._draft_and_verify(*inputs, kv_pages)
+        return self._draft_and_verify(*inputs, kv_pages=kv_pages)
 
     def _draft_and_verify(
-        self,
-        input_ids: torch.Tensor,
-        input_pos: torch.Tensor,
-        seq_lens: torch.Tensor,
-        page_table: torch.Tensor,
-        slot_ids: torch.Tensor,
-        kv_pages: int | None,
+        self, *inputs: torch.Tensor, kv_pages: int | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The part a CUDA graph captures: drafts [B, k], logits [B, k+1, V], hidden [B, k+1, D]."""
+        """The part a CUDA graph captures: logits [B, k+1, V], drafts [B, k], hidden [B, k+1, D]."""
+        input_ids, input_pos, _seq_lens, page_table, slot_ids = inputs
         drafts = self.draft(input_ids, slot_ids)
         tokens = torch.cat([input_ids[:, None], drafts], dim=1)  # [B, k+1]
         positions = input_pos[:, None] + torch.arange(self.k + 1, device=input_pos.device)  # [B, k+1]
-        meta = ForwardMeta(input_pos=positions, page_table=page_table, slot_ids=slot_ids, verify=True, kv_pages=kv_pages)
+        meta = ForwardMeta(
+            input_pos=positions, page_table=page_table, slot_ids=slot_ids, verify=True, kv_pages=kv_pages
+        )
         logits, hidden = self.verify(tokens, meta)
         return logits, drafts, hidden
 
@@ -368,9 +370,8 @@ class Engine:
 
     def _commit(self, slot_ids: torch.Tensor, accepted: torch.Tensor, hidden: torch.Tensor) -> None:
         last = accepted - 1  # [B] index of the last accepted input position in the verify
-        for layer in self.model.layers:
-            if layer.kind == "r":
-                layer.recurrent.commit(slot_ids, last)
+        for rec in self.model.recurrent_layers():
+            rec.commit(slot_ids, last)
         self.mtp_hidden[slot_ids] = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
     def _next_prompt(self) -> list[int]:
@@ -385,6 +386,13 @@ class Engine:
 
     def _recycle(self, req: Request) -> None:
         """A request that reached max_seq_len restarts with a fresh prompt in the same slot."""
+        # This prefill changes state between two decode steps, outside the recording boundary.
+        log.info(
+            "rank %d step %d: slot %d reached max_seq_len; restarting it",
+            self.rank,
+            self.step_index,
+            req.slot,
+        )
         self.pages.give_back(req.pages)
         req.pages, req.generated, req.prompt = [], [], self._next_prompt()
         self._prefill_request(req)
@@ -399,9 +407,8 @@ class Engine:
         table = torch.full((1, self.args.pages_per_seq), self.pages.dummy, dtype=torch.int64)
         table[0, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int64)
         slot = torch.tensor([req.slot], device=self.device)
-        for layer in self.model.layers:
-            if layer.kind == "r":
-                layer.recurrent.state[slot] = 0  # a reused slot must not carry the old request
+        for rec in self.model.recurrent_layers():
+            rec.state[slot] = 0  # a reused slot must not carry the old request
         meta = ForwardMeta(
             input_pos=torch.arange(length, device=self.device)[None, :],
             page_table=table.to(self.device),

@@ -29,6 +29,8 @@ def build_engine(
     overrides = dict(options or {})
     tuner_choices = overrides.pop("tuner_choices", None)
     if tuner_choices is not None and not isinstance(tuner_choices, dict):
-        raise ValueError(f"options['tuner_choices'] must be a dict of key -> tactic, got {type(tuner_choices).__name__}")
+        raise ValueError(
+            f"options['tuner_choices'] must be a dict of key -> tactic, got {type(tuner_choices).__name__}"
+        )
     cfg = EngineConfig.from_dict({**config, **overrides, "device": device})
     return Engine(cfg, rank=rank, world_size=world_size, device=device, tuner_choices=tuner_choices)

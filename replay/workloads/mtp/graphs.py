@@ -25,7 +25,7 @@ import torch
 
 from replay.workloads.mtp.tuner import Tuner
 
-__all__ = ["GraphRunner", "StepFn", "INPUT_NAMES"]
+__all__ = ["INPUT_NAMES", "GraphRunner", "StepFn"]
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +33,9 @@ INPUT_NAMES = ("input_ids", "input_pos", "seq_lens", "page_table", "slot_ids")
 
 
 class StepFn(Protocol):
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        input_pos: torch.Tensor,
-        seq_lens: torch.Tensor,
-        page_table: torch.Tensor,
-        slot_ids: torch.Tensor,
-        kv_pages: int | None,
-    ) -> tuple[torch.Tensor, ...]: ...
+    """The captured step: the five inputs of `INPUT_NAMES` in order, then a host ``kv_pages``."""
+
+    def __call__(self, *inputs: torch.Tensor, kv_pages: int | None) -> tuple[torch.Tensor, ...]: ...
 
 
 class GraphRunner:
@@ -115,16 +109,16 @@ class GraphRunner:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side), self.tuner.tuning():
                 for _ in range(self.warmup_iters):
-                    self.fn(*views, kv_pages)
+                    self.fn(*views, kv_pages=kv_pages)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._outputs[bucket] = self.fn(*views, kv_pages)
+                self._outputs[bucket] = self.fn(*views, kv_pages=kv_pages)
             self._graphs[bucket] = graph
         else:
             with self.tuner.tuning():
                 for _ in range(self.warmup_iters):
-                    self.fn(*views, kv_pages)
+                    self.fn(*views, kv_pages=kv_pages)
         self.captured[bucket] = kv_pages
         log.debug("captured bucket %d (kv_pages=%s)", bucket, kv_pages)
 
@@ -152,5 +146,5 @@ class GraphRunner:
             self._graphs[bucket].replay()
             outputs = self._outputs[bucket]
         else:
-            outputs = self.fn(*self._views(bucket), self.captured[bucket])
+            outputs = self.fn(*self._views(bucket), kv_pages=self.captured[bucket])
         return tuple(out[:batch] for out in outputs)

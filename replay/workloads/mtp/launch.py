@@ -79,14 +79,18 @@ def _summarise(result: RankResult, gen: GenerateResult, engine: Engine) -> None:
     result.elapsed_s = gen.elapsed_s
     result.steps_per_s = gen.steps_per_s
     drafted = gen.steps * engine.config.batch * engine.k
-    result.acceptance_rate = (sum(map(sum, gen.accepted)) - gen.steps * engine.config.batch) / drafted if drafted else 0.0
+    result.acceptance_rate = (
+        (sum(map(sum, gen.accepted)) - gen.steps * engine.config.batch) / drafted if drafted else 0.0
+    )
     result.tuner_choices = engine.tuner_choices()
     result.graph_steps = gen.graph_steps
     result.eager_steps = gen.eager_steps
     result.overridden_steps = engine.overridden_steps
 
 
-def run_rank(config: EngineConfig, *, rank: int, world_size: int, steps: int, digests: bool = False) -> RankResult:
+def run_rank(
+    config: EngineConfig, *, rank: int, world_size: int, steps: int, digests: bool = False
+) -> RankResult:
     """Build and run this rank inside an initialised process group; errors land in the result."""
     result = RankResult(rank=rank)
     engine: Engine | None = None
@@ -97,7 +101,7 @@ def run_rank(config: EngineConfig, *, rank: int, world_size: int, steps: int, di
     except RankDriftError as e:
         result.error, result.error_type = str(e), "RankDriftError"
         result.drift_step, result.drift_ranks = e.step, e.ranks
-    except Exception as e:  # a rank's failure is reported, not raised, so the others are collected
+    except Exception as e:  # noqa: BLE001 - a rank's failure is reported, not raised, so the others are collected
         result.error = f"{type(e).__name__}: {e}"
         result.error_type = type(e).__name__
         log.debug("rank %d failed:\n%s", rank, traceback.format_exc())
@@ -110,7 +114,11 @@ def _worker(
     rank: int, world_size: int, port: int, configs: list[dict[str, Any]], steps: int, digests: bool, out: Any
 ) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
     )
     cfgs = [EngineConfig.from_dict(c) for c in configs]
     if world_size > 1:
@@ -118,7 +126,10 @@ def _worker(
             torch.cuda.set_device(rank_device(cfgs[0], rank))
         backend = "nccl" if cfgs[0].device.startswith("cuda") else "gloo"
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=max(c.timeout_s for c in cfgs))
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=max(c.timeout_s for c in cfgs)),
         )
     try:
         for index, cfg in enumerate(cfgs):
@@ -190,7 +201,9 @@ def run_many(
         for rank, p in enumerate(procs):
             missing = RankResult(rank=rank, error_type="Lost")
             if (index, rank) not in results:
-                status = "timed out" if p.exitcode is None or p.exitcode < 0 else f"exited with code {p.exitcode}"
+                status = (
+                    "timed out" if p.exitcode is None or p.exitcode < 0 else f"exited with code {p.exitcode}"
+                )
                 missing.error = f"rank {rank} {status} before reporting config {index}"
             row.append(results.get((index, rank), missing))
         table.append(row)
@@ -217,5 +230,7 @@ def init_from_env(config: EngineConfig) -> tuple[int, int]:
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(rank_device(config, rank))
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.timeout_s))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.timeout_s)
+        )
     return rank, world_size

@@ -8,6 +8,7 @@ Submodule names are stable because debuggers tap them: ``layers.0.attn``, ``laye
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,14 +21,14 @@ from replay.workloads.mtp.mtp_head import MTPHead, RMSNorm
 from replay.workloads.mtp.recurrent import Recurrent
 from replay.workloads.mtp.tuner import TunedOp, Tuner, register_op
 
-__all__ = ["Block", "LMHead", "LM_HEAD", "Transformer", "init_weights"]
+__all__ = ["LM_HEAD", "Block", "LMHead", "Transformer", "init_weights"]
 
 
 def _lm_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def _lm_splitk(parts: int):  # noqa: ANN202 - returns a tactic
+def _lm_splitk(parts: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def tactic(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Split-K: partial products over slices of the hidden dim, summed afterwards.
         xs, ws = x.chunk(parts, dim=-1), w.chunk(parts, dim=-1)
@@ -40,7 +41,11 @@ def _lm_splitk(parts: int):  # noqa: ANN202 - returns a tactic
 
 
 LM_HEAD = register_op(
-    TunedOp(name="lm_head", tactics={"mm": _lm_mm, "splitk2": _lm_splitk(2), "splitk4": _lm_splitk(4)}, default="mm")
+    TunedOp(
+        name="lm_head",
+        tactics={"mm": _lm_mm, "splitk2": _lm_splitk(2), "splitk4": _lm_splitk(4)},
+        default="mm",
+    )
 )
 
 
@@ -61,20 +66,25 @@ class LMHead(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm residual block: an attention or recurrent mixer, then an MoE feed-forward."""
+
     def __init__(self, args: ModelArgs, kind: str) -> None:
         super().__init__()
         self.kind = kind
         self.mixer_norm = RMSNorm(args.dim, args.norm_eps)
-        if kind == "a":
-            self.attn = Attention(args)
-        else:
-            self.recurrent = Recurrent(args)
+        self.attn: Attention | None = Attention(args) if kind == "a" else None
+        self.recurrent: Recurrent | None = Recurrent(args) if kind == "r" else None
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = MoE(args)
 
+    @property
+    def mixer(self) -> Attention | Recurrent:
+        mixer = self.attn if self.attn is not None else self.recurrent
+        assert mixer is not None
+        return mixer
+
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        mixer = self.attn if self.kind == "a" else self.recurrent
-        h = x + mixer(self.mixer_norm(x), meta)
+        h = x + self.mixer(self.mixer_norm(x), meta)
         return h + self.moe(self.ffn_norm(h))
 
 
@@ -88,18 +98,28 @@ class Transformer(nn.Module):
         self.lm_head = LMHead(args.dim, args.vocab_size)
         self.mtp = MTPHead(args)
 
-    def setup_caches(self, *, n_pages: int, n_slots: int, verify_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        for layer in self.layers:
-            if layer.kind == "a":
-                layer.attn.setup_cache(n_pages, dtype, device)
-            else:
-                layer.recurrent.setup_cache(n_slots, verify_len, dtype, device)
+    def blocks(self) -> list[Block]:
+        return [layer for layer in self.layers if isinstance(layer, Block)]
+
+    def attention_layers(self) -> list[Attention]:
+        return [b.attn for b in self.blocks() if b.attn is not None]
+
+    def recurrent_layers(self) -> list[Recurrent]:
+        return [b.recurrent for b in self.blocks() if b.recurrent is not None]
+
+    def setup_caches(
+        self, *, n_pages: int, n_slots: int, verify_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        for attn in self.attention_layers():
+            attn.setup_cache(n_pages, dtype, device)
+        for rec in self.recurrent_layers():
+            rec.setup_cache(n_slots, verify_len, dtype, device)
 
     def forward(self, tokens: torch.Tensor, meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward. tokens: [B, S] -> (logits [B, S, V], pre-norm hidden [B, S, D])."""
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, meta)
+        for block in self.blocks():
+            h = block(h, meta)
         return self.lm_head(self.norm(h)), h
 
     def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
@@ -143,7 +163,12 @@ def init_weights(model: Transformer, seed: int) -> None:
             continue
         if name.startswith("mtp.moe."):
             continue  # copied from the last layer below
-        fan_in = p.shape[-2] if name.startswith("layers.") and ".moe.w" in name else p.shape[-1]
+        if ".moe.w1" in name or ".moe.w3" in name:
+            fan_in = p.shape[0]  # [D, E, H]
+        elif ".moe.w2" in name:
+            fan_in = p.shape[1]  # [E, H, D]
+        else:
+            fan_in = p.shape[-1]  # nn.Linear / nn.Embedding: [out, in]
         std = fan_in**-0.5
         if name == f"layers.{args.n_layers - 1}.moe.w2":
             std *= args.final_moe_scale
@@ -152,4 +177,4 @@ def init_weights(model: Transformer, seed: int) -> None:
         p.copy_(torch.randn(p.shape, generator=g) * std)
     # The MTP head starts as a copy of the last MoE layer, so its drafts imitate the target's
     # per-token computation and acceptance is high where context matters little.
-    model.mtp.moe.load_state_dict(model.layers[-1].moe.state_dict())
+    model.mtp.moe.load_state_dict(model.blocks()[-1].moe.state_dict())

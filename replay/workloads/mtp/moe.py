@@ -115,8 +115,9 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = args.top_k
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(args.n_experts, args.dim, args.expert_dim))
-        self.w3 = nn.Parameter(torch.empty(args.n_experts, args.dim, args.expert_dim))
+        # w1, w3: [D, E, H], so all experts' up-projections are one [D, E*H] matmul; w2: [E, H, D].
+        self.w1 = nn.Parameter(torch.empty(args.dim, args.n_experts, args.expert_dim))
+        self.w3 = nn.Parameter(torch.empty(args.dim, args.n_experts, args.expert_dim))
         self.w2 = nn.Parameter(torch.empty(args.n_experts, args.expert_dim, args.dim))
         self.combine = Combine()
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -130,8 +131,9 @@ class MoE(nn.Module):
         gate = (gate / gate.sum(dim=-1, keepdim=True)).to(x.dtype)
         # Every expert runs on every token: static shapes for graph capture, and at these sizes the
         # wasted FLOPs cost less than a gather of per-token expert weights.
-        hidden = F.silu(torch.einsum("td,edh->teh", xt, self.w1)) * torch.einsum("td,edh->teh", xt, self.w3)
-        y_all = torch.einsum("teh,ehd->ted", hidden, self.w2)  # [T, E, D]
+        e, h = self.w1.shape[1:]
+        hidden = F.silu((xt @ self.w1.flatten(1)).view(-1, e, h)) * (xt @ self.w3.flatten(1)).view(-1, e, h)
+        y_all = torch.bmm(hidden.transpose(0, 1), self.w2).transpose(0, 1)  # [E, T, H] @ [E, H, D] -> [T, E, D]
         y = y_all.gather(1, idx[..., None].expand(-1, -1, d))  # [T, K, D]
         out = self.combine(y, gate, idx)
         if self.reduce is not None:

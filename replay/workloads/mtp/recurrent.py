@@ -21,6 +21,11 @@ __all__ = ["Recurrent"]
 
 
 class Recurrent(nn.Module):
+    state: torch.Tensor
+    """[slots, C] committed state of each slot."""
+    intermediate: torch.Tensor
+    """[slots, k+1, C] state after each position of the last verify forward."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.state_dim = args.state_dim
@@ -32,8 +37,9 @@ class Recurrent(nn.Module):
         """Set by the TP transform: all-reduce of the row-sharded output projection."""
 
     def setup_cache(self, n_slots: int, positions: int, dtype: torch.dtype, device: torch.device) -> None:
-        # state: [slots, C] committed; intermediate: [slots, k+1, C] after each verified position
-        self.register_buffer("state", torch.zeros(n_slots, self.state_dim, dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "state", torch.zeros(n_slots, self.state_dim, dtype=dtype, device=device), persistent=False
+        )
         self.register_buffer(
             "intermediate",
             torch.zeros(n_slots, positions, self.state_dim, dtype=dtype, device=device),

@@ -88,7 +88,9 @@ class Tuner:
         for key, tactic in self.forced.items():
             op = _REGISTRY.get(_split_key(key))
             if op is None:
-                raise ValueError(f"cannot force {key!r}: no tuned op of that name; tuned ops are {sorted(_REGISTRY)}")
+                raise ValueError(
+                    f"cannot force {key!r}: no tuned op of that name; tuned ops are {sorted(_REGISTRY)}"
+                )
             if tactic not in op.tactics:
                 raise ValueError(
                     f"cannot force {key!r} to {tactic!r}; tactics of {op.name} are {sorted(op.tactics)}"

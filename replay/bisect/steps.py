@@ -1,0 +1,213 @@
+"""Bisection across steps: the first step where ranks, or the recording and a re-run, disagree.
+
+Between ranks the recorded per-step digests say it all: ``first_divergence`` reads the summary
+tables only. Between the recording and a re-run nothing recorded can tell, so steps are re-run:
+the recording is cut at its state keyframes into intervals, each of which can be re-run on its
+own (restore the keyframe, replay its steps teacher-forced, compare each step's outputs with the
+recorded digests). Assuming that once the re-run departs from the recording it keeps departing
+(true of a setting, a graph hazard or a kernel that differs; not of a rare nondeterministic
+event, for which ``exhaustive`` scans every interval in order), a binary search over intervals
+finds the first interval that departs in about log2(intervals) + 1 interval re-runs, and the
+scan of that interval, which stops at its first departing step, names the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from dataclasses import field as _field
+from typing import Any, Callable, Iterable
+
+from replay.analysis.divergence import first_divergence
+from replay.errors import UsageError
+from replay.format.reader import Part
+from replay.rerun.runner import Replayer
+
+__all__ = ["Interval", "StepsBisection", "bisect_steps", "bisect_steps_rerun", "intervals"]
+
+
+@dataclass(slots=True)
+class Interval:
+    """Steps ``first``..``last``, re-run from the keyframe at ``first``: the unit of a probe."""
+
+    first: int
+    last: int
+    departed: int | None = None  # the first step of the interval that left the recording
+    field: str | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"from": self.first, "to": self.last, "departed": self.departed, "field": self.field,
+                "seconds": round(self.seconds, 3)}
+
+
+@dataclass(slots=True)
+class StepsBisection:
+    recording: str
+    part: str
+    how: str  # "ranks": recorded digests across ranks; "rerun": the recording against re-runs
+    ranks: list[int]  # the ranks compared (how == "ranks") or the one re-run
+    first: int | None  # the first step that differs
+    field: str | None = None
+    odd: list[int] = _field(default_factory=list)
+    majority: list[int] = _field(default_factory=list)
+    first_token: int | None = None  # the first step whose tokens differ (how == "ranks")
+    token_field: str | None = None
+    mode: str | None = None  # how == "rerun"
+    probes: list[Interval] = _field(default_factory=list)
+    steps_rerun: int = 0
+    steps_total: int = 0
+    exhaustive: bool = False
+    notes: list[str] = _field(default_factory=list)
+
+    def verdict(self) -> str:
+        if self.how == "ranks":
+            who = "ranks " + ", ".join(map(str, self.ranks))
+            if self.first is None:
+                return f"{who} agree at every common step"
+            line = f"{who} first disagree at step {self.first} ({self.field}: rank{'s' if len(self.odd) > 1 else ''} " \
+                   f"{', '.join(map(str, self.odd))} against {', '.join(map(str, self.majority))})"
+            if self.first_token is not None and self.first_token != self.first:
+                line += f"; tokens first differ at step {self.first_token}"
+            elif self.first_token is None:
+                line += "; the tokens never differ"
+            return line
+        r = self.ranks[0]
+        if self.first is None:
+            scope = "any" if self.exhaustive else "the last"
+            return f"rank {r} re-run {self.mode}: no departure from the recording found ({scope} interval re-ran as recorded)"
+        return (f"rank {r} re-run {self.mode} first departs from the recording at step {self.first} ({self.field}), "
+                f"found with {len(self.probes)} interval re-runs ({self.steps_rerun} of {self.steps_total} steps)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "bisect-steps",
+            "recording": self.recording,
+            "part": self.part,
+            "how": self.how,
+            "ranks": self.ranks,
+            "first": self.first,
+            "step": self.first,
+            "field": self.field,
+            "odd": self.odd,
+            "majority": self.majority,
+            "first_token": self.first_token,
+            "token_field": self.token_field,
+            "mode": self.mode,
+            "probes": [p.to_json() for p in self.probes],
+            "steps_rerun": self.steps_rerun,
+            "steps_total": self.steps_total,
+            "exhaustive": self.exhaustive,
+            "notes": self.notes,
+        }
+
+
+def bisect_steps(part: Part, *, ranks: list[int] | None = None, recording: str = "") -> StepsBisection:
+    """The first step where ``ranks`` (default: all, by majority) disagree, from recorded digests."""
+    chosen = sorted(set(ranks)) if ranks else list(part)
+    for r in chosen:
+        part[r]  # noqa: B018 - a rank the part lacks is a one-line error
+    if len(chosen) < 2:
+        raise UsageError(f"--ranks needs two ranks or more to compare (this part has {len(part)}: {', '.join(map(str, part))})")
+    d = first_divergence(part, ranks=chosen)
+    t = first_divergence(part, ranks=chosen, prefix="tokens.")
+    res = StepsBisection(recording=recording, part=part.name, how="ranks", ranks=chosen, first=None)
+    if d is not None:
+        res.first, res.field, res.odd, res.majority = d.step, d.field, d.ranks, d.majority
+    if t is not None:
+        res.first_token, res.token_field = t.step, t.field
+    if d is not None and len(chosen) == 2:
+        res.notes.append("two ranks cannot outvote each other: the one named odd is the higher rank")
+    return res
+
+
+def intervals(rp: Replayer, first: int, last: int) -> list[Interval]:
+    """Steps ``first``..``last`` cut at the rank's keyframes (each interval restorable alone)."""
+    if rp.spec.state is None:
+        return [Interval(s, s) for s in range(first, last + 1)]  # independent steps
+    kf0, _ = rp.keyframe_for(first)
+    cuts = sorted({k for k in rp.rf.keyframe_steps() if first < k <= last})
+    starts = [max(first, kf0)] + cuts
+    return [Interval(a, (starts[i + 1] - 1) if i + 1 < len(starts) else last) for i, a in enumerate(starts)]
+
+
+def bisect_steps_rerun(
+    part: Part,
+    rank: int,
+    *,
+    mode: str = "eager",
+    device: str = "cpu",
+    factory: str | None = None,
+    options: dict[str, Any] | None = None,
+    first: int | None = None,
+    last: int | None = None,
+    exhaustive: bool = False,
+    recording: str = "",
+    announce: Callable[[str], None] = lambda s: None,
+    progress: Callable[..., Iterable[Any]] = lambda it, label="": it,
+) -> StepsBisection:
+    """The first step of ``rank`` whose re-run (in ``mode``) departs from the recording."""
+    rf = part[rank]
+    steps = rf.tables.steps["step"]
+    if not steps.size:
+        raise UsageError(f"rank {rank} recorded no steps")
+    lo = int(steps.min()) if first is None else first
+    hi = int(steps.max()) if last is None else last
+    if lo > hi:
+        raise UsageError(f"--first {lo} is after --last {hi}")
+    rf.step(lo), rf.step(hi)
+    rp = Replayer(part, rank, mode=mode, device=device, factory=factory, options=options)
+    ivs = intervals(rp, lo, hi)
+    rp.check(ivs[0].first, hi)
+    if rp.factory_name is not None:
+        announce(f"importing factory {rp.factory_name} (named by the recording)" if factory is None else f"importing factory {factory} (--factory)")
+    res = StepsBisection(recording=recording, part=part.name, how="rerun", ranks=[rank], first=None, mode=mode,
+                         steps_total=hi - lo + 1, exhaustive=exhaustive)
+    done: dict[int, Interval] = {}
+
+    def probe(i: int) -> Interval:
+        if i in done:
+            return done[i]
+        iv = ivs[i]
+        t0 = time.perf_counter()
+        dep = rp.scan(iv.first, iv.last)
+        iv.seconds = time.perf_counter() - t0
+        ran_to = dep.step if dep is not None else iv.last
+        res.steps_rerun += ran_to - (rp.keyframe if rp.keyframe is not None else iv.first) + 1
+        if dep is not None:
+            iv.departed, iv.field = dep.step, dep.field
+        res.probes.append(iv)
+        done[i] = iv
+        return iv
+
+    try:
+        rp.build()
+        hit: Interval | None = None
+        if exhaustive:
+            for i in progress(range(len(ivs)), label=f"rank {rank}: re-running {len(ivs)} intervals"):
+                if probe(i).departed is not None:
+                    hit = done[i]
+                    break
+        else:
+            if probe(len(ivs) - 1).departed is not None:
+                a, b = 0, len(ivs) - 1  # invariant: interval b departs
+                while a < b:
+                    mid = (a + b) // 2
+                    if probe(mid).departed is not None:
+                        b = mid
+                    else:
+                        a = mid + 1
+                hit = done[b]
+            else:
+                res.notes.append("the last interval re-ran as recorded, so the search assumed no departure; "
+                                 "a rare (nondeterministic) departure needs --exhaustive")
+    finally:
+        rp.close()
+    if hit is not None:
+        res.first, res.field = hit.departed, hit.field
+        earlier = [iv for iv in res.probes if iv.first < hit.first]
+        if earlier and all(iv.departed is None for iv in earlier) and not exhaustive:
+            unchecked = [iv for iv in ivs if iv.last < hit.first and iv not in res.probes]
+            if unchecked:
+                res.notes.append(f"{len(unchecked)} earlier interval(s) were not re-run (the search assumes a departure persists)")
+    return res
