@@ -463,7 +463,7 @@ def test_info_while_recording(tmp_path: Path, run_cli: Any) -> None:
         for rank in (0, 1):
             n = ranks[rank]["steps"]
             # A step is in the journal before the program logs it, and at most one step ahead.
-            assert before[rank] <= n <= after[rank] + 1, (rank, before, n, after)
+            assert before[rank] <= n <= after[rank] + 1, (rank, before, n, after, ranks[rank])
             assert ranks[rank]["problem"] is None
         seen.append(sum(x["steps"] for x in ranks.values()))
         v = run_cli("verify", "--quick", str(run.rec))

@@ -23,6 +23,8 @@ from replay.workloads.mtp.launch import RankResult, run_many
 
 DRIFT = "1:moe_combine:bf16"
 """A tactic forced on rank 1 only: reduced-precision MoE combine (the drift configuration)."""
+FAST_DRIFT = {"seed": 6, "batch": 8}
+"""A run that drifts within a few steps under a forced bf16 combine (CPU runs are deterministic)."""
 
 
 def make_engine(**overrides: object) -> Engine:
@@ -105,7 +107,7 @@ def test_speculative_tokens_equal_greedy_decoding() -> None:
     acceptance, positions, KV pages and the recurrent-state rollback together."""
     engine, _ = run_steps(12)
     checker = make_engine()
-    for req in engine.requests[:2]:
+    for slot, req in enumerate(engine.requests[:2]):  # fresh slots: their recurrent state is zero
         seq = req.prompt + req.generated
         n_pages = math.ceil(len(seq) / engine.args.page_size)
         table = torch.full((1, engine.args.pages_per_seq), checker.pages.dummy, dtype=torch.int64)
@@ -113,7 +115,7 @@ def test_speculative_tokens_equal_greedy_decoding() -> None:
         meta = ForwardMeta(
             input_pos=torch.arange(len(seq) - 1)[None],
             page_table=table,
-            slot_ids=torch.tensor([0]),
+            slot_ids=torch.tensor([slot]),
             verify=False,
         )
         logits, _ = checker.model(torch.tensor([seq[:-1]]), meta)
@@ -340,8 +342,7 @@ TWO_RANK = {
 FOUR_RANK = {
     "tp": EngineConfig(layout="tp"),
     "tp-one-shot": EngineConfig(layout="tp", one_shot_allreduce=True),
-    # seed 1 with 8 requests drifts within a few steps (CPU runs are deterministic)
-    "drift-rank2": EngineConfig(seed=1, batch=8, force_tactic=("2:moe_combine:bf16",)),
+    "drift-rank2": EngineConfig(**FAST_DRIFT, force_tactic=("2:moe_combine:bf16",)),
 }
 
 
@@ -417,10 +418,8 @@ def test_drift_names_the_odd_rank_out(four_ranks: dict[str, list[RankResult]]) -
 
 def test_cli_reports_drift_with_exit_code_3() -> None:
     runner = CliRunner()
-    # seed 1 with 8 requests drifts within a few steps (CPU runs are deterministic)
-    result = runner.invoke(
-        main, ["--ranks", "2", "--steps", "12", "--seed", "1", "--batch", "8", "--force-tactic", DRIFT]
-    )
+    args = ["--ranks", "2", "--steps", "12", "--seed", str(FAST_DRIFT["seed"]), "--batch", str(FAST_DRIFT["batch"])]
+    result = runner.invoke(main, [*args, "--force-tactic", DRIFT])
     assert result.exit_code == EXIT_DRIFT, result.output
     err_lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(err_lines) == 1 and err_lines[0].startswith("error: rank drift at decode step")

@@ -80,7 +80,7 @@ def test_index_add_combine_nondeterminism(deterministic: bool) -> None:
 def test_nccl_two_ranks() -> None:
     base = EngineConfig(device="cuda", cudagraph=True)
     clean, drift, tp = run_many(
-        [base, base.replace(seed=1, batch=8, force_tactic=["1:moe_combine:bf16"]), base.replace(layout="tp")],
+        [base, base.replace(seed=6, batch=8, force_tactic=["1:moe_combine:bf16"]), base.replace(layout="tp")],
         ranks=2,
         steps=24,
         digests=True,

@@ -101,6 +101,16 @@ def _tuner_differences(part: Part) -> list[dict[str, Any]]:
     return diffs
 
 
+def short_kernel_name(name: str) -> str:
+    """``void at::native::reduce_kernel<128, 4, ...>(...)`` -> ``at::native::reduce_kernel``."""
+    n = name.removeprefix("void ").strip()
+    for stop in ("<", "("):
+        i = n.find(stop)
+        if i > 0:
+            n = n[:i]
+    return n
+
+
 def _kernel_differences(part: Part) -> list[dict[str, Any]]:
     """Graphs captured for the same key whose kernel lists differ across ranks."""
     per_key: dict[str, dict[str, list[str]]] = {}
@@ -109,7 +119,7 @@ def _kernel_differences(part: Part) -> list[dict[str, Any]]:
         for g in t.graphs:
             key = t.string(int(g["key"]))
             ks = t.kernels[t.kernels["graph"] == g["graph"]]
-            names = [t.string(int(k["name"])) for k in np.sort(ks, order="ordinal")]
+            names = [short_kernel_name(t.string(int(k["name"]))) for k in np.sort(ks, order="ordinal")]
             per_key.setdefault(key, {})[str(r)] = names
     diffs = []
     for key, ranks in sorted(per_key.items()):

@@ -36,7 +36,9 @@ def info(run: Path | None, root: str, part: str | None, as_json: bool) -> int:
 def render_info(s: dict) -> str:
     lines = [f"recording   {s['recording']}"]
     if s.get("command"):
-        cmd = s["command"] if isinstance(s["command"], str) else " ".join(s["command"])
+        # The manifest is data from disk: render whatever is there, never fail on its type.
+        c = s["command"]
+        cmd = " ".join(map(str, c)) if isinstance(c, list) else str(c)
         lines.append(f"command     {cmd}")
     if len(s["parts"]) > 1:
         marks = [f"{p['name']}{' (diverged)' if p['diverged'] else ''}" for p in s["parts"]]

@@ -32,6 +32,10 @@ class RecorderConfig:
     keyframe_every: int = 0
     """Snapshot the target's state every K steps (0: only before the first step)."""
 
+    keyframe_budget: int = 1 << 20
+    """Average keyframe bytes per step allowed: a state larger than ``keyframe_every x budget``
+    (a GPU KV cache) is snapshotted less often, every ceil(state bytes / budget) steps."""
+
     ring: int = 0
     """Keep the full logits of the last N steps; written at exit, on a crash, or on a trigger."""
 

@@ -8,9 +8,11 @@ ran while capturing (``OpLog``).
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -21,50 +23,97 @@ __all__ = ["install", "parse_dot_kernels", "OpLog"]
 _DIM = r"\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\)"
 
 
+def _dims(text: str) -> list[int]:
+    """``{2,2}`` or ``64`` -> [2, 2, 1] / [64, 1, 1]."""
+    nums = [int(x) for x in re.findall(r"\d+", text)][:3]
+    return (nums + [1, 1, 1])[:3] if nums else [0, 0, 0]
+
+
+def _split_launch(inner: str) -> list[str]:
+    """Top-level comma split of ``{2,2},64,6528`` -> ['{2,2}', '64', '6528']."""
+    parts, depth, cur = [], 0, ""
+    for ch in inner:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return parts
+
+
 def parse_dot_kernels(dot: str) -> list[dict[str, Any]]:
-    """Kernel nodes of a ``cudaGraphDebugDotPrint`` dump, in node order: name, grid, block."""
+    """Kernel nodes of a ``cudaGraphDebugDotPrint`` dump, in node order: name, grid, block.
+
+    A verbose dump labels each kernel node ``{KERNEL | {ID | 0 (topoId: 2) | name<<<grid,block,
+    shared>>>} | ...}`` (with DOT escapes), grid and block being ``{x,y}`` or a single number.
+    """
     kernels = []
-    # One node per `"graph_X_node_Y" [ ... label="..." ]` statement.
-    for m in re.finditer(r'"graph_\d+_node_(\d+)"\s*\[(.*?)\];?\s*$', dot, flags=re.S | re.M):
-        body = m.group(2)
+    for m in re.finditer(r'"graph_\d+_node_(\d+)"\s*\[(.*?)\];\s*$', dot, flags=re.S | re.M):
+        body = m.group(2).replace("\\", "")
         if "KERNEL" not in body:
             continue
-        name = None
-        nm = re.search(r"\|\s*\{?\s*(?:name|func|function)\s*\|\s*([^|}]+)", body)
-        if nm:
-            name = nm.group(1).strip()
-        if not name:
-            sym = re.search(r"(_Z\w+|void\s+[\w:<>, ]+\()", body)
-            name = sym.group(1) if sym else "kernel"
-        dims = re.findall(_DIM, body)
-        grid = [int(x) for x in dims[0]] if dims else [0, 0, 0]
-        block = [int(x) for x in dims[1]] if len(dims) > 1 else [0, 0, 0]
-        kernels.append({"name": _demangle(name.replace("\\l", "").replace("\\", "")), "grid": grid, "block": block, "node": int(m.group(1))})
+        launch = re.search(r"\|\s*([^|{}]*?)<<<(.*?)>>>", body, flags=re.S)
+        if launch:
+            name = launch.group(1).strip()
+            parts = _split_launch(launch.group(2))
+            grid = _dims(parts[0]) if parts else [0, 0, 0]
+            block = _dims(parts[1]) if len(parts) > 1 else [0, 0, 0]
+        else:
+            sym = re.search(r"(_Z\w+|\w+_kernel\w*)", body)
+            name, grid, block = (sym.group(1) if sym else "kernel"), [0, 0, 0], [0, 0, 0]
+        kernels.append({"name": name, "grid": grid, "block": block, "node": int(m.group(1))})
     kernels.sort(key=lambda k: k["node"])
-    for k in kernels:
+    for k, name in zip(kernels, demangle_all([k["name"] for k in kernels])):
         k.pop("node")
+        k["name"] = name
     return kernels
 
 
 def _demangle(name: str) -> str:
-    name = name.strip().strip('"')
-    if not name.startswith("_Z"):
-        return name
-    try:
-        import cxxfilt  # type: ignore[import-not-found]
+    return name.strip().strip('"')
 
-        return cxxfilt.demangle(name)
-    except Exception:  # noqa: BLE001 - mangled names still identify the kernel
-        return name
+
+def demangle_all(names: list[str]) -> list[str]:
+    """C++ kernel names demangled with ``c++filt`` when it is installed (one process for all)."""
+    mangled = [n for n in names if n.startswith("_Z")]
+    if not mangled:
+        return names
+    import shutil
+    import subprocess
+
+    tool = shutil.which("c++filt")
+    if tool is None:
+        return names
+    try:
+        p = subprocess.run([tool], input="\n".join(mangled), capture_output=True, text=True, timeout=10)
+        out = p.stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return names
+    if len(out) != len(mangled):
+        return names
+    table = dict(zip(mangled, out))
+    return [table.get(n, n) for n in names]
 
 
 def graph_kernels(graph: Any) -> list[dict[str, Any]]:
     fd, path = tempfile.mkstemp(suffix=".dot", prefix="replay-graph-")
     os.close(fd)
     try:
-        graph.debug_dump(path)
+        with warnings.catch_warnings():
+            # torch announces every dump with a warning; the program's output is not ours to fill.
+            warnings.simplefilter("ignore")
+            graph.debug_dump(path)
         with open(path, errors="replace") as fh:
-            return parse_dot_kernels(fh.read())
+            text = fh.read()
+        if os.environ.get("REPLAY_KEEP_GRAPH_DOT"):
+            with open(os.environ["REPLAY_KEEP_GRAPH_DOT"], "a") as fh:
+                fh.write(text)
+        return parse_dot_kernels(text)
     finally:
         try:
             os.unlink(path)
@@ -73,14 +122,37 @@ def graph_kernels(graph: Any) -> list[dict[str, Any]]:
 
 
 def install(session: Any, module: Any) -> None:
-    """Patch ``torch.cuda.graphs.CUDAGraph`` (capture_begin, capture_end, replay)."""
+    """Patch ``torch.cuda.graphs.CUDAGraph`` (construction, capture_begin, capture_end, replay).
+
+    To read the kernels back after capture, the graph must outlive its instantiation: on torch
+    versions with ``keep_graph``, graphs are built with it and instantiated right after capture
+    (as capture_end would have done), unless the program asked to keep the graph itself. Older
+    versions use the debug mode.
+    """
     cls = module.CUDAGraph
     if getattr(cls, "__replay_patched__", False):
         return
     orig_begin, orig_end, orig_replay = cls.capture_begin, cls.capture_end, cls.replay
+    try:
+        has_keep = "keep_graph" in inspect.signature(cls.__new__).parameters
+    except (TypeError, ValueError):
+        has_keep = False
+    wants_kernels = bool(session.settings.cuda_graph_kernels)
+
+    if has_keep and wants_kernels:
+        orig_init = cls.__init__
+
+        def __init__(self: Any, keep_graph: bool = False, *args: Any, **kwargs: Any) -> None:
+            orig_init(self, True, *args, **kwargs)
+            try:
+                self.__replay_user_keeps__ = bool(keep_graph)
+            except AttributeError:
+                pass
+
+        cls.__init__ = __init__
 
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if session.settings.cuda_graph_kernels and not session.disabled:
+        if wants_kernels and not has_keep and not session.disabled:
             try:
                 self.enable_debug_mode()
             except Exception:  # noqa: BLE001
@@ -89,11 +161,14 @@ def install(session: Any, module: Any) -> None:
 
     def capture_end(self: Any) -> Any:
         out = orig_end(self)
-        try:
-            kernels = graph_kernels(self) if session.settings.cuda_graph_kernels else []
-        except Exception as e:  # noqa: BLE001
-            session.warn_once("dot", f"cannot list the kernels of captured CUDA graphs ({e})")
-            kernels = []
+        kernels: list[dict[str, Any]] = []
+        if wants_kernels and not session.disabled:
+            try:
+                kernels = graph_kernels(self)
+            except Exception as e:  # noqa: BLE001
+                session.warn_once("dot", f"cannot list the kernels of captured CUDA graphs ({e})")
+        if has_keep and wants_kernels and not getattr(self, "__replay_user_keeps__", True):
+            self.instantiate()  # what capture_end does when the program did not ask to keep the graph
         try:
             pool = hash(tuple(self.pool())) & 0x7FFFFFFFFFFFFFFF
         except Exception:  # noqa: BLE001

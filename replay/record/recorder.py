@@ -38,6 +38,9 @@ from replay.record import rng as _rng
 from replay.record.config import RecorderConfig
 from replay.record.writer import Entry, Job, PinnedPool, Writer, host_entry
 
+# CUDA tensors up to this size are packed and copied to the host in one transfer per call.
+_SMALL_BYTES = 64 << 10
+
 __all__ = ["Recorder"]
 
 log = get_logger("replay.record")
@@ -75,7 +78,7 @@ class _Step:
     margin_dev: torch.Tensor | None = None
     margin_src: torch.Tensor | None = None
     accepted: int | None = None
-    accepted_src: torch.Tensor | None = None
+    accepted_entry: Entry | None = None
     args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -97,6 +100,7 @@ class Recorder:
         self._cur: _Step | None = None
         self._graph_counter = 0
         self._collective_counter = 0
+        self._keyframe_at: int | None = None  # the step the next keyframe is due at
         self._ring: collections.deque[tuple[int, Entry]] = collections.deque(maxlen=max(config.ring, 1))
         self._pool = PinnedPool()
         self._device_digests: torch.Tensor | None = None
@@ -190,18 +194,47 @@ class Recorder:
 
     def _entry(self, st: _Step | None, name: str, kind: TensorKind, t: torch.Tensor, *, store: bool) -> Entry:
         """Capture ``t`` now (its value may change after this call returns)."""
-        t = t.detach()
-        if t.device.type != "cuda":
-            return host_entry(name, kind, t, store=store)
-        e = Entry(name=name, kind=kind, dtype=dtype_to_str(t.dtype), shape=tuple(t.shape), store=store)
-        if st is not None:
-            e.digest_slot = len(st.device)
-            st.device.append(t)
-        if store or st is None:
-            host, buf = self._pool.get(t.dtype, tuple(t.shape))
-            host.copy_(t, non_blocking=True)
-            e.host, e.release = host, buf
-        return e
+        return self._entries(st, [(name, kind, t, store)])[0]
+
+    def _entries(self, st: _Step | None, items: list[tuple[str, TensorKind, torch.Tensor, bool]]) -> list[Entry]:
+        """Capture several tensors now, with as few device operations as possible.
+
+        CPU tensors are cloned. Small CUDA tensors (inputs, tokens, counts) are packed into one
+        device buffer and copied to pinned memory in one transfer; the writer digests them on
+        the CPU. Large CUDA tensors (logits) are digested on the device, and copied only when
+        their bytes are kept.
+        """
+        out: list[Entry] = []
+        small: list[tuple[Entry, torch.Tensor]] = []
+        for name, kind, t, store in items:
+            t = t.detach()
+            if t.device.type != "cuda":
+                out.append(host_entry(name, kind, t, store=store))
+                continue
+            e = Entry(name=name, kind=kind, dtype=dtype_to_str(t.dtype), shape=tuple(t.shape), store=store)
+            out.append(e)
+            nbytes = t.numel() * t.element_size()
+            if nbytes <= _SMALL_BYTES:
+                small.append((e, t))
+                continue
+            if st is not None:
+                e.digest_slot = len(st.device)
+                st.device.append(t)
+            if store or st is None:
+                host, buf = self._pool.get(t.dtype, tuple(t.shape))
+                host.copy_(t, non_blocking=True)
+                e.host, e.release = host, buf
+        if small:
+            flat = [t.reshape(-1).view(torch.uint8) for _, t in small]
+            packed = flat[0] if len(flat) == 1 else torch.cat(flat)
+            host, buf = self._pool.get(torch.uint8, (packed.numel(),))
+            host.copy_(packed, non_blocking=True)
+            off = 0
+            for (e, _), f in zip(small, flat):
+                e.packed = (host, off, f.numel())
+                off += f.numel()
+            small[0][0].release = buf
+        return out
 
     def _stage_device(self, st: _Step | None, job: Job) -> None:
         """Queue the device work of a job: digests, scalars, and the event the writer waits on."""
@@ -245,11 +278,12 @@ class Recorder:
                 self._end(error="step did not end before the next began")
             st = _Step(index=self._step_counter, t0=time.time())
             self._step_counter += 1
-            due = st.index == 0 or (self.config.keyframe_every and st.index % self.config.keyframe_every == 0)
+            due = self._keyframe_due(st.index)
             if self.state_fn is not None and due:
                 self._keyframe(st.index, self.state_fn())
             if self.config.rng:
-                st.groups["rng"] = [host_entry(k, TensorKind.RNG, v, store=True) for k, v in _rng.capture_rng().items()]
+                rng = _rng.capture_rng(host=due)
+                st.groups["rng"] = [host_entry(k, TensorKind.RNG, v, store=True) for k, v in rng.items()]
             self._cur = st
             return st.index
 
@@ -259,10 +293,8 @@ class Recorder:
         if st is None:
             return
         store = self.config.inputs == "full"
-        group = st.groups.setdefault("inputs", [])
-        for name, t in tensors.items():
-            if isinstance(t, torch.Tensor):
-                group.append(self._entry(st, name, TensorKind.INPUT, t, store=store))
+        items = [(name, TensorKind.INPUT, t, store) for name, t in tensors.items() if isinstance(t, torch.Tensor)]
+        st.groups.setdefault("inputs", []).extend(self._entries(st, items))
 
     @_failsafe()
     def record_outputs(self, **tensors: torch.Tensor) -> None:
@@ -270,19 +302,18 @@ class Recorder:
         if st is None:
             return
         cfg = self.config
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                continue
-            if name in cfg.token_outputs:
-                st.groups.setdefault("tokens", []).append(self._entry(st, name, TensorKind.TOKENS, t, store=True))
-            else:
-                e = self._entry(st, name, TensorKind.OUTPUT, t, store=cfg.outputs == "full")
-                st.groups.setdefault("outputs", []).append(e)
-                if name == cfg.logits and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
-                    self._logits(st, t, e.host)
+        named = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+        items = [
+            (n, TensorKind.TOKENS, t, True) if n in cfg.token_outputs else (n, TensorKind.OUTPUT, t, cfg.outputs == "full")
+            for n, t in named
+        ]
+        for (name, t), e in zip(named, self._entries(st, items)):
+            st.groups.setdefault("tokens" if e.kind == TensorKind.TOKENS else "outputs", []).append(e)
+            if e.kind == TensorKind.OUTPUT and name == cfg.logits and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
+                self._logits(st, t, e.host)
             if name == cfg.accepted:
                 if t.device.type == "cuda":
-                    st.accepted_src = t
+                    st.accepted_entry = e
                 else:
                     st.accepted = int(t.detach().sum())
 
@@ -292,8 +323,8 @@ class Recorder:
         st = self._cur
         if st is None:
             return
-        for name, t in tensors.items():
-            st.groups.setdefault("tokens", []).append(self._entry(st, name, TensorKind.TOKENS, t, store=True))
+        items = [(n, TensorKind.TOKENS, t, True) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+        st.groups.setdefault("tokens", []).extend(self._entries(st, items))
 
     @_failsafe()
     def record_logits(self, t: torch.Tensor) -> None:
@@ -338,14 +369,13 @@ class Recorder:
         st = self._cur
         if st is None:
             return
+        items = []
         for k, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                continue
-            label = f"{name}.{k}"
-            if t.is_floating_point() or t.is_complex():
-                st.groups.setdefault("outputs", []).append(self._entry(st, label, TensorKind.OUTPUT, t, store=False))
-            else:
-                st.groups.setdefault("tokens", []).append(self._entry(st, label, TensorKind.TOKENS, t, store=True))
+            if isinstance(t, torch.Tensor):
+                fp = t.is_floating_point() or t.is_complex()
+                items.append((f"{name}.{k}", TensorKind.OUTPUT if fp else TensorKind.TOKENS, t, not fp))
+        for e in self._entries(st, items):
+            st.groups.setdefault("tokens" if e.kind == TensorKind.TOKENS else "outputs", []).append(e)
 
     @_failsafe()
     def set_run(self, mode: str, *, key: str = "", padded_size: int = -1, reason: str = "") -> None:
@@ -379,9 +409,7 @@ class Recorder:
             body["args"] = st.args
         job = Job(kind=FrameKind.STEP, body=body, groups=dict(st.groups))
         coll_meta = self._stage_collectives(st, job)
-        accepted_host = None
-        if st.accepted_src is not None:
-            accepted_host = self._pinned_copy(job, st.accepted_src.detach().sum().to(torch.int64))
+        accepted_entry = st.accepted_entry
         self._stage_device(st, job)
         margin_src = st.margin_src
 
@@ -391,8 +419,8 @@ class Recorder:
             if margin_src is not None:
                 top = margin_src.float().topk(2, dim=-1).values
                 j.body["margin"] = float((top[..., 0] - top[..., 1]).min())
-            if accepted_host is not None:
-                j.body["accepted"] = int(accepted_host.item())
+            if accepted_entry is not None and accepted_entry.host is not None:
+                j.body["accepted"] = int(accepted_entry.host.to(torch.int64).sum())
 
         job.finish = finish
         self._submit(job, wait=self.config.durability == "step")
@@ -427,8 +455,18 @@ class Recorder:
             tensors = self.state_fn()
         self._keyframe(self.step_index, tensors)
 
+    def _keyframe_due(self, index: int) -> bool:
+        return index == 0 or (self._keyframe_at is not None and index >= self._keyframe_at)
+
     def _keyframe(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        entries = [self._entry(None, k, TensorKind.STATE, v, store=True) for k, v in tensors.items() if isinstance(v, torch.Tensor)]
+        every = self.config.keyframe_every
+        if every:
+            size = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+            interval = max(every, -(-size // max(self.config.keyframe_budget, 1)))
+            if interval != every and self._keyframe_at is None:
+                self.note(f"state is {size / 1e6:.1f} MB: keyframes every {interval} steps instead of {every}")
+            self._keyframe_at = step + interval
+        entries = self._entries(None, [(k, TensorKind.STATE, v, True) for k, v in tensors.items() if isinstance(v, torch.Tensor)])
         job = Job(kind=FrameKind.KEYFRAME, body={"step": step}, groups={"tensors": entries})
         self._stage_device(None, job)
         self._submit(job, wait=False)
@@ -502,8 +540,12 @@ class Recorder:
         def keep(t: torch.Tensor) -> bool:
             return mode == "full" or (mode == "auto" and t.numel() * t.element_size() <= limit)
 
-        ins = [self._entry(st, f"in{i}", TensorKind.COLLECTIVE, t, store=False) for i, t in enumerate(inputs)]
-        outs = [self._entry(st, f"{op}.out{i}", TensorKind.COLLECTIVE, t, store=keep(t)) for i, t in enumerate(outputs)]
+        entries = self._entries(
+            st,
+            [(f"in{i}", TensorKind.COLLECTIVE, t, False) for i, t in enumerate(inputs)]
+            + [(f"{op}.out{i}", TensorKind.COLLECTIVE, t, keep(t)) for i, t in enumerate(outputs)],
+        )
+        ins, outs = entries[: len(inputs)], entries[len(inputs) :]
         meta = {
             "ordinal": ordinal,
             "op": op,

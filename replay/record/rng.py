@@ -19,13 +19,17 @@ __all__ = ["capture_rng", "restore_rng"]
 _NP_HEAD = struct.Struct("<iid")  # pos, has_gauss, cached_gaussian
 
 
-def capture_rng() -> dict[str, torch.Tensor]:
-    """torch CPU, each initialised CUDA device (seed and Philox offset), Python and NumPy."""
+def capture_rng(*, host: bool = True) -> dict[str, torch.Tensor]:
+    """torch CPU, each initialised CUDA device (seed and Philox offset), and with ``host`` also
+    Python's and NumPy's global generators (reading those costs ~0.1 ms, so the recorder takes
+    them at keyframes; torch's are cheap and taken every step)."""
     out = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, gen in enumerate(torch.cuda.default_generators):
             # 16 bytes: seed and offset. Reading them does not synchronise the device.
             out[f"cuda:{i}"] = gen.get_state()
+    if not host:
+        return out
     version, internal, gauss = random.getstate()
     # array.array converts the 625-int tuple an order of magnitude faster than numpy does.
     words = array.array("I", internal)

@@ -38,6 +38,7 @@ class Entry:
     digest: int | None = None
     digest_slot: int = -1  # index into the job's device-digest host buffer
     release: Any = None  # pinned buffer to hand back to the pool once written
+    packed: Any = None  # (pinned uint8 buffer, offset, nbytes): bytes packed with other small tensors
 
 
 @dataclass(slots=True)
@@ -149,6 +150,12 @@ class Writer:
     def _write(self, job: Job) -> None:
         if job.event is not None:
             job.event.synchronize()
+        for entries in job.groups.values():
+            for e in entries:
+                if e.packed is not None:
+                    buf, off, n = e.packed
+                    e.host = buf[off : off + n].clone().view(_torch_dtype(e.dtype)).reshape(e.shape)
+                    e.packed = None
         slots = job.digests_host.tolist() if job.digests_host is not None else None
         # Payload bytes of the whole job go out in one writev, before the frame that refers to them.
         self._pending = []
@@ -226,6 +233,12 @@ class Writer:
             # Keep a copy only of small tensors: comparing is then cheaper than digesting.
             self._last[(int(e.kind), e.name)] = (t if e.release is None else t.clone(), offset, ref.digest)
         return TensorRef(ref.name, ref.dtype, ref.shape, ref.digest, offset, nbytes)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from replay.format.schema import str_to_dtype
+
+    return str_to_dtype(name)
 
 
 def _as_bytes(t: torch.Tensor):  # noqa: ANN202 - numpy array

@@ -72,6 +72,11 @@ def _render(config: EngineConfig, results: list[RankResult]) -> None:
     "--cudagraph/--no-cudagraph", default=False, help="Bucketed static-buffer runner (CUDA graphs on GPU)."
 )
 @click.option("--buckets", default="1,2,4,8", help="Comma-separated batch buckets.")
+@click.option("--prompt-len-min", type=click.IntRange(min=1), default=8)
+@click.option("--prompt-len-max", type=click.IntRange(min=1), default=24)
+@click.option("--warmup-iters", type=click.IntRange(min=1), default=3, help="Warm-up runs before each capture.")
+@click.option("--max-seq-len", type=click.IntRange(min=0), default=0, help="0: the preset's.")
+@click.option("--cpu-threads", type=click.IntRange(min=1), default=1, help="Intra-op threads on CPU.")
 @click.option("--device", default="cpu", help="cpu, or cuda (one GPU per rank).")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32")
 @click.option("--tuner", type=click.Choice(TUNER_MODES), default="off", help="Autotuner mode during warm-up.")

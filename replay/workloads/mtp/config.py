@@ -37,11 +37,11 @@ class ModelArgs:
     max_seq_len: int = 1024
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
-    residual_scale: float = 0.15
+    residual_scale: float = 0.25
     """Scale of the mixers' and the inner MoE layers' outputs against the token embedding: the
     share of context in a prediction. Small values make the target close to a per-token function
     the MTP head imitates (high acceptance, repetitive text); large values make context matter."""
-    final_moe_scale: float = 3.0
+    final_moe_scale: float = 4.0
     """Scale of the last MoE layer's output. The MTP head starts as a copy of that layer, so a
     large value keeps acceptance up while making the MoE combine a large share of the final
     hidden state: that is what lets a combine tactic differing on one rank flip tokens."""

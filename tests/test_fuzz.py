@@ -1,0 +1,779 @@
+"""Damaged and hostile recordings: every command answers in one line, or correctly; never more.
+
+Real recordings (written by the real recorder, every kind of frame) are mutated byte by byte
+(truncated, bytes flipped, regions overwritten) and structurally (tables of the wrong dtype,
+shape or an absurd size, missing groups, odd attributes, a newer format version, journal frames
+with hostile JSON and valid checksums, manifests that are not JSON, links to /dev/zero, FIFOs,
+directories where files should be). Each case is opened by every command (``info``, ``info
+--json``, ``verify``, ``seal``, and ``report``/``step``/``bisect`` where they exist) in a worker
+process (``tests/scripts/fuzz_worker.py``) with a per-case timeout and a capped address space.
+
+A command passes when it exits 0, or exits non-zero with exactly one ``replay: error:`` line on
+stderr (``verify`` may instead report the damage on stdout); it fails on a traceback, an internal
+error (exit 70), more than one stderr line, a hang, a crash of the worker or a memory blow-up.
+
+Figures: ``pytest -s`` prints a summary line; ``REPLAY_FUZZ_STATS=path`` writes it as JSON.
+``REPLAY_FUZZ_CASES`` sets the number of random cases (fast suite: 60; ``-m slow``: 2,000).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import re
+import select
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from replay import Recorder, RecorderConfig
+from replay.format.journal import _HEADER, MAGIC, FrameKind, read_journal
+from tests.factories import step_inputs, step_logits
+
+WORKER = Path(__file__).parent / "scripts" / "fuzz_worker.py"
+REPO = Path(__file__).resolve().parent.parent
+CASE_TIMEOUT = 30.0  # seconds one command may take on a damaged recording before it counts as a hang
+MEMORY_MB = 1500  # growth of the worker's peak RSS that counts as a blow-up
+
+
+# -- the worker -------------------------------------------------------------------------------
+
+
+class Worker:
+    """A long-lived ``fuzz_worker.py``: restarted after a case that hangs or kills it."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = env
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, bufsize=1, env=self.env, cwd=REPO,
+        )
+        first = self.run(["--version"], cwd=REPO, timeout=120.0)
+        assert first.get("code") == 0, first
+        self.base_rss = float(first["rss_mb"])
+
+    def run(self, argv: list[str], *, cwd: Path, timeout: float = CASE_TIMEOUT) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd)}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return self._died()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.proc.kill()
+            self.proc.wait()
+            self.restarts += 1
+            self._start()
+            return {"hang": True}
+        line = self.proc.stdout.readline()
+        if not line:
+            return self._died()
+        return json.loads(line)
+
+    def _died(self) -> dict[str, Any]:
+        rc = self.proc.wait()
+        self.restarts += 1
+        self._start()
+        return {"crash": rc}
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def worker() -> Any:
+    w = Worker()
+    yield w
+    w.close()
+
+
+def judge(res: dict[str, Any], worker: Worker) -> str | None:
+    """Why a command's answer is not acceptable, or None."""
+    if res.get("hang"):
+        return "hang"
+    if "crash" in res:
+        return f"worker died (exit {res['crash']})"
+    out, err, code = res["out"], res["err"], res["code"]
+    if "Traceback" in out or "Traceback" in err:
+        return "traceback"
+    if code == 70:
+        return "internal error"
+    if code == -1:
+        return "main() raised"
+    if res["rss_mb"] - worker.base_rss > MEMORY_MB:
+        return f"memory blow-up ({res['rss_mb']:.0f} MB)"
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("replay: error:")]
+    if code == 0:
+        return None if not errors else "an error line, and exit 0"
+    # Besides its error, a failing command may have said what it was doing, one "replay: ..."
+    # line each (``step`` names the factory it imports, before importing it).
+    if len(errors) > 1 or any(not ln.startswith("replay: ") for ln in lines) or len(lines) > 3:
+        return "more than one stderr line"
+    if not out.strip() and (len(errors) != 1 or lines[-1] != errors[0]):
+        return "non-zero exit without one error line"
+    return None
+
+
+def commands(rec: Path, case: Path, *, report: bool = True) -> list[tuple[str, list[str]]]:
+    """Every command that reads a recording, ``seal`` (which writes) last.
+
+    ``report``: also ``replay report`` (which renders plots: ten times the others' cost).
+    """
+    p = str(rec)
+    cmds = [
+        ("info", ["info", p]),
+        ("info --json", ["info", "--json", p]),
+        ("verify", ["verify", p]),
+        ("verify --quick --json", ["verify", "--quick", "--json", p]),
+    ]
+    if report and importlib.util.find_spec("replay.cli.report") is not None:
+        cmds.append(("report --json", ["report", "--json", p, "-o", str(case / "report.html")]))
+    if importlib.util.find_spec("replay.cli.bisect") is not None:
+        cmds.append(("bisect --steps", ["bisect", p, "--steps", "--no-save"]))
+    if importlib.util.find_spec("replay.cli.step") is not None:
+        cmds.append(("step", ["step", p, "--rank", "0", "--step", "1", "--mode", "eager", "--device", "cpu", "--no-save"]))
+    cmds.append(("seal", ["seal", p]))
+    return cmds
+
+
+# -- real recordings to start from ------------------------------------------------------------
+
+
+def record_rich(out: Path, *, ranks: int = 2, steps: int = 6, journal_copy: Path | None = None) -> None:
+    """A recording with every kind of frame: target, graph and kernels, tuner, collectives (in
+    full), replays, keyframes, the logits ring, tokens, arguments, notes, a raised step, and a
+    divergence on rank 1. ``journal_copy``: also keep each rank's journal as a crash leaves it."""
+    for r in range(ranks):
+        state = {"kv": torch.zeros(2, 3)}
+        rec = Recorder(
+            RecorderConfig(out=out, part="run-000", rank=r, world_size=ranks, keyframe_every=2, ring=2, collectives="full"),
+            state_fn=lambda: state,
+        )
+        rec.set_target({"step": "fuzz_target:Engine.step", "factory": "fuzz_no_such_module:build", "config": {"width": 8}})
+        rec.record_graph("bs=4", padded_size=4, kernels=[{"name": "gemm", "grid": [1, 2, 3], "block": [32, 1, 1]}], source="test")
+        rec.record_tuner({"matmul": f"tactic{r}"})
+        for s in range(steps):
+            rec.begin_step()
+            inputs = step_inputs(s)
+            rec.record_inputs(**inputs)
+            rec.record_args(pos=s, mode="decode")
+            h = inputs["hidden"].float()
+            rec.record_collective("all_reduce", group="default", group_size=ranks, inputs=[h], outputs=[h * ranks])
+            rec.record_graph_replay(0)
+            logits = step_logits(s)
+            if r == 1 and s >= 4:
+                logits[0, 0] += 1e-3
+            state["kv"] += 1
+            rec.record_outputs(logits=logits, tokens=logits.argmax(-1), accepted=torch.ones(4, dtype=torch.int64))
+            rec.set_run("graph", key="bs=4", padded_size=4)
+            rec.end_step(error=ValueError("injected") if (r == 0 and s == steps - 1) else None)
+            rec.note(f"note {s}")
+        if journal_copy is not None:
+            part = journal_copy / "run-000"
+            part.mkdir(parents=True, exist_ok=True)
+            for ext in ("journal", "payload"):
+                shutil.copy(out / "run-000" / f"rank-{r:05d}.{ext}", part / f"rank-{r:05d}.{ext}")
+        rec.close()
+        assert rec.error is None, rec.error
+    if journal_copy is not None:
+        shutil.copy(out / "manifest.json", journal_copy / "manifest.json")
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fuzz-bases")
+    record_rich(root / "sealed", journal_copy=root / "journal")
+    return {"sealed": root / "sealed", "journal": root / "journal"}
+
+
+# -- mutations --------------------------------------------------------------------------------
+
+
+def _files(case: Path, *suffixes: str) -> list[Path]:
+    return sorted(p for p in case.rglob("*") if p.is_file() and not p.is_symlink() and (not suffixes or p.suffix in suffixes))
+
+
+def m_truncate(case: Path, rng: random.Random) -> str:
+    f = rng.choice(_files(case))
+    n = f.stat().st_size
+    at = rng.choice([0, 1, rng.randrange(n + 1), max(0, n - rng.randrange(1, 64))])
+    os.truncate(f, at)
+    return f"truncate {f.name} at {at}/{n}"
+
+
+def m_flip(case: Path, rng: random.Random) -> str:
+    f = rng.choice(_files(case))
+    data = bytearray(f.read_bytes())
+    if not data:
+        return m_truncate(case, rng)
+    k = rng.choice([1, 2, 4, 16])
+    for _ in range(k):
+        i = rng.randrange(len(data))
+        data[i] ^= rng.randrange(1, 256)
+    f.write_bytes(bytes(data))
+    return f"flip {k} bytes of {f.name}"
+
+
+def m_overwrite(case: Path, rng: random.Random) -> str:
+    f = rng.choice(_files(case))
+    data = bytearray(f.read_bytes())
+    if not data:
+        return m_truncate(case, rng)
+    at = rng.randrange(len(data))
+    n = min(len(data) - at, rng.choice([8, 64, 512, 4096]))
+    fill = rng.choice([b"\x00", b"\xff", None])
+    data[at : at + n] = bytes(rng.randrange(256) for _ in range(n)) if fill is None else fill * n
+    f.write_bytes(bytes(data))
+    return f"overwrite {n} bytes of {f.name} at {at} with {fill!r}"
+
+
+def m_append(case: Path, rng: random.Random) -> str:
+    f = rng.choice(_files(case))
+    with open(f, "ab") as fh:
+        fh.write(bytes(rng.randrange(256) for _ in range(rng.choice([1, 16, 1000]))))
+    return f"append garbage to {f.name}"
+
+
+_TABLES = ["steps", "fields", "tensors", "graphs", "kernels", "replays", "collectives", "keyframes", "tuner"]
+_HOSTILE_INTS = [-1, 0, 1, -(2**31), 2**31 - 1, -(2**62), 2**62, 2**40, 10**12]
+
+
+def _h5(case: Path, rng: random.Random) -> Path | None:
+    files = _files(case, ".h5")
+    return rng.choice(files) if files else None
+
+
+def m_h5_table(case: Path, rng: random.Random) -> str:
+    """A table of the wrong dtype, shape, kind or size; or a missing one."""
+    f = _h5(case, rng)
+    if f is None:
+        return m_journal_json(case, rng)
+    name = rng.choice(_TABLES + ["strings", "events", "payload"])
+    how = rng.choice(["delete", "dtype", "2d", "group", "huge", "empty", "scalar"])
+    with h5py.File(f, "r+") as h:
+        old = h[name] if name in h else None
+        dtype = old.dtype if isinstance(old, h5py.Dataset) else np.dtype("i8")
+        if name in h:
+            del h[name]
+        if how == "dtype":
+            h.create_dataset(name, data=np.arange(5, dtype=rng.choice(["f8", "i4", "u1", "S4"])))
+        elif how == "2d":
+            h.create_dataset(name, shape=(3, 2), dtype=dtype)
+        elif how == "group":
+            h.create_group(name)
+        elif how == "huge":
+            # Claims 2**40 rows; stored sparse, so the file stays small.
+            h.create_dataset(name, shape=(2**40,), dtype=dtype, chunks=(1024,), maxshape=(None,))
+        elif how == "empty":
+            h.create_dataset(name, shape=(0,), dtype=dtype)
+        elif how == "scalar":
+            h.create_dataset(name, data=np.int64(7))
+    return f"{how} /{name} of {f.name}"
+
+
+def m_h5_rows(case: Path, rng: random.Random) -> str:
+    """Absurd values in the rows of a table (offsets, sizes, shapes, string ids, steps)."""
+    f = _h5(case, rng)
+    if f is None:
+        return m_journal_json(case, rng)
+    name = rng.choice(_TABLES)
+    with h5py.File(f, "r+") as h:
+        ds = h[name]
+        if not ds.shape[0]:
+            return f"(empty /{name})"
+        data = ds[()]
+        col = rng.choice(data.dtype.names)
+        rows = rng.sample(range(len(data)), k=min(len(data), rng.choice([1, 3, len(data)])))
+        for i in rows:
+            if data.dtype[col].kind == "f":
+                data[col][i] = rng.choice([np.nan, np.inf, -np.inf, 1e300, -1.0])
+            else:
+                info = np.iinfo(data.dtype[col].base)
+                data[col][i] = rng.choice([info.min, info.max, 0, 1, *(v for v in _HOSTILE_INTS if info.min <= v <= info.max)])
+        ds[...] = data
+    return f"rows {rows} of /{name}.{col} in {f.name}"
+
+
+def m_h5_attrs(case: Path, rng: random.Random) -> str:
+    f = _h5(case, rng)
+    if f is None:
+        return m_manifest(case, rng)
+    key = rng.choice(["format_version", "kind", "world_size", "rank", "complete", "config", "target", "journal_problem", "lost_bytes", "host", "node_rank"])
+    value: Any = rng.choice([
+        None, 2, 99, "1", 1.5, -1, 2**40, np.arange(3), np.arange(5000), "not json {", "[" * 5000, json.dumps([1] * 10),
+        "x" * 100_000, True, np.float64(np.nan),
+    ])
+    with h5py.File(f, "r+") as h:
+        if value is None:
+            if key in h.attrs:
+                del h.attrs[key]
+        else:
+            h.attrs[key] = value
+    return f"attr {key}={str(value)[:40]!r} in {f.name}"
+
+
+def m_newer_version(case: Path, rng: random.Random) -> str:
+    f = _h5(case, rng)
+    if f is not None and rng.random() < 0.5:
+        with h5py.File(f, "r+") as h:
+            h.attrs["format_version"] = 2
+        return f"format_version 2 in {f.name}"
+    m = case / "manifest.json"
+    data = json.loads(m.read_text())
+    data["format_version"] = 2
+    m.write_text(json.dumps(data))
+    return "format_version 2 in manifest.json"
+
+
+def _hostile_value(rng: random.Random) -> Any:
+    return rng.choice([
+        None, True, -1, 0, 2**63, -(2**63) - 1, 2**70, 10**400 if False else 1e308, float("nan"), "", "zz",
+        "ffffffffffffffffff", "bfloat99", [], {}, [[[]]], [-5, 3], [2**40, 2**40], ["x"], {"a": 1}, "x" * 10_000,
+        list(range(20)),
+    ])
+
+
+def _encode(kind: int, body: bytes) -> bytes:
+    import zlib
+
+    return _HEADER.pack(MAGIC, kind, 0, len(body), zlib.crc32(body)) + body
+
+
+def _rewrite_journal(j: Path, edit: Callable[[list[tuple[int, Any]]], None]) -> None:
+    scan = read_journal(j)
+    frames: list[tuple[int, Any]] = [(int(f.kind), f.body) for f in scan.frames]
+    edit(frames)
+    out = b""
+    for kind, body in frames:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        out += _encode(kind, raw)
+    j.write_bytes(out)
+
+
+def m_journal_json(case: Path, rng: random.Random) -> str:
+    """Hostile JSON in a frame, with a valid checksum: the reader's own checks must catch it."""
+    js = _files(case, ".journal")
+    if not js:
+        return m_h5_rows(case, rng)
+    j = rng.choice(js)
+    what: list[str] = []
+
+    def edit(frames: list[tuple[int, Any]]) -> None:
+        i = rng.randrange(len(frames))
+        kind, body = frames[i]
+        how = rng.choice(["value", "value", "value", "delete", "kind", "drop", "dup", "deep", "huge-list"])
+        if how == "kind":
+            frames[i] = (rng.choice([int(k) for k in FrameKind] + [0, 99, 65535]), body)
+        elif how == "drop":
+            del frames[i]
+        elif how == "dup":
+            frames.insert(i, (kind, body))
+        elif how == "deep":
+            frames[i] = (kind, b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+        elif how == "huge-list":
+            body = dict(body)
+            body[rng.choice(list(body) or ["x"])] = [{"name": "x", "dtype": "float32", "shape": [1], "dig": "00"}] * 20_000
+            frames[i] = (kind, body)
+        else:
+            # Walk to a random node and replace (or delete) it.
+            node: Any = body
+            path: list[Any] = []
+            while isinstance(node, (dict, list)) and node and rng.random() < 0.7:
+                k = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+                if not isinstance(node[k], (dict, list)) or not node[k]:
+                    break
+                path.append(k)
+                node = node[k]
+            if isinstance(node, dict) and node:
+                k = rng.choice(list(node))
+                if how == "delete":
+                    del node[k]
+                else:
+                    node[k] = _hostile_value(rng)
+                path.append(k)
+            elif isinstance(node, list) and node:
+                k = rng.randrange(len(node))
+                node[k] = _hostile_value(rng)
+                path.append(k)
+        what.append(f"{how} in frame {i} ({FrameKind(kind).name if kind in set(FrameKind) else kind})")
+
+    _rewrite_journal(j, edit)
+    return f"journal {j.name}: {what[0] if what else 'unchanged'}"
+
+
+def m_journal_length(case: Path, rng: random.Random) -> str:
+    """A frame header claiming an absurd length (valid magic), at a frame boundary or the end."""
+    js = _files(case, ".journal")
+    if not js:
+        return m_flip(case, rng)
+    j = rng.choice(js)
+    scan = read_journal(j)
+    data = bytearray(j.read_bytes())
+    at = rng.choice([f.offset for f in scan.frames] + [len(data)])
+    head = _HEADER.pack(MAGIC, int(FrameKind.STEP), 0, rng.choice([2**32 - 1, 64 << 20, (64 << 20) + 1, 10**9]), 0)
+    data[at : at + _HEADER.size] = head
+    j.write_bytes(bytes(data))
+    return f"journal {j.name}: frame at {at} claims a huge length"
+
+
+def m_manifest(case: Path, rng: random.Random) -> str:
+    m = case / "manifest.json"
+    how = rng.choice(["notjson", "list", "deep", "version-str", "kind", "command", "empty", "huge", "binary"])
+    if m.is_symlink() or not m.is_file():
+        m.unlink(missing_ok=True)
+    if how == "notjson":
+        m.write_text("{not json")
+    elif how == "list":
+        m.write_text("[1, 2, 3]")
+    elif how == "deep":
+        m.write_text("[" * 200_000 + "]" * 200_000)
+    elif how == "version-str":
+        m.write_text(json.dumps({"format_version": "1", "kind": "replay-recording"}))
+    elif how == "kind":
+        m.write_text(json.dumps({"format_version": 1, "kind": "something-else"}))
+    elif how == "command":
+        m.write_text(json.dumps({"format_version": 1, "kind": "replay-recording", "command": rng.choice([[1, 2], {"a": 1}, 5, None, [None]])}))
+    elif how == "empty":
+        m.write_text("")
+    elif how == "huge":
+        with open(m, "wb") as fh:
+            fh.truncate(17 << 20)  # sparse: 17 MB of zeros
+    elif how == "binary":
+        m.write_bytes(bytes(range(256)))
+    return f"manifest.json: {how}"
+
+
+def m_special_file(case: Path, rng: random.Random) -> str:
+    """A link to /dev/zero or /dev/urandom, a FIFO, a directory or a dangling link where a file
+    should be."""
+    candidates = _files(case) + [case / "manifest.json"]
+    f = rng.choice(candidates)
+    how = rng.choice(["zero", "urandom", "fifo", "dir", "dangling", "loop"])
+    if f.exists() or f.is_symlink():
+        f.unlink()
+    if how == "zero":
+        f.symlink_to("/dev/zero")
+    elif how == "urandom":
+        f.symlink_to("/dev/urandom")
+    elif how == "fifo":
+        os.mkfifo(f)
+    elif how == "dir":
+        f.mkdir()
+    elif how == "dangling":
+        f.symlink_to(case / "no-such-file")
+    elif how == "loop":
+        f.symlink_to(f)
+    return f"{f.name} is a {how}"
+
+
+def m_layout(case: Path, rng: random.Random) -> str:
+    """Files and directories moved around: a part missing, extra junk, odd rank numbers."""
+    how = rng.choice(["no-part", "junk-rank", "huge-rank", "both-h5-and-journal", "no-payload", "empty-journal", "extra-part"])
+    part = case / "run-000"
+    if how == "no-part":
+        shutil.rmtree(part)
+    elif how == "junk-rank":
+        (part / "rank-00007.h5").write_text("this is not hdf5")
+    elif how == "huge-rank":
+        src = next(iter(_files(part, ".h5", ".journal")), None)
+        if src is not None:
+            shutil.copy(src, part / f"rank-99999999999{src.suffix}")
+    elif how == "both-h5-and-journal":
+        (part / "rank-00000.journal").write_bytes(_encode(int(FrameKind.HEADER), b'{"rank": 0, "world_size": 2}'))
+    elif how == "no-payload":
+        for p in _files(part, ".payload"):
+            p.unlink()
+    elif how == "empty-journal":
+        (part / "rank-00001.journal").write_bytes(b"")
+        (part / "rank-00001.h5").unlink(missing_ok=True)
+    elif how == "extra-part":
+        (case / "run-001").mkdir()
+        (case / "run-001" / "rank-00000.journal").write_bytes(os.urandom(100))
+    return f"layout: {how}"
+
+
+MUTATORS: list[tuple[Callable[[Path, random.Random], str], int]] = [
+    (m_truncate, 3), (m_flip, 4), (m_overwrite, 2), (m_append, 1),
+    (m_h5_table, 3), (m_h5_rows, 3), (m_h5_attrs, 2), (m_newer_version, 1),
+    (m_journal_json, 4), (m_journal_length, 1), (m_manifest, 2), (m_special_file, 2), (m_layout, 2),
+]
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+@dataclass
+class FuzzStats:
+    cases: int = 0
+    command_runs: int = 0
+    failures: Counter = field(default_factory=Counter)
+    exit_codes: Counter = field(default_factory=Counter)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    max_rss_mb: float = 0.0
+    slowest_s: float = 0.0
+    secs: Counter = field(default_factory=Counter)  # time spent per command
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cases": self.cases,
+            "command_runs": self.command_runs,
+            "tracebacks": self.failures["traceback"],
+            "internal_errors": self.failures["internal error"],
+            "hangs": self.failures["hang"],
+            "crashes": sum(v for k, v in self.failures.items() if k.startswith("worker died")),
+            "failures": dict(self.failures),
+            "exit_codes": {str(k): v for k, v in sorted(self.exit_codes.items(), key=lambda kv: str(kv[0]))},
+            "max_rss_mb": round(self.max_rss_mb, 1),
+            "slowest_command_s": round(self.slowest_s, 2),
+            "seconds_per_command": {k: round(v, 1) for k, v in self.secs.most_common()},
+            "examples": self.examples[:20],
+        }
+
+
+def run_case(worker: Worker, case: Path, description: str, stats: FuzzStats, *, report: bool = True) -> None:
+    stats.cases += 1
+    for name, argv in commands(case, case.parent / (case.name + "-out"), report=report):
+        (case.parent / (case.name + "-out")).mkdir(exist_ok=True)
+        res = worker.run(argv, cwd=case.parent)
+        stats.command_runs += 1
+        stats.exit_codes[res.get("code", "hang" if res.get("hang") else "crash")] += 1
+        stats.max_rss_mb = max(stats.max_rss_mb, float(res.get("rss_mb", 0.0)))
+        stats.slowest_s = max(stats.slowest_s, float(res.get("secs", 0.0)))
+        stats.secs[name] += float(res.get("secs", 0.0))
+        why = judge(res, worker)
+        if why is not None:
+            stats.failures[why] += 1
+            stats.examples.append({"case": case.name, "mutation": description, "command": name, "why": why,
+                                   "code": res.get("code"), "err": str(res.get("err", ""))[-1500:], "out": str(res.get("out", ""))[-500:]})
+
+
+def fuzz(worker: Worker, bases: dict[str, Path], root: Path, n: int, seed: int, report_every: int = 1) -> FuzzStats:
+    stats = FuzzStats()
+    fns, weights = zip(*MUTATORS)
+    for i in range(n):
+        rng = random.Random(seed * 1_000_003 + i)
+        base = rng.choice(sorted(bases))
+        case = root / f"case{i:05d}"
+        shutil.copytree(bases[base], case, symlinks=True)
+        descs = []
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            fn = rng.choices(fns, weights)[0]
+            try:
+                descs.append(fn(case, rng))
+            except Exception as e:  # noqa: BLE001 - a second mutation may not apply to what the first left
+                descs.append(f"{fn.__name__} did not apply ({e.__class__.__name__})")
+        before = sum(stats.failures.values())
+        run_case(worker, case, f"{base}: " + "; ".join(descs), stats, report=i % report_every == 0)
+        if sum(stats.failures.values()) == before:
+            _rmtree(case)
+            _rmtree(root / f"case{i:05d}-out")
+    return stats
+
+
+def _rmtree(p: Path) -> None:
+    if p.is_symlink() or p.is_file():
+        p.unlink()
+    elif p.exists():
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def report(stats: FuzzStats, label: str) -> None:
+    data = stats.to_json()
+    print(f"\nreplay fuzz ({label}): {data['cases']} cases, {data['command_runs']} command runs, "
+          f"{data['tracebacks']} tracebacks, {data['internal_errors']} internal errors, {data['hangs']} hangs, "
+          f"{data['crashes']} worker crashes, max RSS {data['max_rss_mb']:.0f} MB, slowest {data['slowest_command_s']} s; "
+          f"seconds per command {data['seconds_per_command']}")
+    path = os.environ.get("REPLAY_FUZZ_STATS")
+    if path:
+        p = Path(path)
+        existing = json.loads(p.read_text()) if p.exists() else {}
+        existing[label] = data
+        p.write_text(json.dumps(existing, indent=2))
+
+
+def _fail_message(stats: FuzzStats) -> str:
+    lines = [f"{sum(stats.failures.values())} bad answers: {dict(stats.failures)}"]
+    for e in sorted(stats.examples, key=lambda e: e["why"] != "internal error")[:8]:
+        lines.append(f"- {e['case']} [{e['mutation']}] `{e['command']}` -> {e['why']} (exit {e['code']}): {e['err'].strip()[-600:]}")
+    return "\n".join(lines)
+
+
+def test_fuzz_damaged_recordings(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    n = int(os.environ.get("REPLAY_FUZZ_CASES", "60"))
+    stats = fuzz(worker, bases, tmp_path, n, seed=1, report_every=6)
+    report(stats, "fast")
+    assert not stats.failures, _fail_message(stats)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_fuzz_many(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    n = int(os.environ.get("REPLAY_FUZZ_SLOW_CASES", "2000"))
+    stats = fuzz(worker, bases, tmp_path, n, seed=2)
+    report(stats, "slow")
+    assert not stats.failures, _fail_message(stats)
+
+
+# -- named cases: what each hostile input must say ---------------------------------------------
+
+
+def _one_line(res: dict[str, Any], worker: Worker) -> str:
+    assert judge(res, worker) is None, res
+    lines = res["err"].strip().splitlines()
+    assert res["code"] != 0 and len(lines) == 1, res
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "mutate, expect_code, expect_text",
+    [
+        pytest.param(lambda c: _set_attr(c, "format_version", 2), 5, "upgrade replay", id="newer-h5-version"),
+        pytest.param(lambda c: _manifest(c, {"format_version": 7, "kind": "replay-recording"}), 5, "format version 7", id="newer-manifest-version"),
+        pytest.param(lambda c: (c / "manifest.json").write_text("{nope"), 4, "manifest.json is not valid JSON", id="manifest-not-json"),
+        pytest.param(lambda c: _replace(c / "manifest.json", "/dev/zero"), 4, "manifest.json", id="manifest-dev-zero"),
+        pytest.param(lambda c: _fifo(c / "run-000" / "rank-00000.h5"), 4, "not a regular file", id="rank-file-fifo"),
+        pytest.param(lambda c: _huge_table(c, "steps"), 4, "more than the file holds", id="table-claims-2**40-rows"),
+        pytest.param(lambda c: _set_attr(c, "world_size", 2**40), 0, "", id="absurd-world-size"),
+    ],
+)
+def test_named_hostile_case(worker: Worker, bases: dict[str, Path], tmp_path: Path, mutate: Callable[[Path], Any],
+                            expect_code: int, expect_text: str) -> None:
+    case = tmp_path / "case"
+    shutil.copytree(bases["sealed"], case, symlinks=True)
+    mutate(case)
+    res = worker.run(["info", str(case)], cwd=tmp_path)
+    if expect_code == 0:
+        assert res["code"] == 0 and judge(res, worker) is None, res
+        return
+    line = _one_line(res, worker)
+    assert res["code"] == expect_code and expect_text in line, line
+    assert line.startswith("replay: error:")
+
+
+def _set_attr(case: Path, key: str, value: Any) -> None:
+    with h5py.File(case / "run-000" / "rank-00000.h5", "r+") as h:
+        h.attrs[key] = value
+
+
+def _manifest(case: Path, data: dict[str, Any]) -> None:
+    (case / "manifest.json").write_text(json.dumps(data))
+
+
+def _replace(f: Path, target: str) -> None:
+    f.unlink()
+    f.symlink_to(target)
+
+
+def _fifo(f: Path) -> None:
+    f.unlink()
+    os.mkfifo(f)
+
+
+def _huge_table(case: Path, name: str) -> None:
+    with h5py.File(case / "run-000" / "rank-00000.h5", "r+") as h:
+        dtype = h[name].dtype
+        del h[name]
+        h.create_dataset(name, shape=(2**40,), dtype=dtype, chunks=(1024,), maxshape=(None,))
+
+
+def test_huge_journal_frame_length(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """A crashed journal whose last frame claims 4 GB: the frames before it are read, no more."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["journal"], case)
+    j = case / "run-000" / "rank-00001.journal"
+    with open(j, "ab") as fh:
+        fh.write(_HEADER.pack(MAGIC, int(FrameKind.STEP), 0, 2**32 - 1, 0) + b"{}")
+    res = worker.run(["verify", "--json", str(case)], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 4, res
+    ranks = {r["rank"]: r for r in json.loads(res["out"])["ranks"]}
+    assert ranks[1]["steps"] == 6 and ranks[1]["state"] == "incomplete", ranks[1]
+    assert "claims 4294967295 bytes" in " ".join(ranks[1]["problems"])
+
+
+# -- nothing in a recording is executed -------------------------------------------------------
+
+
+EVIL = '''
+import os
+open(os.environ["REPLAY_EVIL_MARKER"], "w").write("imported")
+
+def build(*args, **kwargs):
+    open(os.environ["REPLAY_EVIL_MARKER"], "w").write("called")
+'''
+
+
+def test_opening_a_recording_imports_nothing_it_names(tmp_path: Path) -> None:
+    """A recording naming a factory whose import leaves a mark: reading commands never import it."""
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "evil_factory.py").write_text(EVIL)
+    marker = tmp_path / "imported.txt"
+    rec = tmp_path / "rec"
+    record_rich(rec)
+    with h5py.File(rec / "run-000" / "rank-00000.h5", "r+") as h:
+        h.attrs["target"] = json.dumps({"factory": "evil_factory:build", "step": "evil_factory:build", "config": {}})
+        h.attrs["config"] = json.dumps({"factory": "evil_factory:build"})
+    m = json.loads((rec / "manifest.json").read_text())
+    m.update(factory="evil_factory:build", settings={"factory": "evil_factory:build", "steps": ["evil_factory:build"]})
+    (rec / "manifest.json").write_text(json.dumps(m))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(evil), str(REPO)]), REPLAY_EVIL_MARKER=str(marker))
+    w = Worker(env=env)
+    try:
+        for name, argv in commands(rec, tmp_path):
+            if name in ("step", "seal"):
+                continue  # step is the one command that may import a factory, after showing it
+            res = w.run(argv, cwd=evil)
+            assert judge(res, w) is None, (name, res)
+            assert not marker.exists(), f"`replay {name}` imported the factory named in the recording"
+    finally:
+        w.close()
+    # The check would have seen an import.
+    subprocess.run([sys.executable, "-c", "import evil_factory"], env=env, cwd=evil, check=True)
+    assert marker.exists()
+
+
+def test_no_pickle_or_eval_in_the_package() -> None:
+    """Recordings are JSON, HDF5 attributes and raw bytes: nothing in replay/ unpickles or evals.
+
+    Factories are imported in one place (replay/rerun/target.py), for ``step``/``bisect`` only.
+    """
+    bad = re.compile(r"\bimport pickle\b|\bpickle\.|\bcPickle\b|(?<![\w.])eval\(|(?<![\w.])exec\(|torch\.load\(|"
+                     r"allow_pickle\s*=\s*True|\bmarshal\.|yaml\.load\(|\bshelve\b")
+    imports = re.compile(r"importlib\.import_module\(|__import__\(")
+    allowed_imports = {"replay/rerun/target.py", "replay/record/hooks.py", "replay/cli/main.py"}
+    found, importers = [], []
+    for p in sorted((REPO / "replay").rglob("*.py")):
+        rel = p.relative_to(REPO).as_posix()
+        if rel.startswith("replay/workloads/"):
+            continue  # the test subject, not the tool
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if bad.search(code):
+                found.append(f"{rel}:{i}: {line.strip()}")
+            if imports.search(code) and rel not in allowed_imports:
+                importers.append(f"{rel}:{i}: {line.strip()}")
+    assert not found, found
+    assert not importers, importers
