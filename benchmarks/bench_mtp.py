@@ -5,8 +5,8 @@
     python benchmarks/bench_mtp.py --device cuda --preset small --drift-trials 10 --drift-steps 2000
 
 Part 1 runs one rank (no process group) and times `--steps` decode steps after prefill and capture,
-eager and through the graph runner, `--repeats` times each (the best is reported, as timing noise
-only ever slows a run down). Part 2 (on CUDA by default) runs `--drift-trials` fresh multi-rank
+eager and through the graph runner, `--repeats` times each, interleaved (the best is reported, as
+timing noise only ever slows a run down; the median too). Part 2 (on CUDA by default) runs `--drift-trials` fresh multi-rank
 runs with the tuner timing its tactics independently on every rank during capture, and counts the
 runs that end in a RankDriftError; a control with the broadcast tuner runs alongside.
 """
@@ -31,18 +31,24 @@ from replay.workloads.mtp.engine import Engine
 from replay.workloads.mtp.launch import RankResult, run_many
 
 
-def time_decode(config: EngineConfig, steps: int, repeats: int) -> dict[str, Any]:
-    rates, acceptance = [], 0.0
+def time_decode(configs: dict[str, EngineConfig], steps: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """Time each config ``repeats`` times, interleaved, so a change of machine load hits all alike."""
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    acceptance: dict[str, float] = {}
     for _ in range(repeats):
-        engine = Engine(config, device=config.device)
-        result = engine.generate(steps)
-        rates.append(result.steps_per_s)
-        drafted = result.steps * config.batch * config.k
-        acceptance = (sum(map(sum, result.accepted)) - result.steps * config.batch) / drafted
+        for name, config in configs.items():
+            engine = Engine(config, device=config.device)
+            result = engine.generate(steps)
+            rates[name].append(result.steps_per_s)
+            drafted = result.steps * config.batch * config.k
+            acceptance[name] = (sum(map(sum, result.accepted)) - result.steps * config.batch) / drafted
     return {
-        "steps_per_s": max(rates),
-        "median_steps_per_s": statistics.median(rates),
-        "acceptance": acceptance,
+        name: {
+            "steps_per_s": max(rates[name]),
+            "median_steps_per_s": statistics.median(rates[name]),
+            "acceptance": acceptance[name],
+        }
+        for name in configs
     }
 
 
@@ -79,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     base = EngineConfig(preset=args.preset, device=args.device, dtype=args.dtype, batch=args.batch, k=args.k)
-    eager = time_decode(base, args.steps, args.repeats)
-    graph = time_decode(base.replace(cudagraph=True), args.steps, args.repeats)
+    timed = time_decode({"eager": base, "graph": base.replace(cudagraph=True)}, args.steps, args.repeats)
+    eager, graph = timed["eager"], timed["graph"]
     report: dict[str, Any] = {
         "machine": {
             "device": torch.cuda.get_device_name()

@@ -31,7 +31,14 @@ from collections.abc import Iterable
 from types import ModuleType
 
 import numpy as np
-import torch
+from typing import TYPE_CHECKING
+
+from replay._lazy import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = LazyModule("torch", globals())
 
 from replay.log import get_logger
 
@@ -44,6 +51,7 @@ __all__ = [
     "digest_numpy",
     "format_digest",
     "from_int64",
+    "local_tensor",
     "to_int64",
     "warmup",
 ]
@@ -304,11 +312,23 @@ def _write_on_host(t: torch.Tensor, out: torch.Tensor, index: int) -> None:
     out[index] = to_int64(digest(t))
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bits this process holds: a DTensor's local shard, anything else as is.
+
+    Never ``full_tensor()``: gathering would add a collective to the program's sequence (and
+    hang if only some ranks made it); a replicated DTensor's local tensor is the whole tensor."""
+    if type(t) is not torch.Tensor and callable(getattr(type(t), "to_local", None)):
+        return t.to_local()
+    return t
+
+
 def digest(t: torch.Tensor) -> int:
     """The rd64 digest of ``t``'s bits as a Python int in [0, 2**64).
 
     CUDA tensors are digested on their GPU (one host sync for the result); others on the CPU.
+    A DTensor is digested by its local shard (``local_tensor``).
     """
+    t = local_tensor(t)
     gpu = _gpu_backend(t)
     if gpu is None:
         return digest_numpy(_tensor_bytes(t))

@@ -23,6 +23,8 @@ NEEDED = {
     "pytest_timeout": "pytest-timeout>=2.1",
     "hypothesis": "hypothesis>=6.80",
     "matplotlib": "matplotlib>=3.7",
+    # The "model nobody here wrote" that tests the generic path (tests/test_hf.py).
+    "transformers": "transformers>=4.46",
 }
 
 

@@ -47,6 +47,15 @@ CASE_TIMEOUT = 30.0  # seconds one command may take on a damaged recording befor
 MEMORY_MB = 1500  # growth of the worker's peak RSS that counts as a blow-up
 
 
+EVIL = '''
+import os
+open(os.environ["REPLAY_EVIL_MARKER"], "w").write("imported")
+
+def build(*args, **kwargs):
+    open(os.environ["REPLAY_EVIL_MARKER"], "w").write("called")
+'''
+
+
 # -- the worker -------------------------------------------------------------------------------
 
 
@@ -103,8 +112,18 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
-def worker() -> Any:
-    w = Worker()
+def evil(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A module that leaves a mark when imported: recordings below name it as their factory."""
+    d = tmp_path_factory.mktemp("evil")
+    (d / "evil_factory.py").write_text(EVIL)
+    return {"dir": d, "marker": d / "imported.txt"}
+
+
+@pytest.fixture(scope="module")
+def worker(evil: dict[str, Path]) -> Any:
+    # The evil module is importable in every case: no command that reads a recording may import it.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(evil["dir"]), str(REPO)]), REPLAY_EVIL_MARKER=str(evil["marker"]))
+    w = Worker(env=env)
     yield w
     w.close()
 
@@ -716,21 +735,9 @@ def test_huge_journal_frame_length(worker: Worker, bases: dict[str, Path], tmp_p
 # -- nothing in a recording is executed -------------------------------------------------------
 
 
-EVIL = '''
-import os
-open(os.environ["REPLAY_EVIL_MARKER"], "w").write("imported")
-
-def build(*args, **kwargs):
-    open(os.environ["REPLAY_EVIL_MARKER"], "w").write("called")
-'''
-
-
-def test_opening_a_recording_imports_nothing_it_names(tmp_path: Path) -> None:
+def test_opening_a_recording_imports_nothing_it_names(worker: Worker, evil: dict[str, Path], tmp_path: Path) -> None:
     """A recording naming a factory whose import leaves a mark: reading commands never import it."""
-    evil = tmp_path / "evil"
-    evil.mkdir()
-    (evil / "evil_factory.py").write_text(EVIL)
-    marker = tmp_path / "imported.txt"
+    marker = evil["marker"]
     rec = tmp_path / "rec"
     record_rich(rec)
     with h5py.File(rec / "run-000" / "rank-00000.h5", "r+") as h:
@@ -739,20 +746,17 @@ def test_opening_a_recording_imports_nothing_it_names(tmp_path: Path) -> None:
     m = json.loads((rec / "manifest.json").read_text())
     m.update(factory="evil_factory:build", settings={"factory": "evil_factory:build", "steps": ["evil_factory:build"]})
     (rec / "manifest.json").write_text(json.dumps(m))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(evil), str(REPO)]), REPLAY_EVIL_MARKER=str(marker))
-    w = Worker(env=env)
-    try:
-        for name, argv in commands(rec, tmp_path):
-            if name in ("step", "seal"):
-                continue  # step is the one command that may import a factory, after showing it
-            res = w.run(argv, cwd=evil)
-            assert judge(res, w) is None, (name, res)
-            assert not marker.exists(), f"`replay {name}` imported the factory named in the recording"
-    finally:
-        w.close()
+    for name, argv in commands(rec, tmp_path):
+        if name in ("step", "seal"):
+            continue  # step is the one command that may import a factory, after showing it
+        res = worker.run(argv, cwd=evil["dir"])
+        assert judge(res, worker) is None, (name, res)
+        assert not marker.exists(), f"`replay {name}` imported the factory named in the recording"
     # The check would have seen an import.
-    subprocess.run([sys.executable, "-c", "import evil_factory"], env=env, cwd=evil, check=True)
+    env = dict(os.environ, PYTHONPATH=str(evil["dir"]), REPLAY_EVIL_MARKER=str(marker))
+    subprocess.run([sys.executable, "-c", "import evil_factory"], env=env, cwd=tmp_path, check=True)
     assert marker.exists()
+    marker.unlink()
 
 
 def test_no_pickle_or_eval_in_the_package() -> None:
@@ -763,7 +767,9 @@ def test_no_pickle_or_eval_in_the_package() -> None:
     bad = re.compile(r"\bimport pickle\b|\bpickle\.|\bcPickle\b|(?<![\w.])eval\(|(?<![\w.])exec\(|torch\.load\(|"
                      r"allow_pickle\s*=\s*True|\bmarshal\.|yaml\.load\(|\bshelve\b")
     imports = re.compile(r"importlib\.import_module\(|__import__\(")
-    allowed_imports = {"replay/rerun/target.py", "replay/record/hooks.py", "replay/cli/main.py"}
+    # Fixed module names only: the lazy public surface and deferred torch import.
+    allowed_imports = {"replay/rerun/target.py", "replay/record/hooks.py", "replay/cli/main.py",
+                       "replay/__init__.py", "replay/_lazy.py"}
     found, importers = [], []
     for p in sorted((REPO / "replay").rglob("*.py")):
         rel = p.relative_to(REPO).as_posix()
@@ -777,3 +783,41 @@ def test_no_pickle_or_eval_in_the_package() -> None:
                 importers.append(f"{rel}:{i}: {line.strip()}")
     assert not found, found
     assert not importers, importers
+
+
+# -- CLI input: one line that says what is valid ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tests.factories import make_recording
+
+    root = tmp_path_factory.mktemp("cli")
+    (root / "a-file").write_text("hello")
+    (root / "empty").mkdir()
+    return {"rec": make_recording(root, ranks=2, steps=3), "file": root / "a-file", "empty": root / "empty",
+            "missing": root / "no-such-dir"}
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        pytest.param(["info", "{missing}"], 3, "no recording at", id="info-missing-path"),
+        pytest.param(["verify", "{missing}"], 3, "give the directory", id="verify-missing-path"),
+        pytest.param(["seal", "{missing}"], 3, "no recording at", id="seal-missing-path"),
+        pytest.param(["info", "{file}"], 4, "is a file, not a recording", id="info-a-file"),
+        pytest.param(["info", "{empty}"], 4, "not a recording (no rank files found)", id="info-empty-dir"),
+        pytest.param(["info", "--root", "{empty}"], 3, "no recording under", id="info-empty-root"),
+        pytest.param(["info", "{rec}", "--part", "nosuch"], 2, "no part 'nosuch' (parts: run-000)", id="info-part-nosuch"),
+        pytest.param(["verify", "{rec}", "--bogus"], 2, "No such option '--bogus'", id="unknown-option"),
+        pytest.param(["nosuchcmd"], 2, "No such command 'nosuchcmd'", id="unknown-command"),
+        pytest.param(["record", "--collectives", "bogus", "--", "true"], 2, "is not one of 'digest'", id="unknown-choice"),
+        pytest.param(["record", "--durability", "x", "--", "true"], 2, "'step', 'async'", id="unknown-durability"),
+    ],
+)
+def test_cli_input_gets_one_line(run_cli: Any, small: dict[str, Path], args: list[str], code: int, words: str) -> None:
+    res = run_cli(*[a.format(**{k: str(v) for k, v in small.items()}) for a in args])
+    lines = res.err.strip().splitlines()
+    assert res.code == code and len(lines) == 1, (res.code, res.err)
+    assert lines[0].startswith("replay: error:") and words in lines[0], lines[0]
+    assert res.out == ""

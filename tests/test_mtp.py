@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -23,8 +27,19 @@ from replay.workloads.mtp.launch import RankResult, run_many
 
 DRIFT = "1:moe_combine:bf16"
 """A tactic forced on rank 1 only: reduced-precision MoE combine (the drift configuration)."""
-FAST_DRIFT = {"seed": 6, "batch": 8}
+FAST_DRIFT: dict[str, Any] = {"seed": 6, "batch": 8}
 """A run that drifts within a few steps under a forced bf16 combine (CPU runs are deterministic)."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_settings() -> Iterator[None]:
+    # Engines set process-wide numerics (threads, deterministic algorithms); other modules' tests
+    # share this process.
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    if torch.are_deterministic_algorithms_enabled() != deterministic:
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def make_engine(**overrides: object) -> Engine:
@@ -346,16 +361,44 @@ FOUR_RANK = {
 }
 
 
+SITECUSTOMIZE = """
+import os, pathlib
+pathlib.Path(os.environ["MTP_TEST_MARKERS"], f"pid-{os.getpid()}").touch()
+"""
+
+
+@dataclass
+class SpawnedRun:
+    results: dict[str, list[RankResult]]
+    started: list[str]
+    """One marker per Python process that ran the injected sitecustomize."""
+
+
 @pytest.fixture(scope="module")
-def two_ranks() -> dict[str, list[RankResult]]:
-    results = run_many(list(TWO_RANK.values()), ranks=2, steps=STEPS, digests=True, timeout_s=240)
-    return dict(zip(TWO_RANK, results))
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> SpawnedRun:
+    # Ranks are started with an extra sitecustomize on PYTHONPATH, as `replay record` starts them.
+    site, markers = tmp_path_factory.mktemp("site"), tmp_path_factory.mktemp("markers")
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+        mp.setenv("MTP_TEST_MARKERS", str(markers))
+        results = run_many(list(TWO_RANK.values()), ranks=2, steps=STEPS, digests=True, timeout_s=240)
+    return SpawnedRun(dict(zip(TWO_RANK, results)), [p.name for p in markers.iterdir()])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(spawned: SpawnedRun) -> dict[str, list[RankResult]]:
+    return spawned.results
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> dict[str, list[RankResult]]:
     results = run_many(list(FOUR_RANK.values()), ranks=4, steps=6, digests=True, timeout_s=240)
     return dict(zip(FOUR_RANK, results))
+
+
+def test_ranks_run_an_injected_sitecustomize(spawned: SpawnedRun) -> None:
+    assert len(spawned.started) >= 2  # both ranks (and maybe the resource tracker)
 
 
 def test_clean_ranks_stay_identical(two_ranks: dict[str, list[RankResult]]) -> None:
@@ -418,7 +461,16 @@ def test_drift_names_the_odd_rank_out(four_ranks: dict[str, list[RankResult]]) -
 
 def test_cli_reports_drift_with_exit_code_3() -> None:
     runner = CliRunner()
-    args = ["--ranks", "2", "--steps", "12", "--seed", str(FAST_DRIFT["seed"]), "--batch", str(FAST_DRIFT["batch"])]
+    args = [
+        "--ranks",
+        "2",
+        "--steps",
+        "12",
+        "--seed",
+        str(FAST_DRIFT["seed"]),
+        "--batch",
+        str(FAST_DRIFT["batch"]),
+    ]
     result = runner.invoke(main, [*args, "--force-tactic", DRIFT])
     assert result.exit_code == EXIT_DRIFT, result.output
     err_lines = [line for line in result.stderr.splitlines() if line.strip()]

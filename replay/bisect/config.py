@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as _field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from replay.analysis.divergence import vote
 from replay.bisect.ddmin import ddmin
@@ -314,6 +315,12 @@ def bisect_config(
                 raise RerunError(f"--criterion live re-runs every rank together, but this part holds ranks {ranks} of {world}")
             for r in ranks:
                 part[r].step(s.step)
+            if s.device.startswith("cuda"):
+                import torch
+
+                if torch.cuda.device_count() < len(ranks):
+                    raise UsageError(f"--criterion live runs the {len(ranks)} ranks at once, one GPU each, but "
+                                     f"{torch.cuda.device_count()} GPU(s) are here: use --device cpu")
         outputs = set(_outputs_at(part, s.rank, s.step))
         recorded_cfg = spec.config if isinstance(spec.config, dict) else {}
         step_mode = "cudagraph" if rf.step(s.step).mode == "graph" else "eager"
@@ -383,7 +390,8 @@ def bisect_config(
     try:
         # The baseline. Tactics come from the recorded configuration alone, unless that hides the
         # divergence and the ranks recorded different tuner choices: then each rank's own choices.
-        mixed = len({_canon(choices.get(r) or {}) for r in ([s.rank, ref] if criterion == "ranks" else ranks)}) > 1
+        pair = [s.rank, ref] if criterion == "ranks" and ref is not None else ranks
+        mixed = len({_canon(choices.get(r) or {}) for r in pair}) > 1
         policy = "recorded" if criterion == "eager" and choices.get(s.rank) else "config"
         base = run([], policy)
         if base.outcome == "error":
@@ -412,8 +420,8 @@ def bisect_config(
         changes, notes = _candidates(declared, recorded_cfg, s.toggles, {"cudagraph"} if criterion == "eager" else set())
         result.notes += notes
         if policy == "recorded" and criterion != "eager":
-            to = ref if criterion == "ranks" else 0
-            if to is not None and choices.get(to) != choices.get(s.rank):
+            to = ref if ref is not None else 0
+            if choices.get(to) != choices.get(s.rank):
                 changes.append(Change(TUNER_CHOICES, choices.get(to) or {}, "recorded", shown=f"rank {to}'s"))
         result.candidates = changes
         if not changes:

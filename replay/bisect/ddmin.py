@@ -9,7 +9,8 @@ oracle backed by a cache on disk makes an interrupted search resume where it sto
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 __all__ = ["ddmin", "split"]
 

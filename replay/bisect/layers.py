@@ -25,8 +25,9 @@ reduced, or when the next collective of the step runs inside an enclosing sharde
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ from replay.format.reader import Part
 from replay.rerun.runner import Replayer
 from replay.rerun.target import Target
 
-__all__ = ["Side", "SideRun", "ModuleVerdict", "LayersBisection", "parse_between", "bisect_layers", "recorded_mode"]
+__all__ = ["LayersBisection", "ModuleVerdict", "Side", "SideRun", "bisect_layers", "parse_between", "recorded_mode"]
 
 MISSING = "missing"
 
@@ -244,7 +245,7 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
         params: dict[str, int] = {}
         model = target.module()
         if want_params and model is not None:
-            params = {n: digest(p.detach()) for n, p in model.named_parameters()}
+            params = _param_digests(model)
         reproduces = rp.departure(step, outs) is None
         info = getattr(target.obj, "last_run_info", None)
         ran_as = ""
@@ -279,6 +280,22 @@ def _inputs_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool | None:
         if not torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)):
             return False
     return True
+
+
+def _param_digests(model: torch.nn.Module) -> dict[str, int]:
+    """Digests of the parameters, by which ranks' shards are told apart (``_sharded``).
+
+    A model sharded with DTensor says which parameters are shards: those placed ``Shard``. Its
+    other parameters (replicated DTensors, plain tensors) are the same by construction on every
+    rank, so they count as equal here and one perturbed on one rank is not taken for a shard."""
+    named = list(model.named_parameters())
+    declared = any(callable(getattr(type(p), "to_local", None)) for _, p in named)
+    out: dict[str, int] = {}
+    for n, p in named:
+        placements = getattr(p, "placements", None)
+        shard = placements is not None and any(pl.is_shard() for pl in placements)
+        out[n] = 0 if declared and not shard else digest(p.detach())
+    return out
 
 
 def _sharded(a: dict[str, int], b: dict[str, int]) -> set[str]:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SideRequest", "run_single", "run_live", "main"]
+__all__ = ["SideRequest", "main", "run_live", "run_single"]
 
 SideRequest = dict[str, Any]  # {"label", "rank", "mode", "options", "data": the rank whose recording to replay}
 
@@ -35,7 +35,7 @@ def _replay_side(part: Any, side: SideRequest, step: int, *, device: str, factor
     from replay.errors import ReplayError
     from replay.rerun.runner import Replayer
 
-    data_rank = int(side.get("data", side["rank"]))
+    data_rank = int(side["data"] if side.get("data") is not None else side["rank"])
     out: dict[str, Any] = {"label": side["label"], "rank": side["rank"], "data": data_rank, "mode": side["mode"],
                            "digests": {}, "reproduces": None, "error": None, "toggles": None, "departed": None,
                            "params": None}
@@ -113,7 +113,7 @@ def run_single(request: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         req.write_text(json.dumps(request, default=str))
         try:
             proc = subprocess.run([sys.executable, "-m", "replay.bisect.probe", str(req), str(res)],
-                                  capture_output=True, text=True, timeout=timeout_s)
+                                  capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             return {"error": f"the probe did not finish within {timeout_s:.0f} s", "sides": []}
         if res.exists():

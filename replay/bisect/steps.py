@@ -14,9 +14,10 @@ scan of that interval, which stops at its first departing step, names the step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from dataclasses import field as _field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from replay.analysis.divergence import first_divergence
 from replay.errors import UsageError
@@ -106,9 +107,10 @@ def bisect_steps(part: Part, *, ranks: list[int] | None = None, recording: str =
     """The first step where ``ranks`` (default: all, by majority) disagree, from recorded digests."""
     chosen = sorted(set(ranks)) if ranks else list(part)
     for r in chosen:
-        part[r]  # noqa: B018 - a rank the part lacks is a one-line error
+        part[r]
     if len(chosen) < 2:
-        raise UsageError(f"--ranks needs two ranks or more to compare (this part has {len(part)}: {', '.join(map(str, part))})")
+        raise UsageError(f"comparing ranks needs two or more (this part has {len(part)}: {', '.join(map(str, part))}); "
+                         "to compare the recording with re-runs use --against-rerun")
     d = first_divergence(part, ranks=chosen)
     t = first_divergence(part, ranks=chosen, prefix="tokens.")
     res = StepsBisection(recording=recording, part=part.name, how="ranks", ranks=chosen, first=None)

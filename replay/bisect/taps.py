@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
+from replay.digest import local_tensor
 from replay.errors import UsageError
 from replay.rerun.target import Target
 
-__all__ = ["Frame", "TapEvent", "TapCapture", "Taps", "flatten_tensors"]
+__all__ = ["Frame", "TapCapture", "TapEvent", "Taps", "flatten_tensors"]
 
 
 @dataclass(slots=True)
@@ -102,8 +104,13 @@ def flatten_tensors(obj: Any, _depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
+def _restorer(owner: Any, name: str, value: Any) -> Callable[[], None]:
+    return lambda: setattr(owner, name, value)
+
+
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
+    # A DTensor by its local shard: copying a Partial one whole would run a collective.
+    return local_tensor(t).detach().clone()
 
 
 class Taps:
@@ -232,10 +239,15 @@ class Taps:
             taps._after_replay(g)
             return out
 
-        graph_cls.capture_begin, graph_cls.capture_end, graph_cls.replay = capture_begin, capture_end, replay  # type: ignore[method-assign]
+        # Patched on the class: graphs made before install (by an engine's runner) see it too.
+        patched = {"capture_begin": capture_begin, "capture_end": capture_end, "replay": replay}
+        originals = {"capture_begin": orig_begin, "capture_end": orig_end, "replay": orig_replay}
+        for name, fn in patched.items():
+            setattr(graph_cls, name, fn)
 
         def undo() -> None:
-            graph_cls.capture_begin, graph_cls.capture_end, graph_cls.replay = orig_begin, orig_end, orig_replay  # type: ignore[method-assign]
+            for name, fn in originals.items():
+                setattr(graph_cls, name, fn)
 
         self._undo.append(undo)
 
@@ -244,14 +256,16 @@ class Taps:
         # module calls contain a reduction.
         try:
             import torch.distributed as dist
+            import torch.distributed._functional_collectives as funcol
             from torch.distributed import distributed_c10d as c10d
 
-            from replay.record.collectives import COLLECTIVES
+            from replay.record.collectives import COLLECTIVES, FUNCTIONAL
         except ImportError:  # pragma: no cover - torch built without distributed
             return
         taps = self
-        for owner in (dist, c10d):
-            for name in COLLECTIVES:
+        # The functional collectives too: DTensor (tensor parallelism) reduces through them.
+        for owner, names in ((dist, COLLECTIVES), (c10d, COLLECTIVES), (funcol, FUNCTIONAL)):
+            for name in names:
                 orig = getattr(owner, name, None)
                 if orig is None:
                     continue
@@ -261,7 +275,7 @@ class Taps:
                     return _orig(*a, **k)
 
                 setattr(owner, name, counted)
-                self._undo.append(lambda owner=owner, name=name, orig=orig: setattr(owner, name, orig))
+                self._undo.append(_restorer(owner, name, orig))
 
     def close(self) -> None:
         """Take every wrapper and patch out again (idempotent)."""

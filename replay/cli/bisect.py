@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
 from replay.analysis.divergence import first_divergence
 from replay.analysis.summary import choose_part
-from replay.bisect.config import CRITERIA, ConfigBisection, ConfigBisectSettings, bisect_config
-from replay.bisect.layers import LayersBisection, ModuleVerdict, bisect_layers, parse_between, recorded_mode
+from replay.bisect.config import (
+    CRITERIA,
+    ConfigBisection,
+    ConfigBisectSettings,
+    bisect_config,
+)
+from replay.bisect.layers import (
+    LayersBisection,
+    ModuleVerdict,
+    bisect_layers,
+    parse_between,
+    recorded_mode,
+)
 from replay.bisect.results import save_result
 from replay.bisect.steps import StepsBisection, bisect_steps, bisect_steps_rerun
-from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument
+from replay.cli.common import (
+    emit_json,
+    json_option,
+    open_run,
+    part_option,
+    run_argument,
+)
+from replay.cli.progress import progress
 from replay.cli.render import fmt_verdict, style, table
 from replay.cli.step import default_device, parse_options, parse_ranks
 from replay.errors import UsageError
@@ -92,10 +111,6 @@ def bisect(run: Path | None, root: str, part: str | None, by_steps: bool, ranks_
                          else f"{' and '.join(chosen_modes)} cannot be combined: run one bisection at a time")
     options = parse_options(sets)
     say: Callable[[str], None] = (lambda s: None) if as_json else (lambda s: click.echo(f"replay: {s}", err=True))
-    try:
-        from replay.cli.progress import progress
-    except ImportError:  # pragma: no cover
-        progress = lambda it, label="": it  # noqa: E731
     with open_run(run, root, quiet=as_json) as rec:
         p = choose_part(rec, part)
         target = p[next(iter(p))].attrs.get("target") or {}
@@ -127,15 +142,15 @@ def bisect(run: Path | None, root: str, part: str | None, by_steps: bool, ranks_
             result = bisect_layers(p, step, a, b, modules=split_list(modules_text) or None, device=dev, factory=factory,
                                    context=context, recording=str(rec.path), progress=progress)
         else:
-            r, s = rank, step_index
-            if r is None or s is None:
+            if rank is None or step_index is None:
                 d = first_divergence(p)
                 if d is None:
                     raise UsageError("the ranks never disagree: give --rank R and --step S (and --criterion eager to compare "
                                      "a CUDA graph re-run with an eager one)")
-                r = d.ranks[0] if r is None else r
-                s = d.step if s is None else s
-                say(f"bisecting the settings of rank {r} at step {s}, the first divergence ({d.field})")
+                rank = d.ranks[0] if rank is None else rank
+                step_index = d.step if step_index is None else step_index
+                say(f"bisecting the settings of rank {rank} at step {step_index}, the first divergence ({d.field})")
+            r, s = rank, step_index
             settings = ConfigBisectSettings(rank=r, step=s, toggles=split_list(toggles_text) or None, criterion=criterion,
                                             against=against, device=dev, factory=factory, options=options,
                                             max_probes=max_probes, fresh=fresh, timeout_s=probe_timeout)

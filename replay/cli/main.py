@@ -68,8 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except click.exceptions.Exit as e:
         return e.exit_code
+    except click.UsageError as e:
+        # One line, as for every other error: what is wrong, and where the valid choices are.
+        where = e.ctx.command_path if e.ctx is not None else "replay"
+        click.echo(f"replay: error: {_one_line(e.format_message())} (see `{where} --help`)", err=True)
+        return e.exit_code
     except click.ClickException as e:
-        e.show()
+        click.echo(f"replay: error: {_one_line(e.format_message())}", err=True)
         return e.exit_code
     except KeyboardInterrupt:
         click.echo("replay: interrupted", err=True)
@@ -94,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 70
     return rv if isinstance(rv, int) else 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":  # pragma: no cover

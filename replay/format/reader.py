@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+from typing import TYPE_CHECKING
+
+from replay._lazy import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = LazyModule("torch", globals())
 
 from replay.errors import FormatVersionError, OutOfRange, RecordingDamaged, RecordingNotFound
 from replay.format import h5 as _h5
@@ -352,7 +359,7 @@ class Recording(Mapping[str, Part]):
         if not self.path.exists():
             raise RecordingNotFound(f"no recording at {self.path}")
         if not self.path.is_dir():
-            raise RecordingDamaged(f"{self.path} is a file, not a recording directory")
+            raise RecordingDamaged(f"{self.path} is a file, not a recording: give the directory `replay record` wrote")
         try:
             self.manifests = read_manifests(self.path)
         except ValueError as e:
@@ -370,7 +377,9 @@ class Recording(Mapping[str, Part]):
                 )
         parts = sorted(p for p in self.path.iterdir() if p.is_dir() and _is_part_dir(p))
         if not parts:
-            raise RecordingDamaged(f"{self.path}: not a recording (no rank files found)")
+            raise RecordingDamaged(
+                f"{self.path}: not a recording (no rank files found): give the directory `replay record` wrote"
+            )
         self._parts = {p.name: Part(p) for p in parts}
 
     @property

@@ -17,7 +17,14 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+from typing import TYPE_CHECKING
+
+from replay._lazy import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = LazyModule("torch", globals())
 
 __all__ = [
     "FORMAT_VERSION",
@@ -167,29 +174,34 @@ KEYFRAME_DTYPE = np.dtype([("step", "<i8"), ("first_tensor", "<i8"), ("n_tensors
 TUNER_DTYPE = np.dtype([("step", "<i8"), ("op", "<i4"), ("tactic", "<i4")])
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64 float32 float16 bfloat16 complex64 complex128 int64 int32 int16 int8 uint8 "
-        "uint16 uint32 uint64 bool float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
-    ).split()
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
+# The dtypes a recording may name: an allow-list, so a recording cannot make the reader build an
+# arbitrary object. Checked without importing torch (readers of tables never need it).
+DTYPE_NAMES = frozenset(
+    "float64 float32 float16 bfloat16 complex64 complex128 int64 int32 int16 int8 uint8 "
+    "uint16 uint32 uint64 bool float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz".split()
+)
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in DTYPE_NAMES:
         raise ValueError(f"dtype {dtype} cannot be recorded")
     return name
 
 
 def str_to_dtype(name: str) -> torch.dtype:
     """The torch dtype of a recorded name; a name outside the allow-list is rejected."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}") from None
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}")
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        raise ValueError(f"dtype {name!r} is not available in this torch")
+    return dtype
+
+
+def check_dtype_name(name: str) -> None:
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -219,7 +231,7 @@ class TensorRef:
         shape = tuple(int(x) for x in d["shape"])
         if len(shape) > MAX_NDIM or any(x < 0 for x in shape):
             raise ValueError(f"bad shape {shape}")
-        str_to_dtype(d["dtype"])
+        check_dtype_name(d["dtype"])
         return cls(
             name=str(d["name"]),
             dtype=str(d["dtype"]),

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["install", "COLLECTIVES", "CollectiveSpec"]
+__all__ = ["install", "install_functional", "COLLECTIVES", "CollectiveSpec", "FUNCTIONAL", "FUNCTIONAL_PREFIX"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,27 @@ COLLECTIVES: dict[str, CollectiveSpec] = {
     "send": CollectiveSpec(("tensor",), (), False),
     "recv": CollectiveSpec((), ("tensor",), False),
     "barrier": CollectiveSpec((), (), False),
+}
+
+
+# torch's functional collectives (``torch.distributed._functional_collectives``), which DTensor and
+# ``torch.distributed.tensor.parallel`` call instead of the API above: out of place, the output
+# returned (maybe as an AsyncCollectiveTensor to wait on). Recorded as ``funcol.<name>``.
+# name -> every rank of the group receives the same bits. Names missing from a torch version are
+# skipped; a name that calls another (all_gather_tensor -> all_gather_single) is recorded once.
+FUNCTIONAL_PREFIX = "funcol."
+FUNCTIONAL: dict[str, bool] = {
+    "all_reduce": True,
+    "all_gather_tensor": True,
+    "all_gather_single": True,
+    "broadcast": True,
+    "reduce_scatter_tensor": False,
+    "reduce_scatter_single": False,
+    "all_to_all_single": False,
+    "permute_tensor": False,
+    "all_reduce_coalesced": True,
+    "all_gather_into_tensor_coalesced": True,
+    "reduce_scatter_tensor_coalesced": False,
 }
 
 
@@ -109,6 +130,67 @@ def _wrap(session: Any, dist: Any, name: str, fn: Callable[..., Any], spec: Coll
         return work
 
     return collective
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's output, complete: wait on an AsyncCollectiveTensor now (it
+    stays usable; the program's own later wait finds nothing left to wait for)."""
+    trigger = getattr(t, "trigger_wait", None)
+    return trigger() if callable(trigger) else t
+
+
+def _functional_group(funcol: Any, dist: Any, group: Any, tag: str) -> tuple[str, int]:
+    try:
+        name = funcol._resolve_group_name(group, tag)
+        return str(name), dist.get_world_size(dist.distributed_c10d._resolve_process_group(name))
+    except Exception:  # noqa: BLE001 - a torch without these helpers: the op is still recorded
+        return "functional", 0
+
+
+def _wrap_functional(session: Any, funcol: Any, dist: Any, name: str, fn: Callable[..., Any], compare: bool) -> Callable[..., Any]:
+    sig = inspect.signature(fn)
+    tracing = getattr(funcol, "_are_we_tracing", None)
+    op = FUNCTIONAL_PREFIX + name
+
+    def functional_collective(*args: Any, **kwargs: Any) -> Any:
+        # Traced (torch.compile, fx) or captured: the collective belongs to a graph, not to us.
+        if torch.compiler.is_compiling() or (tracing is not None and tracing()):
+            return fn(*args, **kwargs)
+        rec = session.recorder
+        if rec is None or session.disabled or _capturing() or getattr(session._local, "in_collective", False):
+            return fn(*args, **kwargs)
+        session._local.in_collective = True
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            session._local.in_collective = False
+        try:
+            a = sig.bind(*args, **kwargs).arguments
+            first = next(iter(a.values()), None)
+            from replay.digest import local_tensor
+
+            ins = [local_tensor(t) for t in _tensors(first)]
+            outs = [_waited(t) for t in _tensors(out)]
+            group, size = _functional_group(funcol, dist, a.get("group"), str(a.get("tag") or ""))
+            rec.record_collective(op, group=group, group_size=size, inputs=ins, outputs=outs, compare=compare)
+        except Exception as e:  # noqa: BLE001
+            session.warn_once(f"coll:{op}", f"cannot record {op} ({e})")
+        return out
+
+    return functional_collective
+
+
+def install_functional(session: Any, funcol: Any) -> None:
+    """Patch ``torch.distributed._functional_collectives`` once it is imported."""
+    if getattr(funcol, "__replay_patched__", False):
+        return
+    import torch.distributed as dist
+
+    for name, compare in FUNCTIONAL.items():
+        fn = getattr(funcol, name, None)
+        if callable(fn):
+            setattr(funcol, name, _wrap_functional(session, funcol, dist, name, fn, compare))
+    funcol.__replay_patched__ = True
 
 
 def install(session: Any, dist: Any) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
 
+from replay.digest import local_tensor
 from replay.format.journal import FrameKind, JournalWriter
 from replay.format.manifest import host_facts, numerics_env, numerics_flags, versions, write_manifest
 from replay.format.schema import FORMAT_VERSION, TensorKind, dtype_to_str, rank_stem
@@ -207,7 +208,7 @@ class Recorder:
         out: list[Entry] = []
         small: list[tuple[Entry, torch.Tensor]] = []
         for name, kind, t, store in items:
-            t = t.detach()
+            t = local_tensor(t).detach()  # a DTensor: this rank's shard
             if t.device.type != "cuda":
                 out.append(host_entry(name, kind, t, store=store))
                 continue
@@ -335,6 +336,7 @@ class Recorder:
             self._logits(st, t, None)
 
     def _logits(self, st: _Step, t: torch.Tensor, host_copy: torch.Tensor | None) -> None:
+        t = local_tensor(t)  # topk of a sharded DTensor would be a collective
         if t.device.type == "cuda":
             top = t.detach().float().topk(2, dim=-1).values
             st.margin_dev = (top[..., 0] - top[..., 1]).min()

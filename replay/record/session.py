@@ -64,8 +64,31 @@ def _jsonable(v: Any) -> Any:
     return {"unrecorded": type(v).__name__}
 
 
-def split_arguments(bound: inspect.BoundArguments, skip_first: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A step's arguments: tensors (recorded as inputs) and the rest (recorded as JSON)."""
+def attribute_holding(owner: Any, value: Any) -> str | None:
+    """The name of ``owner``'s attribute that is ``value`` itself (the same object), if any.
+
+    A step called with an object its own engine holds (a KV cache passed as
+    ``decode_step(ids, pos, self.cache)``) cannot be recorded as data, but it can be recorded as
+    that attribute: a re-run passes the rebuilt engine's attribute of the same name."""
+    if owner is None or isinstance(value, _SCALARS):
+        return None
+    try:
+        items = list(vars(owner).items())
+    except TypeError:
+        return None
+    for name, attr in items:
+        if attr is value and not name.startswith("__"):
+            return name
+    return None
+
+
+def split_arguments(
+    bound: inspect.BoundArguments, skip_first: bool, owner: Any = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A step's arguments: tensors (recorded as inputs) and the rest (recorded as JSON).
+
+    An object that is an attribute of ``owner`` (the step's object) is recorded as
+    ``{"attr": name}``; one that is neither JSON nor such an attribute as ``{"unrecorded": type}``."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     items = list(bound.arguments.items())
@@ -90,7 +113,8 @@ def split_arguments(bound: inspect.BoundArguments, skip_first: bool) -> tuple[di
                 for k, x in v.items():
                     tensors[f"{n}.{k}"] = x
             else:
-                scalars[n] = _jsonable(v)
+                attr = attribute_holding(owner, v) if not isinstance(v, (list, tuple, dict, torch.dtype)) else None
+                scalars[n] = {"attr": attr, "type": type(v).__name__} if attr else _jsonable(v)
     return tensors, scalars
 
 
@@ -190,6 +214,7 @@ class Session:
         from replay.record import collectives, cuda_graphs, tuners
 
         when_imported("torch.distributed", lambda m: collectives.install(self, m))
+        when_imported("torch.distributed._functional_collectives", lambda m: collectives.install_functional(self, m))
         when_imported("torch.cuda.graphs", lambda m: cuda_graphs.install(self, m))
         when_imported("triton.runtime.autotuner", lambda m: tuners.install_triton(self, m))
 
@@ -375,7 +400,7 @@ class Session:
         except TypeError:
             return fn(*args, **kwargs)  # let the program see its own error
         obj = args[0] if is_method and args else None
-        tensors, scalars = split_arguments(bound, skip_first=is_method)
+        tensors, scalars = split_arguments(bound, skip_first=is_method, owner=obj)
         rec = self._recorder_for(spec, obj, tensors)
         if rec is None or not rec.enabled:
             return fn(*args, **kwargs)

@@ -16,11 +16,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from replay.digest import digest
+from replay.digest import digest, local_tensor
 from replay.errors import RerunError
 from replay.format.reader import RankFile
 from replay.format.tables import combine_digests
-from replay.record.collectives import COLLECTIVES
+from replay.record.collectives import COLLECTIVES, FUNCTIONAL, FUNCTIONAL_PREFIX
 
 __all__ = ["RecordedCollectives", "CollectiveMismatch"]
 
@@ -74,6 +74,7 @@ class RecordedCollectives:
     _queue: list[np.void] = field(default_factory=list)
     _step: int = -1
     _index: int = 0
+    _active: bool = False  # inside a step (functional collectives outside one pass through)
 
     def check_replayable(self, first: int, last: int) -> None:
         """Fail before anything is built if a collective in steps first..last lacks its output."""
@@ -82,7 +83,7 @@ class RecordedCollectives:
         rows = c[(c["step"] >= first) & (c["step"] <= last) & (c["out_tensor"] < 0)]
         for row in rows:
             op = t.string(int(row["op"]))
-            if COLLECTIVES.get(op, COLLECTIVES["barrier"]).outputs:
+            if op.startswith(FUNCTIONAL_PREFIX) or COLLECTIVES.get(op, COLLECTIVES["barrier"]).outputs:
                 raise RerunError(
                     f"step {int(row['step'])}: {op} was recorded as a digest only, so rank {self.rank} cannot be "
                     "replayed alone; record with `replay record --collectives full`, or re-run all ranks together "
@@ -96,8 +97,10 @@ class RecordedCollectives:
         self._queue = list(rows[np.argsort(rows["ordinal"], kind="stable")])
         self._step = step
         self._index = 0
+        self._active = True
 
     def end_step(self) -> None:
+        self._active = False
         if self._queue:
             ops = ", ".join(self.rank_file.full().string(int(r["op"])) for r in self._queue[:3])
             raise RerunError(
@@ -161,14 +164,47 @@ class RecordedCollectives:
 
         return stand_in
 
+    def _make_functional(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(orig)
+        op = FUNCTIONAL_PREFIX + name
+
+        def functional_stand_in(*args: Any, **kwargs: Any) -> Any:
+            if not self._active:
+                # Outside any step (the factory sharding a model, a graph warm-up): the fake
+                # process group answers, as the recording kept nothing of it.
+                return orig(*args, **kwargs)
+            first = next(iter(sig.bind(*args, **kwargs).arguments.values()), None)
+            if not isinstance(first, torch.Tensor):
+                raise RerunError(
+                    f"step {self._step}: {op} (collective #{self._index}) takes a list of tensors, which a one-rank "
+                    "re-run cannot replay yet; re-run all ranks together with --ranks"
+                )
+            x = local_tensor(first)
+            row = self._next(op, [x])
+            return self._output(row, op).to(x.device)
+
+        return functional_stand_in
+
+    def uses_functional(self) -> bool:
+        """Whether the rank made functional collectives (DTensor, tensor parallelism)."""
+        t = self.rank_file.full()
+        return any(t.string(int(op)).startswith(FUNCTIONAL_PREFIX) for op in np.unique(t.collectives["op"]))
+
     @contextlib.contextmanager
     def installed(self) -> Iterator["RecordedCollectives"]:
-        """Patch torch.distributed for the duration of the re-run; restore it afterwards."""
+        """Patch torch.distributed for the duration of the re-run; restore it afterwards.
+
+        A rank that made functional collectives (a DTensor model) gets a real, fake process
+        group of the recorded rank and world size, since a device mesh cannot be built on
+        stand-ins; its collectives inside steps still return the recorded outputs."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
         world, rank = self.world_size, self.rank
-        patches: dict[str, Any] = {
+        fake = self.uses_functional() and not dist.is_initialized()
+        if fake:
+            _init_fake_process_group(rank, world)
+        patches: dict[str, Any] = {} if fake else {
             "is_initialized": lambda: True,
             "is_available": lambda: True,
             "get_rank": lambda group=None: rank if group is None else (group.ranks.index(rank) if isinstance(group, _Group) and rank in group.ranks else rank),
@@ -189,7 +225,32 @@ class RecordedCollectives:
                     saved.append((owner, name, getattr(owner, name)))
                     setattr(owner, name, fn)
         try:
+            import torch.distributed._functional_collectives as funcol
+        except ImportError:  # pragma: no cover - torch built without distributed
+            funcol = None
+        for name in FUNCTIONAL if funcol is not None else ():
+            orig = getattr(funcol, name, None)
+            if callable(orig):
+                saved.append((funcol, name, orig))
+                setattr(funcol, name, self._make_functional(name, orig))
+        try:
             yield self
         finally:
             for owner, name, fn in reversed(saved):
                 setattr(owner, name, fn)
+            if fake and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _init_fake_process_group(rank: int, world: int) -> None:
+    """A process group that communicates nothing: rank ``rank`` of ``world``, in this process."""
+    import torch.distributed as dist
+
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    except ImportError as e:
+        raise RerunError(
+            f"rank {rank} made functional collectives (DTensor), which a one-rank re-run replays on torch's fake "
+            f"process group, not importable here ({e}); re-run all ranks together with --ranks"
+        ) from None
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

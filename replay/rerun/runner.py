@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from replay.analysis.compare import Comparison, Verdict, compare_digests, compare_tensors
-from replay.digest import digest
+from replay.digest import digest, local_tensor
 from replay.errors import OutOfRange, RerunError, UsageError
 from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
@@ -113,7 +113,7 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     return t.to(device) if device != "cpu" else t
 
 
-def _step_args(rf: RankFile, step: int) -> dict[str, Any]:
+def _step_args(rf: RankFile, step: int, obj: Any = None) -> dict[str, Any]:
     row = rf.step(step).row
     sid = int(row["args"])
     if sid < 0:
@@ -122,6 +122,10 @@ def _step_args(rf: RankFile, step: int) -> dict[str, Any]:
         args = json.loads(rf.tables.string(sid))
     except ValueError:
         return {}
+    for k, v in args.items():
+        # An object the engine held (its KV cache): the rebuilt engine's attribute of that name.
+        if isinstance(v, dict) and isinstance(v.get("attr"), str) and obj is not None and hasattr(obj, v["attr"]):
+            args[k] = getattr(obj, v["attr"])
     bad = [k for k, v in args.items() if isinstance(v, dict)]
     if bad:
         raise RerunError(f"step {step} was called with arguments that cannot be recorded ({', '.join(bad)}): it cannot be re-run")
@@ -149,7 +153,7 @@ class _StepDriver:
     def probe_sink(self, label: str, outputs: dict[str, Any]) -> None:
         for k, v in outputs.items():
             if isinstance(v, torch.Tensor):
-                self.probed[f"{label}.{k}" if label else k] = v.detach().to("cpu", copy=True)
+                self.probed[f"{label}.{k}" if label else k] = local_tensor(v).detach().to("cpu", copy=True)
 
     def __call__(self, step: int) -> dict[str, torch.Tensor]:
         """Run one step; a step that raises returns what its probes saw (``last_error`` says why)."""
@@ -167,7 +171,7 @@ class _StepDriver:
     def _call(self, step: int) -> dict[str, torch.Tensor]:
         view = self.rf.step(step)
         inputs = {k: _to_device(v, self.device) for k, v in view.inputs.items()}
-        args = _step_args(self.rf, step)
+        args = _step_args(self.rf, step, self.target.obj)
         rng = view.tensors(TensorKind.RNG)
         if rng:
             restore_rng(rng)
@@ -180,7 +184,7 @@ class _StepDriver:
         outs = name_outputs(out, tuple(self.outputs_names))
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
-        return {k: v.detach().to("cpu", copy=True) for k, v in outs.items()}
+        return {k: local_tensor(v).detach().to("cpu", copy=True) for k, v in outs.items()}
 
 
 def _unflatten(inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -313,6 +317,11 @@ class Replayer:
 
     def build(self, install: Callable[[Target], None] | None = None) -> Target:
         """Build the target; ``install(target)`` runs before any graph is captured."""
+        self._ctx = contextlib.ExitStack()
+        if self.collectives is not None:
+            # Before the factory, which the contract promises torch.distributed as the re-run
+            # provides it: a DTensor model builds its device mesh while it is built.
+            self._ctx.enter_context(self.collectives.installed())
         target = build_target(self.spec, rank=self.target_rank, world_size=self.world, device=self.device, options=self.options, factory=self.factory)
         graphed = None
         if self.mode == "cudagraph" and "cudagraph" not in target.toggles():
@@ -321,9 +330,6 @@ class Replayer:
             graphed = GraphedStep(target)
         if install is not None:
             install(target)
-        self._ctx = contextlib.ExitStack()
-        if self.collectives is not None:
-            self._ctx.enter_context(self.collectives.installed())
         self._driver = _StepDriver(self.rf, target, self.device, self.collectives, self.spec.outputs, graphed)
         if self.spec.probes:
             from replay.rerun.probes import installed_probes

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import click
+import torch.distributed as dist
 
 from replay.workloads.mtp.config import (
     DTYPES,
@@ -38,7 +39,7 @@ def _summary(results: list[RankResult], tokens: bool) -> list[dict[str, Any]]:
 
 def _render(config: EngineConfig, results: list[RankResult]) -> None:
     click.echo(
-        f"preset {config.preset} · layout {config.layout} · {len(results)} rank(s) · device {config.device} · "
+        f"preset {config.preset} · layout {config.layout} · {config.ranks} rank(s) · device {config.device} · "
         f"cudagraph {'on' if config.cudagraph else 'off'} · tuner {config.tuner} · k {config.k} · batch {config.batch}"
     )
     click.echo(
@@ -74,7 +75,9 @@ def _render(config: EngineConfig, results: list[RankResult]) -> None:
 @click.option("--buckets", default="1,2,4,8", help="Comma-separated batch buckets.")
 @click.option("--prompt-len-min", type=click.IntRange(min=1), default=8)
 @click.option("--prompt-len-max", type=click.IntRange(min=1), default=24)
-@click.option("--warmup-iters", type=click.IntRange(min=1), default=3, help="Warm-up runs before each capture.")
+@click.option(
+    "--warmup-iters", type=click.IntRange(min=1), default=3, help="Warm-up runs before each capture."
+)
 @click.option("--max-seq-len", type=click.IntRange(min=0), default=0, help="0: the preset's.")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=1, help="Intra-op threads on CPU.")
 @click.option("--device", default="cpu", help="cpu, or cuda (one GPU per rank).")
@@ -125,15 +128,20 @@ def main(
         raise click.BadParameter(str(e)) from None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = init_from_env(config)
-        results = [run_rank(config.replace(ranks=world), rank=rank, world_size=world, steps=steps)]
+        config = config.replace(ranks=world)
+        try:
+            results = [run_rank(config, rank=rank, world_size=world, steps=steps)]
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
     else:
         results = run(config, steps=steps, timeout_s=timeout_s)
-    if as_json:
-        click.echo(
-            json.dumps({"config": config.to_dict(), "ranks": _summary(results, with_tokens)}, indent=2)
-        )
-    elif results[0].rank == 0:
-        _render(config, results)
+    if results[0].rank == 0:  # under torchrun only rank 0 prints
+        if as_json:
+            summary = {"config": config.to_dict(), "ranks": _summary(results, with_tokens)}
+            click.echo(json.dumps(summary, indent=2))
+        else:
+            _render(config, results)
     drift = next((r for r in results if r.error_type == "RankDriftError"), None)
     if drift is not None:
         click.echo(f"error: {drift.error}", err=True)

@@ -24,26 +24,13 @@ from replay.workloads.mtp.errors import RankDriftError
 from replay.workloads.mtp.graphs import GraphRunner
 from replay.workloads.mtp.model import LMHead, Transformer, init_weights
 from replay.workloads.mtp.moe import Combine
-from replay.workloads.mtp.requests import PagePool, Request, make_prompt
+from replay.workloads.mtp.requests import Request, Scheduler, StepInputs
 from replay.workloads.mtp.tp import apply_tp
 from replay.workloads.mtp.tuner import Tuner
 
 __all__ = ["Engine", "GenerateResult", "StepInputs", "StepOutput"]
 
 log = logging.getLogger(__name__)
-
-
-class StepInputs(NamedTuple):
-    input_ids: torch.Tensor
-    """[B] int64: the last accepted token of each request (not yet in the cache)."""
-    input_pos: torch.Tensor
-    """[B] int64: its position."""
-    seq_lens: torch.Tensor
-    """[B] int64: tokens already in the KV cache (equal to input_pos)."""
-    page_table: torch.Tensor
-    """[B, pages_per_seq] int64: KV pages of each request; unused entries hold the dummy page."""
-    slot_ids: torch.Tensor
-    """[B] int64: recurrent-state / MTP-hidden slot of each request."""
 
 
 class StepOutput(NamedTuple):
@@ -120,7 +107,8 @@ class Engine:
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
 
         n_slots = config.batch + 1  # the last slot is the dummy slot of padded rows
-        self.pages = PagePool(config.batch * self.args.pages_per_seq + 1)
+        self.scheduler = Scheduler(config, self.args)
+        self.pages = self.scheduler.pages
         self.dummy_slot = n_slots - 1
         self.model.setup_caches(
             n_pages=self.pages.dummy + 1,
@@ -159,9 +147,8 @@ class Engine:
             stale_padding=config.bug_stale_padding,
             bake_kv_len=config.bug_baked_kv_len,
         )
-        self.requests: list[Request] = []
+        self.requests = self.scheduler.requests
         self.step_index = 0
-        self.prompts_drawn = 0
         self.overridden_steps = 0
         """Steps where broadcast_tokens replaced this rank's own tokens with rank 0's."""
         self.last_run_info: dict[str, Any] = {}
@@ -210,7 +197,7 @@ class Engine:
         if self.requests:
             raise RuntimeError("prefill() already ran on this engine")
         for slot in range(self.config.batch):
-            self.requests.append(Request(slot=slot, prompt=self._next_prompt()))
+            self.requests.append(Request(slot=slot, prompt=self.scheduler.next_prompt()))
             self._prefill_request(self.requests[-1])
         return [r.next_token for r in self.requests]
 
@@ -218,20 +205,8 @@ class Engine:
         """The tensors of the next decode step, from the host bookkeeping."""
         for req in self.requests:
             if req.pos + self.k + 1 > self.args.max_seq_len:
-                self._recycle(req)
-            while len(req.pages) * self.args.page_size < req.pos + self.k + 1:
-                req.pages.append(self.pages.take())
-        table = torch.full((len(self.requests), self.args.pages_per_seq), self.pages.dummy, dtype=torch.int64)
-        for row, req in enumerate(self.requests):
-            table[row, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int64)
-        pos = torch.tensor([r.pos for r in self.requests], dtype=torch.int64)
-        return StepInputs(
-            input_ids=torch.tensor([r.next_token for r in self.requests], dtype=torch.int64).to(self.device),
-            input_pos=pos.to(self.device),
-            seq_lens=pos.clone().to(self.device),
-            page_table=table.to(self.device),
-            slot_ids=torch.tensor([r.slot for r in self.requests], dtype=torch.int64).to(self.device),
-        )
+                self._restart(req)
+        return self.scheduler.step_inputs(self.k, self.device)
 
     @torch.no_grad()
     def decode_step(
@@ -268,15 +243,7 @@ class Engine:
 
     def advance(self, out: StepOutput) -> list[list[int]]:
         """Host bookkeeping after a step: positions move by the accepted count."""
-        accepted = out.accepted.tolist()
-        tokens = out.tokens.tolist()
-        emitted = []
-        for req, n, row in zip(self.requests, accepted, tokens):
-            req.generated.extend(row[:n])
-            req.pos += n
-            req.next_token = row[n - 1]
-            emitted.append(row[:n])
-        return emitted
+        return self.scheduler.advance(out.accepted.tolist(), out.tokens.tolist())
 
     def capture_graphs(self, buckets: list[int] | None = None) -> None:
         for bucket in buckets if buckets is not None else self.config.buckets:
@@ -374,17 +341,7 @@ class Engine:
             rec.commit(slot_ids, last)
         self.mtp_hidden[slot_ids] = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
-    def _next_prompt(self) -> list[int]:
-        self.prompts_drawn += 1
-        return make_prompt(
-            self.config.seed,
-            self.prompts_drawn - 1,
-            vocab_size=self.args.vocab_size,
-            min_len=self.config.prompt_len_min,
-            max_len=self.config.prompt_len_max,
-        )
-
-    def _recycle(self, req: Request) -> None:
+    def _restart(self, req: Request) -> None:
         """A request that reached max_seq_len restarts with a fresh prompt in the same slot."""
         # This prefill changes state between two decode steps, outside the recording boundary.
         log.info(
@@ -393,8 +350,7 @@ class Engine:
             self.step_index,
             req.slot,
         )
-        self.pages.give_back(req.pages)
-        req.pages, req.generated, req.prompt = [], [], self._next_prompt()
+        self.scheduler.restart(req)
         self._prefill_request(req)
 
     @torch.no_grad()
@@ -402,10 +358,7 @@ class Engine:
         length = len(req.prompt)
         if length + self.k + 1 > self.args.max_seq_len:
             raise ValueError(f"prompt of {length} tokens does not fit max_seq_len {self.args.max_seq_len}")
-        while len(req.pages) * self.args.page_size < length:
-            req.pages.append(self.pages.take())
-        table = torch.full((1, self.args.pages_per_seq), self.pages.dummy, dtype=torch.int64)
-        table[0, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int64)
+        table = self.scheduler.page_table([req], upto=[length])
         slot = torch.tensor([req.slot], device=self.device)
         for rec in self.model.recurrent_layers():
             rec.state[slot] = 0  # a reused slot must not carry the old request

@@ -17,7 +17,8 @@ from torch import nn
 from replay.workloads.mtp.attention import Attention, ForwardMeta
 from replay.workloads.mtp.config import ModelArgs
 from replay.workloads.mtp.moe import MoE
-from replay.workloads.mtp.mtp_head import MTPHead, RMSNorm
+from replay.workloads.mtp.mtp_head import MTPHead
+from replay.workloads.mtp.norm import RMSNorm
 from replay.workloads.mtp.recurrent import Recurrent
 from replay.workloads.mtp.tuner import TunedOp, Tuner, register_op
 

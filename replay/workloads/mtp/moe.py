@@ -84,7 +84,8 @@ def index_add_combine(y: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, or
     """
     t, k, d = y.shape
     contrib = _weighted(y, w).reshape(t * k, d)  # [T*K, D]
-    dest = torch.arange(t, device=y.device).repeat_interleave(k)  # [T*K] token of each row
+    # [T*K] token of each row (expand, not repeat_interleave: no host sync inside a capture)
+    dest = torch.arange(t, device=y.device)[:, None].expand(t, k).reshape(-1)
     order = torch.argsort(idx.reshape(-1), stable=True)  # expert-major, as grouped GEMMs emit rows
     if y.device.type == "cpu" and not ordered:
         order = order[torch.randperm(t * k, generator=_entropy_generator())]
@@ -133,7 +134,9 @@ class MoE(nn.Module):
         # wasted FLOPs cost less than a gather of per-token expert weights.
         e, h = self.w1.shape[1:]
         hidden = F.silu((xt @ self.w1.flatten(1)).view(-1, e, h)) * (xt @ self.w3.flatten(1)).view(-1, e, h)
-        y_all = torch.bmm(hidden.transpose(0, 1), self.w2).transpose(0, 1)  # [E, T, H] @ [E, H, D] -> [T, E, D]
+        y_all = torch.bmm(hidden.transpose(0, 1), self.w2).transpose(
+            0, 1
+        )  # [E, T, H] @ [E, H, D] -> [T, E, D]
         y = y_all.gather(1, idx[..., None].expand(-1, -1, d))  # [T, K, D]
         out = self.combine(y, gate, idx)
         if self.reduce is not None:

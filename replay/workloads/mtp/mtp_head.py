@@ -13,20 +13,9 @@ from torch import nn
 
 from replay.workloads.mtp.config import ModelArgs
 from replay.workloads.mtp.moe import MoE
+from replay.workloads.mtp.norm import RMSNorm
 
-__all__ = ["MTPHead", "RMSNorm"]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * self.weight
+__all__ = ["MTPHead"]
 
 
 class MTPHead(nn.Module):

@@ -1,0 +1,1 @@
+"""Example subjects for ``replay``: engines written the way their users write them."""
