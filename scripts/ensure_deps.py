@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 CPU_TORCH = "torch==2.13.0"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -44,6 +45,16 @@ def main() -> int:
     missing = [req for mod, req in NEEDED.items() if importlib.util.find_spec(mod) is None]
     if missing and pip(*missing) != 0:
         return 1
+    # replay itself, editable, for the `replay` command and the pytest plugin; no dependencies
+    # and no build isolation, so this works offline.
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("replay")
+    except importlib.metadata.PackageNotFoundError:
+        root = str(Path(__file__).resolve().parents[1])
+        if pip("--no-deps", "--no-build-isolation", "-e", root) != 0:
+            print("could not install replay itself; the `replay` command will be missing (use python -m replay)", file=sys.stderr)
     return 0
 
 

@@ -97,7 +97,7 @@ class HFDecoder:
         self.cache.early_initialization(config.batch, kv_heads, head_dim, _DTYPES[config.dtype], torch.device(device))
         # The model's keyword for the cache and whether it takes cache_position differ between
         # transformers versions (past_key_values / cache).
-        fwd = self.model.model.forward
+        fwd = self.model.forward
         self._cache_kw = "cache" if _accepts(fwd, "cache") else "past_key_values"
         self._pass_cache_position = _accepts(fwd, "cache_position")
         self._kv_index = torch.arange(p.max_len, device=device)  # key positions, for the mask

@@ -71,6 +71,8 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if node_rank is None:
+        node_rank = _node_rank_from_command(cmd)
+    if node_rank is None:
         for var in ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"):
             if os.environ.get(var, "").isdigit():
                 node_rank = int(os.environ[var])
@@ -101,3 +103,14 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
         for j in result.still_live:
             click.echo(f"replay: {j} is still being written by a running process; seal it later with `replay seal`", err=True)
     return result.exit_code
+
+
+def _node_rank_from_command(cmd: list[str]) -> int | None:
+    """torchrun's ``--node-rank N`` (or ``--node_rank=N``) in CMD: which node this launcher is."""
+    for i, a in enumerate(cmd):
+        for flag in ("--node-rank", "--node_rank"):
+            if a == flag and i + 1 < len(cmd) and cmd[i + 1].isdigit():
+                return int(cmd[i + 1])
+            if a.startswith(flag + "=") and a.split("=", 1)[1].isdigit():
+                return int(a.split("=", 1)[1])
+    return None

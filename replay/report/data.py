@@ -593,6 +593,8 @@ def load_results(recording: Path) -> tuple[list[dict[str, Any]], list[str]]:
         if not isinstance(obj, dict):
             skipped.append(f"{p.name}: not a JSON object")
             continue
+        if obj.get("kind") == "bisect-state" or p.name.startswith("bisect-state-"):
+            continue  # an interrupted bisection's working state, not a result
         obj = dict(obj)
         obj["_file"] = p.name
         obj.setdefault("_mtime", p.stat().st_mtime)
