@@ -8,6 +8,7 @@ machine that has them (the GPU machine) and does nothing on a second run.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
@@ -47,8 +48,6 @@ def main() -> int:
         return 1
     # replay itself, editable, for the `replay` command and the pytest plugin; no dependencies
     # and no build isolation, so this works offline.
-    import importlib.metadata
-
     try:
         importlib.metadata.distribution("replay")
     except importlib.metadata.PackageNotFoundError:

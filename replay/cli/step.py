@@ -142,8 +142,9 @@ def render_step(r: StepRerun) -> str:
         for c in m.collective_mismatches[:3]:
             lines.append(style(f"  {m.mode}: {c}", fg="yellow"))
         if m.error or m.recorded_error:
-            if m.error == m.recorded_error:
-                lines.append(style(f"  {m.mode}: step {r.step} raised, as it did when recorded: {m.error}", fg="yellow"))
+            kind = (m.error or "").split(":")[0]
+            if m.error and kind == (m.recorded_error or "").split(":")[0]:
+                lines.append(style(f"  {m.mode}: step {r.step} raised {kind}, as it did when recorded: {m.recorded_error}", fg="yellow"))
             else:
                 what = f"raised {m.error}" if m.error else "completed"
                 rec = f"raised {m.recorded_error}" if m.recorded_error else "completed"

@@ -29,7 +29,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = [
     "FrameKind",
@@ -37,6 +37,7 @@ __all__ = [
     "JournalWriter",
     "JournalScan",
     "read_journal",
+    "scan_journal",
     "MAX_FRAME_BYTES",
 ]
 
@@ -169,12 +170,20 @@ class JournalScan:
 
 
 def read_journal(path: Path) -> JournalScan:
-    """Read every whole frame of a journal; stop at the first one that is cut short or damaged.
+    """Read every whole frame of a journal; stop at the first one that is cut short or damaged."""
+    frames: list[Frame] = []
+    scan = scan_journal(path, frames.append)
+    scan.frames = frames
+    return scan
+
+
+def scan_journal(path: Path, on_frame: Callable[[Frame], None]) -> JournalScan:
+    """Hand every whole frame of a journal to ``on_frame`` as it is read (``frames`` is left
+    empty): sealing a long run this way never holds all its frames at once.
 
     The file is read frame by frame, never whole, and only up to the size it had when opened:
     a live journal gives a consistent prefix, and a huge or sparse file cannot blow up memory.
     """
-    frames: list[Frame] = []
     pos = 0
     problem: str | None = None
     # O_NONBLOCK: opening a FIFO put where a journal should be must not block forever.
@@ -218,6 +227,6 @@ def read_journal(path: Path) -> JournalScan:
             if not isinstance(obj, dict):
                 problem = f"unreadable frame at byte {pos}"
                 break
-            frames.append(Frame(kind_e, obj, pos))
+            on_frame(Frame(kind_e, obj, pos))
             pos = end
-    return JournalScan(frames=frames, valid_bytes=pos, total_bytes=n, problem=problem)
+    return JournalScan(frames=[], valid_bytes=pos, total_bytes=n, problem=problem)

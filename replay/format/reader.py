@@ -29,11 +29,11 @@ else:
 
 from replay.errors import FormatVersionError, OutOfRange, RecordingDamaged, RecordingNotFound
 from replay.format import h5 as _h5
-from replay.format.journal import read_journal
+from replay.format.journal import scan_journal
 from replay.format.manifest import RECORDING_KIND, read_manifests
 from replay.format.schema import FORMAT_VERSION, RunMode, StepStatus, TensorKind, parse_rank_stem, str_to_dtype
 from replay.format.seal import journal_is_live
-from replay.format.tables import RankTables, build_tables
+from replay.format.tables import RankTables, TablesBuilder
 
 __all__ = ["Recording", "Part", "RankFile", "StepView", "open_recording", "find_recordings", "resolve_recording"]
 
@@ -187,12 +187,13 @@ class RankFile:
             raise RecordingDamaged(f"{self.path}: cannot be read ({_describe(e)}); `replay verify` says more") from None
 
     def _load_journal(self) -> RankTables:
-        scan = read_journal(self.journal_path)
+        builder = TablesBuilder()
+        scan = scan_journal(self.journal_path, builder.add)
         self._journal_problem = scan.problem
         # The payload's size is taken after the frames are read: every whole frame points at
         # bytes written before it, so a live journal still reads consistently.
         size = self.payload_path.stat().st_size if self.payload_path.exists() else 0
-        t = build_tables(scan.frames, payload_size=size)
+        t = builder.finish(payload_size=size)
         if scan.problem and not self.live:
             t.attrs["journal_problem"] = scan.problem
             t.attrs["lost_bytes"] = scan.total_bytes - scan.valid_bytes

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replay.format.h5 import write_rank_file
-from replay.format.journal import read_journal
+from replay.format.journal import scan_journal
 from replay.format.schema import parse_rank_stem
-from replay.format.tables import build_tables
+from replay.format.tables import TablesBuilder
 
 __all__ = ["SealResult", "seal_rank", "seal_part", "journal_is_live", "rank_paths"]
 
@@ -99,9 +99,10 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False) -> SealResult |
 
 
 def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int) -> SealResult:
-    scan = read_journal(journal)
+    builder = TablesBuilder()
+    scan = scan_journal(journal, builder.add)
     payload_size = payload.stat().st_size if payload.exists() else 0
-    tables = build_tables(scan.frames, payload_size=payload_size)
+    tables = builder.finish(payload_size=payload_size)
     tables.attrs["sealed_from_journal"] = True
     if scan.problem:
         tables.attrs["journal_problem"] = scan.problem

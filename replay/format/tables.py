@@ -33,7 +33,7 @@ from replay.format.schema import (
     TensorRef,
 )
 
-__all__ = ["RankTables", "build_tables", "combine_digests", "StringTable"]
+__all__ = ["RankTables", "TablesBuilder", "build_tables", "combine_digests", "StringTable"]
 
 
 
@@ -92,18 +92,54 @@ def _digest_of(ref: dict) -> int:
     return int(ref["dig"], 16)
 
 
+class _Rows:
+    """Rows of one table, turned into numpy chunks as they come.
+
+    A Python tuple per row costs ten times its numpy row: sealing a long run must not hold
+    every row as Python objects at once.
+    """
+
+    CHUNK = 4096
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self._chunks: list[np.ndarray] = []
+        self._rows: list[tuple] = []
+        self._n = 0
+
+    def append(self, row: tuple) -> None:
+        self._rows.append(row)
+        self._n += 1
+        if len(self._rows) >= self.CHUNK:
+            self._flush()
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _flush(self) -> None:
+        if self._rows:
+            rows, self._rows = self._rows, []
+            self._chunks.append(np.array(rows, dtype=self.dtype))
+
+    def array(self) -> np.ndarray:
+        self._flush()
+        if not self._chunks:
+            return np.zeros(0, dtype=self.dtype)
+        return self._chunks[0] if len(self._chunks) == 1 else np.concatenate(self._chunks)
+
+
 class _Builder:
     def __init__(self) -> None:
         self.s = StringTable()
-        self.steps: list[tuple] = []
-        self.fields: list[tuple] = []
-        self.tensors: list[tuple] = []
-        self.graphs: list[tuple] = []
-        self.kernels: list[tuple] = []
-        self.replays: list[tuple] = []
-        self.collectives: list[tuple] = []
-        self.keyframes: list[tuple] = []
-        self.tuner: list[tuple] = []
+        self.steps = _Rows(STEP_DTYPE)
+        self.fields = _Rows(FIELD_DTYPE)
+        self.tensors = _Rows(TENSOR_DTYPE)
+        self.graphs = _Rows(GRAPH_DTYPE)
+        self.kernels = _Rows(KERNEL_DTYPE)
+        self.replays = _Rows(REPLAY_DTYPE)
+        self.collectives = _Rows(COLLECTIVE_DTYPE)
+        self.keyframes = _Rows(KEYFRAME_DTYPE)
+        self.tuner = _Rows(TUNER_DTYPE)
         self.events: list[str] = []
         self.target: dict[str, Any] | None = None
 
@@ -251,63 +287,84 @@ class _Builder:
             self.target = dict(b)
 
 
-def _array(rows: list[tuple], dtype: np.dtype) -> np.ndarray:
-    return np.array(rows, dtype=dtype) if rows else np.zeros(0, dtype=dtype)
+class TablesBuilder:
+    """Builds a rank's tables one frame at a time (``add``), then ``finish``: a journal of any
+    length is sealed without holding all its frames in memory."""
 
+    def __init__(self) -> None:
+        self._attrs: dict[str, Any] | None = None
+        self._b = _Builder()
+        self._closed: dict | None = None
+        self._first = True
 
-def build_tables(frames: list[Frame], *, payload_size: int) -> RankTables:
-    """Turn a journal's frames into tables; raise ValueError on a frame that is not well formed.
-
-    No frames at all is a rank killed before it wrote its header: empty tables, not an error,
-    so one such rank never makes the rest of a recording unreadable.
-    """
-    if not frames:
-        return _empty_tables({"complete": False, "no_header": True}, payload_size)
-    if frames[0].kind != FrameKind.HEADER:
-        raise ValueError("journal does not start with a header frame")
-    attrs = dict(frames[0].body)
-    b = _Builder()
-    closed: dict | None = None
-    for f in frames[1:]:
+    def add(self, f: Frame) -> None:
+        """Take one frame; raise ValueError on a frame that is not well formed."""
+        if self._first:
+            self._first = False
+            if f.kind != FrameKind.HEADER:
+                raise ValueError("journal does not start with a header frame")
+            self._attrs = dict(f.body)
+            return
         if f.kind == FrameKind.CLOSE:
-            closed = f.body
-            continue
+            self._closed = f.body
+            return
         try:
-            b.add(f)
+            self._b.add(f)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
             raise ValueError(f"malformed {f.kind.name.lower()} frame at byte {f.offset}: {e}") from None
-    if b.target is not None:
-        attrs["target"] = b.target
-    attrs["complete"] = closed is not None
-    if closed is not None:
-        attrs["ended_at"] = closed.get("ended_at")
-        attrs["end_status"] = str(closed.get("status", "ok"))
-        if attrs["end_status"] == "stopped":
-            # The recorder switched itself off (size limit, full disk, a writer error) and said
-            # so: the file is whole, but the steps the program ran afterwards were not recorded.
-            attrs["complete"] = False
-            attrs["stopped"] = str(closed.get("error") or "recording stopped")
+
+    def finish(self, *, payload_size: int) -> RankTables:
+        """The tables of every frame added. No frames at all is a rank killed before it wrote its
+        header: empty tables, not an error, so that one such rank never makes the rest of a
+        recording unreadable."""
+        if self._attrs is None:
+            return _empty_tables({"complete": False, "no_header": True}, payload_size)
+        attrs, b, closed = self._attrs, self._b, self._closed
+        if b.target is not None:
+            attrs["target"] = b.target
+        attrs["complete"] = closed is not None
+        if closed is not None:
+            attrs["ended_at"] = closed.get("ended_at")
+            attrs["end_status"] = str(closed.get("status", "ok"))
+            if attrs["end_status"] == "stopped":
+                # The recorder switched itself off (size limit, full disk, a writer error) and
+                # said so: the file is whole, but the steps the program ran afterwards were not
+                # recorded.
+                attrs["complete"] = False
+                attrs["stopped"] = str(closed.get("error") or "recording stopped")
+        try:
+            tables = RankTables(
+                attrs=attrs,
+                strings=b.s.strings,
+                steps=b.steps.array(),
+                fields=b.fields.array(),
+                tensors=b.tensors.array(),
+                graphs=b.graphs.array(),
+                kernels=b.kernels.array(),
+                replays=b.replays.array(),
+                collectives=b.collectives.array(),
+                keyframes=b.keyframes.array(),
+                tuner=b.tuner.array(),
+                events=b.events,
+                payload_size=payload_size,
+            )
+        except (OverflowError, TypeError, ValueError) as e:
+            # A number that does not fit its column (a damaged or hostile frame).
+            raise ValueError(f"a frame holds a value that does not fit its table ({e})") from None
+        check_payload_bounds(tables)
+        return tables
+
+
+def build_tables(frames: Iterable[Frame], *, payload_size: int) -> RankTables:
+    """Turn a journal's frames into tables; raise ValueError on a frame that is not well formed."""
+    builder = TablesBuilder()
     try:
-        tables = RankTables(
-            attrs=attrs,
-            strings=b.s.strings,
-            steps=_array(b.steps, STEP_DTYPE),
-            fields=_array(b.fields, FIELD_DTYPE),
-            tensors=_array(b.tensors, TENSOR_DTYPE),
-            graphs=_array(b.graphs, GRAPH_DTYPE),
-            kernels=_array(b.kernels, KERNEL_DTYPE),
-            replays=_array(b.replays, REPLAY_DTYPE),
-            collectives=_array(b.collectives, COLLECTIVE_DTYPE),
-            keyframes=_array(b.keyframes, KEYFRAME_DTYPE),
-            tuner=_array(b.tuner, TUNER_DTYPE),
-            events=b.events,
-            payload_size=payload_size,
-        )
-    except (OverflowError, TypeError, ValueError) as e:
-        # A number that does not fit its column (a damaged or hostile frame).
+        for f in frames:
+            builder.add(f)
+    except (OverflowError, TypeError) as e:
+        # A chunk of rows turned into numpy while adding: a value that does not fit its column.
         raise ValueError(f"a frame holds a value that does not fit its table ({e})") from None
-    check_payload_bounds(tables)
-    return tables
+    return builder.finish(payload_size=payload_size)
 
 
 def _empty_tables(attrs: dict[str, Any], payload_size: int) -> RankTables:
