@@ -182,4 +182,27 @@ def test_object_argument_is_recorded_as_the_engines_attribute():
 def test_run_cli_rejects_bad_arguments():
     from examples.hf_llama.run import main
 
-    assert main(["--graphs", "manual", "--preset", "nope"]) == 2
+    assert main(["--preset", "nope"]) == 2
+    assert main(["--graphs", "manual", "--device", "cpu"]) == 2
+
+
+@pytest.mark.parametrize("collectives", [0, 1], ids=["replicated", "reduced"])
+def test_rank_local_needs_a_reduction(collectives):
+    """Rank against rank, a module whose weights differ is a shard only if the step reduces
+    something; in a replicated run with one rank perturbed it is the difference itself."""
+    import torch
+
+    from replay.bisect.layers import Side, SideRun, compare_captures
+    from replay.bisect.taps import Frame, TapCapture, TapEvent
+
+    def side(rank: int, value: float) -> SideRun:
+        frames = {0: Frame(0, "", None, 0, collectives), 1: Frame(1, "lin", 0, 0, 0)}
+        ev = TapEvent(module="lin", index=0, n_out=1, output=torch.full((2,), value), inputs=[torch.ones(2)],
+                      source="eager", frame=1, frames=frames)
+        cap = TapCapture(events=[ev], tapped=["lin"], called={"lin"})
+        return SideRun(side=Side(f"rank {rank}", rank, "eager"), capture=cap, outputs={}, reproduces=True, departed=None,
+                       keyframe=0, ran_as="eager", params={"lin.weight": rank + 1}, seconds=0.0)
+
+    (row,) = compare_captures(side(0, 1.0), side(1, 2.0))
+    assert row.differs and row.inputs_equal
+    assert row.rank_local is bool(collectives)

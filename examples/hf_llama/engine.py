@@ -82,6 +82,8 @@ class HFDecoder:
 
         self.config = config
         self.rank, self.world_size, self.device = rank, world_size, device
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)  # before any device mesh: this rank's GPU, not a guess
         self.preset = PRESETS[config.preset]
         p = self.preset
         self.model = make_model(p, seed=config.seed, dtype=_DTYPES[config.dtype], device=device, attn=config.attn)

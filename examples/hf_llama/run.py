@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"run: {e}", file=sys.stderr)
         return 2
+    if a.graphs != "none" and a.device != "cuda":
+        print(f"run: --graphs {a.graphs} needs --device cuda", file=sys.stderr)
+        return 2
     if a.device == "cuda" and torch.cuda.device_count() < a.ranks:
         print(f"run: --ranks {a.ranks} on cuda needs {a.ranks} GPUs ({torch.cuda.device_count()} here)", file=sys.stderr)
         return 2

@@ -298,6 +298,10 @@ def _param_digests(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
+def _made_collectives(run: SideRun) -> bool:
+    return any(f.coll_exit > 0 for e in run.capture.events for f in e.frames.values())
+
+
 def _sharded(a: dict[str, int], b: dict[str, int]) -> set[str]:
     return {n for n in a.keys() | b.keys() if a.get(n) != b.get(n)}
 
@@ -324,7 +328,9 @@ def _rank_local(e: TapEvent, sharded_params: set[str]) -> bool:
 
 def compare_captures(a: SideRun, b: SideRun) -> list[ModuleVerdict]:
     """Pair the two sides' module outputs and compare them, in side A's execution order."""
-    sharded = _sharded(a.params, b.params) if a.side.rank != b.side.rank else set()
+    # Without a collective in the step nothing is reduced, so nothing is a shard: parameters that
+    # differ across ranks are then a difference (a replicated model with one rank perturbed).
+    sharded = _sharded(a.params, b.params) if a.side.rank != b.side.rank and _made_collectives(a) else set()
     others: dict[tuple[str, int, int], TapEvent] = {e.key: e for e in b.capture.events}
     rows: list[ModuleVerdict] = []
     for e in a.capture.events:

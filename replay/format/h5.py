@@ -55,25 +55,59 @@ TABLES: dict[str, np.dtype] = {
 # Attributes that are dicts are stored as JSON text: readable in h5dump, and never unpickled.
 _JSON_ATTRS = ("config", "env", "versions", "recorder", "gpus", "numerics", "target")
 
-_str_dtype = h5py.string_dtype("utf-8")
+# Rows per chunk of a table: chunked so that every table carries a Fletcher-32 checksum.
+_CHUNK_ROWS = 1 << 14
+
+
+def _text(v: str) -> np.bytes_:
+    """A string attribute as fixed-length UTF-8: kept in the object header, which HDF5 checksums.
+
+    Not variable-length: those live in HDF5's global heap, which has no checksum, and a damaged
+    global heap can make libhdf5 loop forever on read (found by tests/test_fuzz.py).
+    """
+    return np.bytes_(v.encode("utf-8"))
+
+
+def _string_table(f: h5py.File, name: str, strings: list[str]) -> None:
+    """A list of strings as a fixed-length UTF-8 dataset (not variable-length, see ``_text``),
+    compressed (the padding costs nothing) and checksummed."""
+    raw = [s.encode("utf-8") for s in strings]
+    width = max((len(b) for b in raw), default=1) or 1
+    # (h5py cannot convert numpy bytes to a fixed-length type tagged UTF-8, so the type says
+    # ASCII; the bytes are UTF-8, and readers decode them as such.)
+    data = np.array(raw, dtype=f"S{width}") if raw else np.zeros(0, dtype=f"S{width}")
+    f.create_dataset(
+        name, data=data, chunks=(max(1, min(len(raw), _CHUNK_ROWS)),), maxshape=(None,),
+        compression="gzip", compression_opts=1, shuffle=True, fletcher32=True,
+    )
 
 
 def write_rank_file(tables: RankTables, path: Path, payload_name: str) -> None:
-    """Write ``tables`` to ``path`` (which must not exist yet); the payload stays where it is."""
+    """Write ``tables`` to ``path`` (which must not exist yet); the payload stays where it is.
+
+    Every table is chunked with a Fletcher-32 checksum, and every string is fixed-length: a byte
+    changed anywhere in the file after sealing is reported as damage when it is read, never
+    silently taken as data, and never sends libhdf5 into a loop.
+    """
     with h5py.File(path, "w", libver="latest") as f:
         for k, v in tables.attrs.items():
             if v is None:
                 continue
             if k in _JSON_ATTRS or isinstance(v, (dict, list)):
-                f.attrs[k] = json.dumps(v, sort_keys=True)
+                f.attrs[k] = _text(json.dumps(v, sort_keys=True))
+            elif isinstance(v, str):
+                f.attrs[k] = _text(v)
             else:
                 f.attrs[k] = v
         f.attrs["format_version"] = FORMAT_VERSION
-        f.attrs["kind"] = RANK_FILE_KIND
+        f.attrs["kind"] = _text(RANK_FILE_KIND)
         for name in TABLES:
-            f.create_dataset(name, data=getattr(tables, name))
-        f.create_dataset("strings", data=np.array(tables.strings, dtype=object), dtype=_str_dtype)
-        f.create_dataset("events", data=np.array(tables.events, dtype=object), dtype=_str_dtype)
+            data = getattr(tables, name)
+            f.create_dataset(
+                name, data=data, chunks=(max(1, min(len(data), _CHUNK_ROWS)),), maxshape=(None,), fletcher32=True
+            )
+        _string_table(f, "strings", tables.strings)
+        _string_table(f, "events", tables.events)
         if tables.payload_size:
             # External storage: the payload is not copied at seal time, and h5py/h5dump can still
             # read it (relative names resolve against the working directory, or against the
@@ -142,7 +176,8 @@ def read_rank_header(path: Path) -> dict[str, Any]:
 def _strings(ds: Any, name: str, limit: int) -> list[str]:
     if not isinstance(ds, h5py.Dataset) or ds.ndim != 1:
         raise ValueError(f"table /{name} is missing")
-    if ds.shape[0] > limit:
+    # Compressed padding can legitimately hold many times the file's size, but not without bound.
+    if ds.shape[0] > limit or ds.shape[0] * max(ds.dtype.itemsize, 1) > 64 * limit:
         raise ValueError(f"table /{name} claims {ds.shape[0]} entries, more than the file holds")
     return [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s) for s in ds[()]]
 

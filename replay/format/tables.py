@@ -1,7 +1,7 @@
 """Rank tables: the in-memory form of one rank's recording.
 
 Both the sealed HDF5 file and a live (or crashed) journal are read into the same ``RankTables``,
-so every reader sees one model whatever state the recording is in. ``build_tables`` is also what
+so every reader sees one model whatever state the recording is in. ``TablesBuilder`` is also what
 sealing writes to HDF5.
 """
 

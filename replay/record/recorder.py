@@ -78,6 +78,7 @@ class _Step:
     run: dict[str, Any] | None = None
     margin_dev: torch.Tensor | None = None
     margin_src: torch.Tensor | None = None
+    logits_key: tuple | None = None
     accepted: int | None = None
     accepted_entry: Entry | None = None
     args: dict[str, Any] = field(default_factory=dict)
@@ -337,6 +338,10 @@ class Recorder:
 
     def _logits(self, st: _Step, t: torch.Tensor, host_copy: torch.Tensor | None) -> None:
         t = local_tensor(t)  # topk of a sharded DTensor would be a collective
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if st.logits_key == key:
+            return  # the same logits seen twice in a step (a probe's argument, then the output)
+        st.logits_key = key
         if t.device.type == "cuda":
             top = t.detach().float().topk(2, dim=-1).values
             st.margin_dev = (top[..., 0] - top[..., 1]).min()
@@ -347,19 +352,14 @@ class Recorder:
         if self.config.ring:
             dtype, shape = dtype_to_str(t.dtype), tuple(t.shape)
             if t.device.type == "cuda":
-                host, buf = self._pool.get(t.dtype, tuple(t.shape))
-                host.copy_(t.detach(), non_blocking=True)
-                ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=dtype, shape=shape, host=host, store=True, release=buf)
+                # The ring stays on the device (a device-to-device copy costs microseconds);
+                # it is copied out only when it is written: at exit, on a crash or a trigger.
+                ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=dtype, shape=shape, store=True)
+                ring_e.device_copy = t.detach().clone()
             else:
                 ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=dtype, shape=shape, host=host_copy, store=True)
             if self._ring and self._ring[-1][0] == st.index:
-                # The same step's logits seen twice (a probe, then the step's output): keep one.
-                old = self._ring.pop()[1]
-                if old.release is not None:
-                    self._pool.release(old.release)
-            if len(self._ring) == self._ring.maxlen and self._ring[0][1].release is not None:
-                # Only after the copy into it has landed: the step that filled it is long done.
-                self._pool.release(self._ring[0][1].release)
+                self._ring.pop()
             self._ring.append((st.index, ring_e))
 
     @_failsafe()
@@ -589,6 +589,10 @@ class Recorder:
         items = list(self._ring)
         self._ring.clear()
         for step, e in items:
+            if e.device_copy is not None:
+                e.host, e.release = self._pool.get(e.device_copy.dtype, tuple(e.device_copy.shape))
+                e.host.copy_(e.device_copy, non_blocking=True)
+                e.device_copy = None
             job = Job(kind=FrameKind.LOGITS, body={"step": step, "reason": reason}, groups={"tensors": [e]})
             self._stage_device(None, job)
             self._submit(job, wait=False)

@@ -39,6 +39,7 @@ class Entry:
     digest_slot: int = -1  # index into the job's device-digest host buffer
     release: Any = None  # pinned buffer to hand back to the pool once written
     packed: Any = None  # (pinned uint8 buffer, offset, nbytes): bytes packed with other small tensors
+    device_copy: Any = None  # a device copy (the logits ring), moved to the host only when written
 
 
 @dataclass(slots=True)
