@@ -463,7 +463,7 @@ def test_info_while_recording(tmp_path: Path, run_cli: Any) -> None:
         for rank in (0, 1):
             n = ranks[rank]["steps"]
             # A step is in the journal before the program logs it, and at most one step ahead.
-            assert before[rank] <= n <= after[rank] + 1, (rank, before, n, after, ranks[rank])
+            assert before[rank] <= n <= after[rank] + 1, (rank, before, n, after, ranks[rank], run.stderr()[-2000:])
             assert ranks[rank]["problem"] is None
         seen.append(sum(x["steps"] for x in ranks.values()))
         v = run_cli("verify", "--quick", str(run.rec))
@@ -539,3 +539,19 @@ def test_sigkill_many_random_moments(tmp_path: Path, run_cli: Any, victims: str)
         data[f"sigkill_{victims}"] = summary
         path.write_text(json.dumps(data, indent=2))
     assert stats.lost_steps == 0
+
+
+def test_ignored_signals_stay_ignored(tmp_path: Path) -> None:
+    """A command started with SIGINT ignored (a background job, nohup) still ignores it under
+    `replay record`: the wrapper must not hand CMD a default disposition it did not have."""
+    probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
+    cmd = [sys.executable, "-m", "replay", "record", "--out", str(tmp_path / "rec"), "--quiet", "--",
+           sys.executable, "-c", probe]
+
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=ignore_sigint, timeout=TIMEOUT)
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, preexec_fn=ignore_sigint)
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert r.stdout.strip() == plain.stdout.strip() == "True"

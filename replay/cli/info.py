@@ -9,6 +9,7 @@ import click
 from replay.analysis.summary import choose_part, summarize_part
 from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument
 from replay.cli.render import fmt_margin, style, table
+from replay.format.reader import Recording
 
 
 @click.command(epilog="\b\nExamples:\n  replay info\n  replay info recordings/20261130-120000-test_mtp --json")
@@ -18,19 +19,24 @@ from replay.cli.render import fmt_margin, style, table
 def info(run: Path | None, root: str, part: str | None, as_json: bool) -> int:
     """Summarise RUN (default: the newest recording): ranks, steps, graphs, first divergence."""
     with open_run(run, root) as rec:
-        chosen = choose_part(rec, part)
-        summary = summarize_part(chosen)
-        parts = []
-        for name, p in rec.items():
-            s = summary if p is chosen else summarize_part(p, with_details=False)
-            parts.append({"name": name, "world_size": p.world_size, "diverged": s["first_divergence"] is not None,
-                          "token_diverged": s["first_token_divergence"] is not None})
-        out = {"recording": str(rec.path), "command": rec.manifest.get("command"), "parts": parts, **summary}
+        out = info_data(rec, part)
     if as_json:
         emit_json(out)
     else:
         click.echo(render_info(out))
     return 0
+
+
+def info_data(rec: Recording, part: str | None = None) -> dict:
+    """What ``replay info`` shows, as one JSON-safe dict (also printed by ``replay record``)."""
+    chosen = choose_part(rec, part)
+    summary = summarize_part(chosen)
+    parts = []
+    for name, p in rec.items():
+        s = summary if p is chosen else summarize_part(p, with_details=False)
+        parts.append({"name": name, "world_size": p.world_size, "diverged": s["first_divergence"] is not None,
+                      "token_diverged": s["first_token_divergence"] is not None})
+    return {"recording": str(rec.path), "command": rec.manifest.get("command"), "parts": parts, **summary}
 
 
 def render_info(s: dict) -> str:

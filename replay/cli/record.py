@@ -7,9 +7,8 @@ from pathlib import Path
 
 import click
 
-from replay.analysis.summary import summarize_part
 from replay.cli.common import default_root, emit_json
-from replay.cli.info import render_info
+from replay.cli.info import info_data, render_info
 from replay.errors import ReplayError, UsageError
 from replay.format.reader import Recording
 from replay.record.settings import RecordSettings, load_pyproject_settings
@@ -89,17 +88,16 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
     summary = None
     try:
         with Recording(path) as rec:
-            summary = [summarize_part(p) for p in rec.values()]
+            summary = info_data(rec)
     except ReplayError as e:
         click.echo(f"replay: recorded nothing readable ({e})", err=True)
     if as_json:
         emit_json({"recording": str(path), "exit_code": result.exit_code, "signal": result.signal,
-                   "still_live": result.still_live, "parts": summary or []})
+                   "still_live": result.still_live, "info": summary})
     elif not quiet:
         click.echo(f"\nreplay: recorded {path} (command exit code {result.exit_code})", err=True)
-        for s in summary or []:
-            s = {"recording": str(path), "command": None, "parts": [{"name": s["part"], "diverged": s["first_divergence"] is not None}], **s}
-            click.echo(render_info(s), err=True)
+        if summary is not None:
+            click.echo(render_info(summary), err=True)
         for j in result.still_live:
             click.echo(f"replay: {j} is still being written by a running process; seal it later with `replay seal`", err=True)
     return result.exit_code

@@ -166,6 +166,8 @@ class Session:
         self._lock = threading.RLock()
         self._local = threading.local()
         self._target_id: int | None = None
+        self._target_ref: Any = None
+        self._pg_runs = 0  # runs (engine objects) seen in the current process group
         self._targets_in_part = 0
         self._pg_generation = 0
         self._graph_counter = 0
@@ -303,6 +305,7 @@ class Session:
         with self._lock:
             self.close_recorder("ok")
             self._pg_generation += 1
+            self._pg_runs = 0
             try:
                 part = self._agree_part(dist)
             except Exception as e:  # noqa: BLE001
@@ -313,11 +316,19 @@ class Session:
 
             self.lockstep = Lockstep(self, dist) if self.settings.check_lockstep else None
 
-    def _agree_part(self, dist: Any) -> str:
+    def _is_current_target(self, obj: Any) -> bool:
+        if self._target_id is None:
+            return False
+        if self._target_ref is not None:
+            # A weak reference, not id(): a new engine can reuse a freed one's address.
+            return self._target_ref() is obj
+        return self._target_id == (id(obj) if obj is not None else 0)
+
+    def _agree_part(self, dist: Any, run: int = 0) -> str:
         from datetime import timedelta
 
         store = dist.distributed_c10d._get_default_store()
-        key = f"replay/part/{self._pg_generation}"
+        key = f"replay/part/{self._pg_generation}/{run}"
         if dist.get_rank() == 0:
             name = allocate_part(self.out)
             store.set(key, name)
@@ -371,18 +382,30 @@ class Session:
         rec = self.ensure_recorder()
         if rec is None:
             return None
-        oid = id(obj) if obj is not None else 0
-        if self._target_id == oid:
+        if self._is_current_target(obj):
             return rec
         if self._target_id is not None:
-            # A new engine object in the same process: a new run. Without a process group to
-            # agree through, give it a part of its own.
+            # A new engine object in the same process: a new run, so a new part. Ranks switch
+            # engines at the same point of the same program, so with a process group they agree
+            # on its name through the group's store; alone, a process takes the next free one.
+            import torch.distributed as dist
+
             _, world = self._rank_world()
-            if world == 1:
-                self.close_recorder()
-                rec = self._new_recorder(allocate_part(self.out))
-            self._targets_in_part += 1
-        self._target_id = oid
+            self.close_recorder()
+            if world > 1 and dist.is_available() and dist.is_initialized():
+                self._pg_runs += 1
+                try:
+                    part = self._agree_part(dist, run=self._pg_runs)
+                except Exception as e:  # noqa: BLE001
+                    part = f"run-pid{os.getpid()}-{self._pg_runs}"
+                    self.warn_once("part", f"could not agree on a part name with the other ranks ({e}); using {part}")
+            else:
+                part = allocate_part(self.out)
+            rec = self._new_recorder(part)
+            if self.lockstep is not None:
+                self.lockstep.prefix = f"replay/ls/{part}"
+        self._target_id = id(obj) if obj is not None else 0
+        self._target_ref = weakref.ref(obj) if obj is not None and _weakrefable(obj) else None
         state_fn = None
         if spec.state and obj is not None:
             ref = weakref.ref(obj) if _weakrefable(obj) else (lambda o=obj: o)
