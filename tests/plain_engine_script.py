@@ -36,10 +36,13 @@ class MyEngine:
 def run(rank: int, world: int, port: int, steps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    eng = MyEngine(rank)
-    x = torch.ones(2, 16)
-    for pos in range(steps):
-        x = eng.step(x, pos)
+    # TWO_ENGINES=1: a second engine after the first, in the same process group (a second run).
+    for _ in range(2 if os.environ.get("TWO_ENGINES") == "1" else 1):
+        eng = MyEngine(rank)
+        x = torch.ones(2, 16)
+        for pos in range(steps):
+            x = eng.step(x, pos)
+        del eng
     dist.destroy_process_group()
 
 

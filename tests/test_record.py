@@ -42,6 +42,18 @@ def test_plain_script_records_with_step_and_exit_code_passes_through(tmp_path):
     assert manifest["exit_code"] == 5 and manifest["status"] == "complete"
 
 
+def test_second_engine_in_the_same_process_group_is_a_new_part(tmp_path, run_cli):
+    out = tmp_path / "two"
+    p = replay_cmd("record", "--out", str(out), "--quiet", "--step", "plain_engine_script:MyEngine.step", "--state", "state",
+                   "--", sys.executable, str(ROOT / "tests" / "plain_engine_script.py"), "5", env={"TWO_ENGINES": "1"})
+    assert p.returncode == 0, p.stderr
+    data = run_cli("info", out, "--json").json()
+    assert [q["name"] for q in data["parts"]] == ["run-000", "run-001"]
+    for name in ("run-000", "run-001"):
+        part = run_cli("info", out, "--part", name, "--json").json()
+        assert [r["steps"] for r in part["ranks"]] == [5, 5]
+
+
 @pytest.fixture(scope="module")
 def pytest_recording(tmp_path_factory):
     """A pytest file whose two test cases each start a two-rank run: one part per run."""
