@@ -385,9 +385,53 @@ def _empty_tables(attrs: dict[str, Any], payload_size: int) -> RankTables:
 
 
 def check_payload_bounds(t: RankTables) -> None:
-    """Every stored tensor lies inside the payload and its size matches its shape and dtype."""
+    """The tables are consistent: every stored tensor lies inside the payload, every string id
+    names a string, every step column names a step near the recorded ones.
+
+    What a damaged or hostile file would otherwise hand to every reader (an id that indexes past
+    the string table, a step of 2**62 that a plot tries to draw) is refused here, once, as
+    damage (``ValueError``).
+    """
     stored = t.tensors[t.tensors["offset"] >= 0]
     if stored.size:
-        end = stored["offset"] + stored["nbytes"]
-        if int(end.max()) > t.payload_size or int(stored["nbytes"].min()) < 0:
+        # Each bound on its own: offset + nbytes could wrap around in int64.
+        if (int(stored["nbytes"].min()) < 0 or int(stored["offset"].max()) > t.payload_size
+                or int(stored["nbytes"].max()) > t.payload_size
+                or int((stored["offset"] + stored["nbytes"]).max()) > t.payload_size):
             raise ValueError("a tensor lies beyond the end of the payload file")
+    n_strings = len(t.strings)
+    for table, columns in _STRING_COLUMNS.items():
+        rows = getattr(t, table)
+        for col in columns:
+            if rows.size and (int(rows[col].min()) < -1 or int(rows[col].max()) >= n_strings):
+                raise ValueError(f"table /{table}: column {col} names a string that is not in /strings")
+    steps = t.steps["step"]
+    if steps.size and int(steps.min()) < 0:
+        raise ValueError("table /steps: a negative step")
+    # Events outside a step carry -1; a keyframe, graph or tuner choice can belong to the step
+    # that was about to run when the rank stopped: one past the last.
+    hi = int(steps.max()) + 1 if steps.size else 0
+    for table in ("fields", "tensors", "graphs", "replays", "collectives", "keyframes", "tuner"):
+        col = getattr(t, table)["step"]
+        if col.size and (int(col.min()) < -1 or int(col.max()) > hi):
+            raise ValueError(f"table /{table}: a step outside the recorded steps (0..{hi - 1})")
+    n = t.tensors.size
+    out = t.collectives["out_tensor"]
+    if out.size and n and (int(out.min()) < -1 or int(out.max()) >= n):
+        raise ValueError("table /collectives: column out_tensor points outside /tensors")
+    k = t.keyframes
+    if k.size and n and (int(k["first_tensor"].min()) < 0 or int(k["n_tensors"].min()) < 0
+                         or int((k["first_tensor"] + k["n_tensors"]).max()) > n):
+        raise ValueError("table /keyframes: a keyframe points outside /tensors")
+
+
+# The columns holding ids into /strings (-1: none).
+_STRING_COLUMNS: dict[str, tuple[str, ...]] = {
+    "steps": ("graph_key", "reason", "args"),
+    "fields": ("field",),
+    "tensors": ("name", "dtype"),
+    "graphs": ("key", "source"),
+    "kernels": ("name",),
+    "collectives": ("op", "group", "shapes", "dtypes"),
+    "tuner": ("op", "tactic"),
+}
