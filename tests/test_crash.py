@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import sys
 import time
 
 import pytest
@@ -87,5 +88,5 @@ def test_sigkill_loses_no_completed_step(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_many_trials(tmp_path, monkeypatch):
-    monkeypatch.setattr(__import__(__name__), "TRIALS", 200)
+    monkeypatch.setattr(sys.modules[__name__], "TRIALS", 200)
     test_sigkill_loses_no_completed_step(tmp_path)

@@ -732,6 +732,24 @@ def test_huge_journal_frame_length(worker: Worker, bases: dict[str, Path], tmp_p
     assert "claims 4294967295 bytes" in " ".join(ranks[1]["problems"])
 
 
+def test_bit_flip_in_a_table_is_damage_not_data(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """One bit changed in /fields after sealing (a digest): without a checksum it would read as a
+    divergence that never happened. Every table is checksummed: verify names the file instead."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["sealed"], case)
+    f = case / "run-000" / "rank-00001.h5"
+    with h5py.File(f, "r") as h:
+        chunk = h["fields"].id.get_chunk_info(0)
+    data = bytearray(f.read_bytes())
+    data[chunk.byte_offset + chunk.size // 2] ^= 0x04
+    f.write_bytes(bytes(data))
+    res = worker.run(["verify", "--json", str(case)], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 4, res
+    ranks = {r["rank"]: r for r in json.loads(res["out"])["ranks"]}
+    assert ranks[0]["state"] == "intact" and ranks[1]["state"] == "damaged"
+    assert "checksum does not match" in ranks[1]["problems"][0]
+
+
 # -- nothing in a recording is executed -------------------------------------------------------
 
 

@@ -159,7 +159,7 @@ def test_tp_bisect_names_the_planted_module(recordings, run_cli):
 def test_object_argument_is_recorded_as_the_engines_attribute():
     import inspect
 
-    from replay.record.session import split_arguments
+    from replay.record.calls import split_arguments
 
     class Engine:
         def __init__(self) -> None:

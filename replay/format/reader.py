@@ -424,6 +424,10 @@ def _describe(e: BaseException) -> str:
         return "not an HDF5 file"
     if "truncated file" in msg:
         return "HDF5 file is truncated"
+    if "filter returned failure" in msg:
+        return "a table's checksum does not match: the file changed after it was sealed"
+    if "checksum" in msg:
+        return "HDF5 metadata checksum mismatch: the file changed after it was sealed"
     return msg[:200]
 
 

@@ -37,10 +37,8 @@ from replay.format.tables import combine_digests
 from replay.log import get_logger
 from replay.record import rng as _rng
 from replay.record.config import RecorderConfig
-from replay.record.writer import Entry, Job, PinnedPool, Writer, host_entry
-
-# CUDA tensors up to this size are packed and copied to the host in one transfer per call.
-_SMALL_BYTES = 64 << 10
+from replay.record.staging import Staging
+from replay.record.writer import Entry, Job, Writer, host_entry
 
 __all__ = ["Recorder"]
 
@@ -104,8 +102,8 @@ class Recorder:
         self._collective_counter = 0
         self._keyframe_at: int | None = None  # the step the next keyframe is due at
         self._ring: collections.deque[tuple[int, Entry]] = collections.deque(maxlen=max(config.ring, 1))
-        self._pool = PinnedPool()
-        self._device_digests: torch.Tensor | None = None
+        self._staging = Staging()
+        self._pool = self._staging.pool
         self._writer: Writer | None = None
         self._lock_fd: int | None = None
         self.part_dir = config.out / config.part
@@ -199,74 +197,13 @@ class Recorder:
         return self._entries(st, [(name, kind, t, store)])[0]
 
     def _entries(self, st: _Step | None, items: list[tuple[str, TensorKind, torch.Tensor, bool]]) -> list[Entry]:
-        """Capture several tensors now, with as few device operations as possible.
-
-        CPU tensors are cloned. Small CUDA tensors (inputs, tokens, counts) are packed into one
-        device buffer and copied to pinned memory in one transfer; the writer digests them on
-        the CPU. Large CUDA tensors (logits) are digested on the device, and copied only when
-        their bytes are kept.
-        """
-        out: list[Entry] = []
-        small: list[tuple[Entry, torch.Tensor]] = []
-        for name, kind, t, store in items:
-            t = local_tensor(t).detach()  # a DTensor: this rank's shard
-            if t.device.type != "cuda":
-                out.append(host_entry(name, kind, t, store=store))
-                continue
-            e = Entry(name=name, kind=kind, dtype=dtype_to_str(t.dtype), shape=tuple(t.shape), store=store)
-            out.append(e)
-            nbytes = t.numel() * t.element_size()
-            if nbytes <= _SMALL_BYTES:
-                small.append((e, t))
-                continue
-            if st is not None:
-                e.digest_slot = len(st.device)
-                st.device.append(t)
-            if store or st is None:
-                host, buf = self._pool.get(t.dtype, tuple(t.shape))
-                host.copy_(t, non_blocking=True)
-                e.host, e.release = host, buf
-        if small:
-            flat = [t.reshape(-1).view(torch.uint8) for _, t in small]
-            packed = flat[0] if len(flat) == 1 else torch.cat(flat)
-            host, buf = self._pool.get(torch.uint8, (packed.numel(),))
-            host.copy_(packed, non_blocking=True)
-            off = 0
-            for (e, _), f in zip(small, flat):
-                e.packed = (host, off, f.numel())
-                off += f.numel()
-            small[0][0].release = buf
-        return out
+        return self._staging.entries(st.device if st is not None else None, items)
 
     def _stage_device(self, st: _Step | None, job: Job) -> None:
-        """Queue the device work of a job: digests, scalars, and the event the writer waits on."""
-        for entries in job.groups.values():
-            job.releases.extend(e.release for e in entries if e.release is not None)
-        cuda_work = bool(job.releases)
-        if st is not None and st.device:
-            from replay.digest import digest_into
-
-            n = len(st.device)
-            dev = st.device[0].device
-            buf = self._device_digests
-            if buf is None or buf.numel() < n or buf.device != dev:
-                buf = self._device_digests = torch.zeros(max(n, 64), dtype=torch.int64, device=dev)
-            for i, t in enumerate(st.device):
-                digest_into(t, buf, i)
-            job.digests_host = self._pinned_copy(job, buf[:n])
-            cuda_work = True
-        if st is not None and st.margin_dev is not None:
-            job.margin_host = self._pinned_copy(job, st.margin_dev)
-            cuda_work = True
-        if cuda_work:
-            job.event = torch.cuda.Event()
-            job.event.record()
+        self._staging.stage(job, st.device if st is not None else None, st.margin_dev if st is not None else None)
 
     def _pinned_copy(self, job: Job, t: torch.Tensor) -> torch.Tensor:
-        host, buf = self._pool.get(t.dtype, tuple(t.shape))
-        host.copy_(t, non_blocking=True)
-        job.releases.append(buf)
-        return host
+        return self._staging.pinned_copy(job, t)
 
     # -- steps -----------------------------------------------------------------------------
 

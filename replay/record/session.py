@@ -21,16 +21,16 @@ import torch
 
 from replay.log import get_logger
 from replay.record.config import RecorderConfig
+from replay.record.calls import access, call_key, capturing, name_outputs, split_arguments, weakrefable
 from replay.record.hooks import patch_callable, when_class_defined, when_imported
 from replay.record.profiles import PROFILES, Profile, StepSpec
 from replay.record.recorder import Recorder
 from replay.record.settings import RecordSettings
 
-__all__ = ["Session", "allocate_part", "split_arguments", "name_outputs"]
+__all__ = ["Session", "allocate_part"]
 
 log = get_logger("replay.record")
 
-_SCALARS = (int, float, bool, str, type(None))
 
 
 def allocate_part(out: Path) -> str:
@@ -52,106 +52,6 @@ def allocate_part(out: Path) -> str:
         except OSError:
             return name
     raise RuntimeError(f"no free part name under {out}")
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, _SCALARS):
-        return v
-    if isinstance(v, (list, tuple)) and all(isinstance(x, _SCALARS) for x in v):
-        return list(v)
-    if isinstance(v, torch.dtype):
-        return {"dtype": str(v)}
-    return {"unrecorded": type(v).__name__}
-
-
-def attribute_holding(owner: Any, value: Any) -> str | None:
-    """The name of ``owner``'s attribute that is ``value`` itself (the same object), if any.
-
-    A step called with an object its own engine holds (a KV cache passed as
-    ``decode_step(ids, pos, self.cache)``) cannot be recorded as data, but it can be recorded as
-    that attribute: a re-run passes the rebuilt engine's attribute of the same name."""
-    if owner is None or isinstance(value, _SCALARS):
-        return None
-    try:
-        items = list(vars(owner).items())
-    except TypeError:
-        return None
-    for name, attr in items:
-        if attr is value and not name.startswith("__"):
-            return name
-    return None
-
-
-def split_arguments(
-    bound: inspect.BoundArguments, skip_first: bool, owner: Any = None
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A step's arguments: tensors (recorded as inputs) and the rest (recorded as JSON).
-
-    An object that is an attribute of ``owner`` (the step's object) is recorded as
-    ``{"attr": name}``; one that is neither JSON nor such an attribute as ``{"unrecorded": type}``."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, Any] = {}
-    items = list(bound.arguments.items())
-    if skip_first and items:
-        items = items[1:]
-    params = bound.signature.parameters
-    for name, value in items:
-        kind = params[name].kind
-        if kind == inspect.Parameter.VAR_KEYWORD and isinstance(value, dict):
-            pairs = list(value.items())
-        elif kind == inspect.Parameter.VAR_POSITIONAL:
-            pairs = [(f"{name}.{i}", v) for i, v in enumerate(value)]
-        else:
-            pairs = [(name, value)]
-        for n, v in pairs:
-            if isinstance(v, torch.Tensor):
-                tensors[n] = v
-            elif isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
-                for i, x in enumerate(v):
-                    tensors[f"{n}.{i}"] = x
-            elif isinstance(v, dict) and v and all(isinstance(x, torch.Tensor) for x in v.values()):
-                for k, x in v.items():
-                    tensors[f"{n}.{k}"] = x
-            else:
-                attr = attribute_holding(owner, v) if not isinstance(v, (list, tuple, dict, torch.dtype)) else None
-                scalars[n] = {"attr": attr, "type": type(v).__name__} if attr else _jsonable(v)
-    return tensors, scalars
-
-
-def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torch.Tensor]:
-    """Tensors a step returned, by name: NamedTuple/dataclass fields, dict keys, or given names."""
-    if isinstance(out, torch.Tensor):
-        if names:
-            return {names[0]: out}
-        # A lone floating output with a vocabulary-like last dimension is what a step's logits
-        # look like; naming it so gives the margin and the logits ring without configuration.
-        return {"logits" if out.is_floating_point() and out.dim() >= 2 else "output": out}
-    pairs: list[tuple[str, Any]]
-    if isinstance(out, dict):
-        pairs = [(str(k), v) for k, v in out.items()]
-    elif hasattr(out, "_fields"):
-        pairs = list(zip(out._fields, out))
-    elif hasattr(out, "__dataclass_fields__"):
-        pairs = [(k, getattr(out, k)) for k in out.__dataclass_fields__]
-    elif isinstance(out, (list, tuple)):
-        pairs = [(names[i] if i < len(names) else f"out{i}", v) for i, v in enumerate(out)]
-    else:
-        return {}
-    return {k: v for k, v in pairs if isinstance(v, torch.Tensor)}
-
-
-def access(obj: Any, name: str | None) -> Any:
-    """``obj.name``, called if it is a method; None when there is no such thing."""
-    if obj is None or not name:
-        return None
-    attr = obj
-    for part in name.split("."):
-        attr = getattr(attr, part)
-    return attr() if callable(attr) and not isinstance(attr, torch.nn.Module) else attr
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class Session:
@@ -351,7 +251,7 @@ class Session:
         is_method = bool(params) and params[0] in ("self", "cls") or "." in target.partition(":")[2]
 
         def step_wrapper(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self._local, "depth", 0) or self.disabled or _capturing():
+            if getattr(self._local, "depth", 0) or self.disabled or capturing():
                 return fn(*args, **kwargs)
             self._local.depth = 1
             try:
@@ -405,10 +305,10 @@ class Session:
             if self.lockstep is not None:
                 self.lockstep.prefix = f"replay/ls/{part}"
         self._target_id = id(obj) if obj is not None else 0
-        self._target_ref = weakref.ref(obj) if obj is not None and _weakrefable(obj) else None
+        self._target_ref = weakref.ref(obj) if obj is not None and weakrefable(obj) else None
         state_fn = None
         if spec.state and obj is not None:
-            ref = weakref.ref(obj) if _weakrefable(obj) else (lambda o=obj: o)
+            ref = weakref.ref(obj) if weakrefable(obj) else (lambda o=obj: o)
 
             def state_fn(ref: Any = ref, name: str = spec.state) -> dict[str, torch.Tensor]:
                 o = ref()
@@ -473,7 +373,7 @@ class Session:
         def probe_wrapper(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
             rec = self.recorder
-            if rec is not None and getattr(self._local, "depth", 0) and not _capturing():
+            if rec is not None and getattr(self._local, "depth", 0) and not capturing():
                 rec.record_probe(label, **name_outputs(out, names))
                 try:
                     lg = sig.bind(*args, **kwargs).arguments.get(logits_name)
@@ -549,7 +449,7 @@ class Session:
         sig = inspect.signature(fn)
 
         def capture_wrapper(*args: Any, **kwargs: Any) -> Any:
-            key, ints = _call_key(sig, args, kwargs)
+            key, ints = call_key(sig, args, kwargs)
             self._key_stack.append((key, ints, self._cuda_captures))
             ops: list[dict[str, Any]] | None = None
             try:
@@ -583,7 +483,7 @@ class Session:
             before = self._cuda_replays
             out = fn(*args, **kwargs)
             if self._cuda_replays == before:
-                _, ints = _call_key(sig, args, kwargs)
+                _, ints = call_key(sig, args, kwargs)
                 gid = self._cpu_graphs.get(ints)
                 self._step_replays += 1
                 if gid is not None and self.recorder is not None:
@@ -596,25 +496,3 @@ class Session:
 
     def shutdown(self) -> None:
         self.close_recorder("ok")
-
-
-def _call_key(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[str, tuple]:
-    """A graph key from a capture/replay call's scalar arguments: ("bucket=4", (4,))."""
-    try:
-        bound = sig.bind_partial(*args, **kwargs)
-    except TypeError:
-        return "graph", ()
-    items = list(bound.arguments.items())
-    if items and items[0][0] in ("self", "cls"):
-        items = items[1:]
-    scal = [(k, v) for k, v in items if isinstance(v, (int, str)) and not isinstance(v, bool)]
-    ints = tuple(v for _, v in scal if isinstance(v, int))
-    return ",".join(f"{k}={v}" for k, v in scal) or "graph", ints
-
-
-def _weakrefable(obj: Any) -> bool:
-    try:
-        weakref.ref(obj)
-        return True
-    except TypeError:
-        return False

@@ -8,7 +8,7 @@ import inspect
 from typing import Any, Callable, Iterator
 
 from replay.record.hooks import resolve
-from replay.record.session import name_outputs
+from replay.record.calls import name_outputs
 
 __all__ = ["installed_probes"]
 

@@ -26,7 +26,7 @@ from replay.errors import OutOfRange, RerunError, UsageError
 from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
 from replay.record.rng import restore_rng
-from replay.record.session import name_outputs
+from replay.record.calls import name_outputs
 from replay.rerun.collectives import RecordedCollectives
 from replay.rerun.graphs import GraphedStep
 from replay.rerun.target import Target, TargetSpec, build_target
