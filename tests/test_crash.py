@@ -17,7 +17,7 @@ from replay.digest import digest
 from replay.format import seal_part
 from tests.factories import step_inputs, step_logits
 
-TRIALS = int(os.environ.get("REPLAY_KILL_TRIALS", "24"))
+TRIALS = int(os.environ.get("REPLAY_KILL_TRIALS", "16"))
 
 
 def _record_forever(out: str, wfd: int) -> None:
