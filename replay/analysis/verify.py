@@ -125,5 +125,10 @@ def verify_recording(rec: Recording, *, payload: bool = True) -> list[RankCheck]
             checks.append(_check_rank(part, rf, payload=payload))
         declared = part.world_size
         for missing in sorted(set(range(declared)) - set(part)):
-            checks.append(RankCheck(part=part.name, rank=missing, problems=[f"no file for rank {missing} of {declared}"]))
+            c = RankCheck(part=part.name, rank=missing)
+            c.lost_tail(
+                f"no file for rank {missing} of {declared}: nothing was recorded for it (it ended before it "
+                "started recording, or its file was removed)"
+            )
+            checks.append(c)
     return checks

@@ -2,7 +2,7 @@
 
 from replay.bisect.config import ConfigBisection, ConfigBisectSettings, bisect_config
 from replay.bisect.layers import LayersBisection, Side, bisect_layers, parse_between
-from replay.bisect.results import save_result
+from replay.format.results import save_result
 from replay.bisect.steps import StepsBisection, bisect_steps, bisect_steps_rerun
 from replay.bisect.taps import TapCapture, Taps
 

@@ -23,7 +23,7 @@ from replay.bisect.layers import (
     parse_between,
     recorded_mode,
 )
-from replay.bisect.results import save_result
+from replay.format.results import save_result
 from replay.bisect.steps import StepsBisection, bisect_steps, bisect_steps_rerun
 from replay.cli.common import (
     emit_json,

@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from replay.cli.common import emit_json, json_option, run_argument
-from replay.format.reader import resolve_recording
 from replay.errors import RecordingDamaged
+from replay.format.reader import resolve_recording
 from replay.format.seal import journal_is_live, seal_part
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from replay.analysis.summary import choose_part
 from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument
 from replay.cli.render import style, table
 from replay.errors import UsageError
+from replay.format.results import save_result
 from replay.rerun.runner import StepRerun, rerun_step
 
 EPILOG = """\b
@@ -56,17 +56,6 @@ def default_device(recorded: str | None) -> str:
     if recorded and recorded.startswith("cuda") and torch.cuda.is_available():
         return "cuda:0"
     return "cpu"
-
-
-def _save(rec_path: Path, data: dict[str, Any]) -> Path | None:
-    d = rec_path / "results"
-    try:
-        d.mkdir(exist_ok=True)
-        p = d / f"{data['kind']}-r{data.get('rank', 'x')}-s{data.get('step', 'x')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        p.write_text(json.dumps(data, indent=1, default=str))
-        return p
-    except OSError:
-        return None
 
 
 @click.command(epilog=EPILOG)
@@ -119,7 +108,7 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
                             options=options, recording=str(rec.path), announce=announce, progress=progress)
         data = result.to_json()
         if not no_save:
-            saved = _save(rec.path, data)
+            saved = save_result(rec.path, data)
             if saved is not None:
                 data["saved_to"] = str(saved)
     if as_json:

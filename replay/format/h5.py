@@ -98,7 +98,12 @@ def write_rank_file(tables: RankTables, path: Path, payload_name: str) -> None:
             elif isinstance(v, str):
                 f.attrs[k] = _text(v)
             else:
-                f.attrs[k] = v
+                try:
+                    f.attrs[k] = v
+                except (TypeError, ValueError, OverflowError):
+                    # A header value HDF5 has no type for (an integer beyond 64 bits, from a
+                    # damaged journal): kept as JSON text rather than failing the seal.
+                    f.attrs[k] = _text(json.dumps(v, default=str))
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["kind"] = _text(RANK_FILE_KIND)
         for name in TABLES:

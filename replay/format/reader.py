@@ -328,6 +328,13 @@ class Part(Mapping[int, RankFile]):
         except KeyError:
             raise OutOfRange(f"part {self.name} has no rank {rank} (ranks: {_ranges(list(self._files))})") from None
 
+    # Mapping's defaults go through __getitem__, whose OutOfRange is not a KeyError.
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._files
+
+    def get(self, rank: int, default: Any = None) -> Any:  # type: ignore[override]
+        return self._files.get(rank, default)
+
     def __iter__(self) -> Iterator[int]:
         return iter(self._files)
 
@@ -378,6 +385,11 @@ class Recording(Mapping[str, Part]):
                 )
         parts = sorted(p for p in self.path.iterdir() if p.is_dir() and _is_part_dir(p))
         if not parts:
+            if self.manifests:
+                raise RecordingDamaged(
+                    f"{self.path}: nothing was recorded: the command ended before any rank started recording"
+                    f"{_exit_note(self.manifest)}"
+                )
             raise RecordingDamaged(
                 f"{self.path}: not a recording (no rank files found): give the directory `replay record` wrote"
             )
@@ -395,6 +407,12 @@ class Recording(Mapping[str, Part]):
             return self._parts[name]
         except KeyError:
             raise OutOfRange(f"{self.path} has no part {name!r} (parts: {', '.join(self._parts)})") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._parts
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self._parts.get(name, default)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._parts)
@@ -416,6 +434,11 @@ def open_recording(path: str | os.PathLike | None = None, root: str | os.PathLik
     """Open ``path``, or the newest recording under ``root``."""
     p, _ = resolve_recording(path, root)
     return Recording(p)
+
+
+def _exit_note(manifest: dict[str, Any]) -> str:
+    code = manifest.get("exit_code")
+    return f" (its exit code was {code})" if isinstance(code, int) and not isinstance(code, bool) else ""
 
 
 def _describe(e: BaseException) -> str:

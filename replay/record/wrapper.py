@@ -22,9 +22,9 @@ from typing import Any
 
 import replay
 from replay.errors import UsageError
-from replay.log import get_logger
 from replay.format.manifest import write_manifest
 from replay.format.seal import SealResult, journal_is_live, seal_part
+from replay.log import get_logger
 from replay.record.settings import ENV_DIR, ENV_SETTINGS, RecordSettings
 
 __all__ = ["RecordResult", "record_command", "recording_dir_for", "child_environment"]

@@ -1,4 +1,4 @@
-"""Saving a bisection's result beside its recording, for ``replay report`` to read."""
+"""Results saved beside a recording (`results/*.json`) by `replay step` and `replay bisect`, for `replay report`."""
 
 from __future__ import annotations
 
