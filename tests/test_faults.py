@@ -14,7 +14,6 @@ The fast suite runs each fault once; ``-m slow`` runs many SIGKILL trials at ran
 from __future__ import annotations
 
 import contextlib
-import threading
 import json
 import os
 import random
@@ -22,17 +21,20 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from replay import open_recording
 from replay.digest import digest
+from replay.errors import RecordingDamaged
 from replay.record.settings import RecordSettings
 from replay.record.wrapper import child_environment
 
@@ -141,11 +143,6 @@ def wait_for(cond: Any, timeout: float = 60.0, what: str = "condition") -> None:
 def wait_steps(run: Run, rank: int, n: int) -> None:
     """Until ``rank`` has completed ``n`` steps (its pid file exists from the start)."""
     wait_for(lambda: run.n_completed(rank) >= n or (run.proc is not None and run.proc.poll() is not None), what=f"rank {rank} step {n}")
-
-
-def both(tmp: Path, **opts: Any) -> tuple[Run, Run]:
-    """The plain and the recorded run of the same program, started together (they are independent)."""
-    return start(tmp / "plain", recorded=False, **opts), start(tmp / "recorded", recorded=True, **opts)
 
 
 # -- what the recording must hold ---------------------------------------------------------------
@@ -494,8 +491,17 @@ def check_trial(run: Run, run_cli: Any, *, world: int, steps: int, stats: KillSt
     # its peers fail with a gloo error (1), or get SIGTERM (143) when stuck waiting for it.
     assert run.code in (137, 143), (run.code, run.stderr()[-2000:])
     stats.codes[str(run.code)] = stats.codes.get(str(run.code), 0) + 1
-    last = check_kept(run, world)
     completed = sum(len(run.completed(r)) for r in range(world))
+    try:
+        last = check_kept(run, world)
+    except RecordingDamaged as e:
+        # Killed before any rank started recording (the kill landed in the launcher's start-up):
+        # nothing completed, and every command says so in one line.
+        assert "nothing was recorded" in str(e) and completed == 0, e
+        r = run_cli("verify", str(run.rec))
+        assert r.code == 4 and len(r.err.strip().splitlines()) == 1 and "nothing was recorded" in r.err, r.err
+        stats.trials += 1
+        return
     kept = sum((v + 1) if v is not None else 0 for v in last.values())
     stats.trials += 1
     stats.completed_steps += completed

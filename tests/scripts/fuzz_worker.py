@@ -38,17 +38,14 @@ def run() -> int:
     p.add_argument("--max-gb", type=float, default=3.0)
     a = p.parse_args()
     # Import what the commands import, before the cap: it is not what is being measured.
-    import replay.analysis.summary  # noqa: F401
-    import replay.analysis.verify  # noqa: F401
-    import replay.cli.info  # noqa: F401
-    import replay.cli.seal  # noqa: F401
-    import replay.cli.verify  # noqa: F401
+    import importlib
 
-    for name in ("replay.cli.report", "replay.cli.step", "replay.cli.bisect"):
+    for name in ("replay.analysis.summary", "replay.analysis.verify", "replay.cli.info", "replay.cli.seal",
+                 "replay.cli.verify", "replay.cli.report", "replay.cli.step", "replay.cli.bisect"):
         try:
-            __import__(name)
-        except Exception:  # noqa: BLE001 - a command that is not there yet is not fuzzed
-            pass
+            importlib.import_module(name)
+        except ImportError:
+            continue  # a command that is not there yet is not fuzzed
     limit = _vm_bytes() + int(a.max_gb * (1 << 30))
     try:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
