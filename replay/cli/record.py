@@ -76,11 +76,17 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
             if os.environ.get(var, "").isdigit():
                 node_rank = int(os.environ[var])
                 break
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        path = out
-    else:
-        path = recording_dir_for(cmd, Path(default_root()), name)
+    try:
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            path = out
+        else:
+            path = recording_dir_for(cmd, Path(default_root()), name)
+    except OSError as e:
+        where = out if out is not None else Path(default_root())
+        raise UsageError(
+            f"cannot write the recording to {where} ({e.strerror or e}): choose a writable directory with --out"
+        ) from None
     try:
         result = record_command(cmd, settings, out=path, node=node_rank, grace_s=grace)
     except FileNotFoundError:
