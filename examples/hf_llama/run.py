@@ -12,6 +12,7 @@ CPU, NCCL on GPUs (rank r on cuda:r). This script is the user's program: it know
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -29,8 +30,6 @@ __all__ = ["main", "run_rank"]
 def run_rank(rank: int, world: int, port: int, config: dict[str, Any], steps: int, device: str) -> None:
     import torch.distributed as dist
 
-    from examples.hf_llama.engine import build
-
     dev = f"cuda:{rank}" if device == "cuda" else device
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
@@ -38,13 +37,25 @@ def run_rank(rank: int, world: int, port: int, config: dict[str, Any], steps: in
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
         dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo", rank=rank, world_size=world)
     try:
-        engine = build(config, rank=rank, world_size=world, device=dev, options={})
-        tokens = engine.generate(steps)
+        tokens = _generate(config, rank, world, dev, steps)
         if rank == 0:
-            print(json.dumps({"tokens": tokens.tolist()}), flush=True)
+            print(json.dumps({"tokens": tokens}), flush=True)
     finally:
         if world > 1:
+            # A CUDA graph that captured NCCL collectives must be gone before its communicator,
+            # or destroy_process_group waits forever (pytorch/pytorch#115388): the engine and its
+            # graph were dropped when _generate returned; collect any cycle still holding them.
+            gc.collect()
+            if dev.startswith("cuda"):
+                torch.cuda.synchronize()
             dist.destroy_process_group()
+
+
+def _generate(config: dict[str, Any], rank: int, world: int, dev: str, steps: int) -> list[list[int]]:
+    from examples.hf_llama.engine import build
+
+    engine = build(config, rank=rank, world_size=world, device=dev, options={})
+    return engine.generate(steps).tolist()
 
 
 def _free_port() -> int:

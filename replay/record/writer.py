@@ -18,9 +18,9 @@ import torch
 
 import numpy as np
 
-from replay.digest import digest, digest_numpy_many
+from replay.digest import digest_numpy, digest_numpy_many
 from replay.format.journal import FrameKind, JournalWriter
-from replay.format.schema import TensorKind, TensorRef, dtype_to_str
+from replay.format.schema import TensorKind, dtype_to_str
 
 __all__ = ["Entry", "Job", "Writer", "PinnedPool"]
 
@@ -97,9 +97,7 @@ class Writer:
         self._failed = False
         # Payload dedupe: the last stored tensor per (kind, name), reused when its bytes repeat
         # (RNG state, page tables and other inputs that rarely change): no digest, no write.
-        self._last: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
-        self._pending: list[memoryview] = []
-        self._pending_bytes = 0
+        self._last: dict[tuple[int, str], tuple[str, tuple[int, ...], np.ndarray, int, int]] = {}
         self._thread = threading.Thread(target=self._run, name="replay-writer", daemon=True)
         self._thread.start()
 
@@ -149,91 +147,89 @@ class Writer:
             job.ack.set()
 
     def _write(self, job: Job) -> None:
+        # Everything that does not need the bytes is done before the event wait, while the device
+        # is still computing the step; after it only hashing, comparing and one writev are left:
+        # that is the time a step waits for in "step" durability.
+        plan = self._plan(job)
         if job.event is not None:
             job.event.synchronize()
-        for entries in job.groups.values():
+        self._emit(job, plan)
+
+    def _plan(self, job: Job) -> list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]:
+        """Per entry: a uint8 numpy view of its host bytes (None: digested on the device) and
+        the frame's tensor ref, still without digest and offset."""
+        views: dict[int, np.ndarray] = {}
+        plan = []
+        for name, entries in job.groups.items():
+            items = []
             for e in entries:
+                arr = None
                 if e.packed is not None:
                     buf, off, n = e.packed
-                    e.host = buf[off : off + n].clone().view(_torch_dtype(e.dtype)).reshape(e.shape)
-                    e.packed = None
+                    whole = views.get(id(buf))
+                    if whole is None:
+                        whole = views[id(buf)] = buf.numpy()
+                    arr = whole[off : off + n]
+                elif e.host is not None:
+                    arr = _as_bytes(e.host)
+                items.append((e, arr, {"name": e.name, "dtype": e.dtype, "shape": list(e.shape)}))
+            plan.append((name, items))
+        return plan
+
+    def _emit(self, job: Job, plan: list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]) -> None:
         slots = job.digests_host.tolist() if job.digests_host is not None else None
-        # Payload bytes of the whole job go out in one writev, before the frame that refers to them.
-        self._pending = []
-        self._pending_bytes = 0
-        deduped: dict[int, TensorRef] = {}
-        for entries in job.groups.values():
-            for e in entries:
+        pending: list[memoryview] = []
+        pending_bytes = 0
+        small: list[tuple[Entry, np.ndarray]] = []
+        for _, items in plan:
+            for e, arr, ref in items:
+                if e.packed is not None:
+                    # The finish step and the logits margin read some of these as tensors.
+                    e.host = torch.from_numpy(arr.copy()).view(_torch_dtype(e.dtype)).reshape(e.shape)
+                    e.packed = None
                 if e.digest is None and e.digest_slot >= 0 and slots is not None:
                     e.digest = slots[e.digest_slot] & 0xFFFFFFFFFFFFFFFF
-                elif e.store and e.host is not None and e.digest is None:
-                    same = self._same_as_last(e)
-                    if same is not None:
-                        deduped[id(e)] = same
-        self._digest_small(job)
-        for name, entries in job.groups.items():
-            refs = []
-            for e in entries:
-                if id(e) in deduped:
-                    refs.append(deduped[id(e)].to_json())
                     continue
+                if arr is None or e.digest is not None:
+                    continue
+                if e.store:
+                    last = self._last.get((int(e.kind), e.name))
+                    if last is not None and last[0] == e.dtype and last[1] == e.shape and _same_bytes(last[2], arr):
+                        # The same bytes as the last time this tensor was stored: point at them.
+                        e.digest = last[4]
+                        ref["off"], ref["n"] = last[3], arr.nbytes
+                        continue
+                if arr.nbytes <= (1 << 18):
+                    small.append((e, arr))
+                else:
+                    e.digest = digest_numpy(arr)
+        if small:
+            for (e, _), d in zip(small, digest_numpy_many([a for _, a in small])):
+                e.digest = d
+        for name, items in plan:
+            refs = []
+            for e, arr, ref in items:
                 if e.digest is None:
-                    assert e.host is not None
-                    e.digest = digest(e.host)
-                ref = TensorRef(name=e.name, dtype=e.dtype, shape=e.shape, digest=e.digest)
-                if e.store and e.host is not None:
-                    ref = self._store(e, ref)
-                refs.append(ref.to_json())
+                    raise RuntimeError(f"no bytes and no device digest for {e.name!r}")
+                ref["dig"] = f"{e.digest:016x}"
+                if e.store and arr is not None and "off" not in ref:
+                    offset = self.journal.payload_size + pending_bytes
+                    if arr.nbytes:
+                        pending.append(memoryview(arr))
+                        pending_bytes += arr.nbytes
+                    ref["off"], ref["n"] = offset, arr.nbytes
+                    if arr.nbytes <= (1 << 20):
+                        # Keep the bytes of small tensors only: comparing is cheaper than digesting.
+                        self._last[(int(e.kind), e.name)] = (e.dtype, e.shape, arr.copy(), offset, e.digest)
+                refs.append(ref)
             job.body[name] = refs
         if job.margin_host is not None:
             job.body["margin"] = float(job.margin_host.item())
         if job.finish is not None:
             job.finish(job)
-        if self._pending:
-            self.journal.write_payloads(self._pending)
-            self._pending = []
+        if pending:
+            self.journal.write_payloads(pending)
         self.journal.write_frame(job.kind, job.body)
-
-    def _digest_small(self, job: Job) -> None:
-        """Digest a job's small host tensors in one vectorised pass (a per-tensor numpy call costs
-        more than the hashing itself for the few-kilobyte tensors a step has)."""
-        todo = [
-            e
-            for entries in job.groups.values()
-            for e in entries
-            if e.digest is None and e.host is not None and e.host.numel() * e.host.element_size() <= (1 << 18)
-        ]
-        if len(todo) < 2:
-            return
-        arrays = [_as_bytes(e.host) for e in todo]  # type: ignore[arg-type]
-        for e, d in zip(todo, digest_numpy_many(arrays)):
-            e.digest = d
-
-    def _same_as_last(self, e: Entry) -> TensorRef | None:
-        last = self._last.get((int(e.kind), e.name))
-        if last is None:
-            return None
-        prev, offset, dig = last
-        cur = e.host
-        assert cur is not None
-        if prev.dtype != cur.dtype or prev.shape != cur.shape or not _bits_equal(prev, cur):
-            return None
-        e.digest = dig
-        return TensorRef(e.name, e.dtype, e.shape, dig, offset, prev.numel() * prev.element_size())
-
-    def _store(self, e: Entry, ref: TensorRef) -> TensorRef:
-        assert e.host is not None
-        t = e.host.detach().contiguous()
-        flat = t.reshape(-1)
-        nbytes = flat.numel() * flat.element_size()
-        offset = self.journal.payload_size + self._pending_bytes
-        if nbytes:
-            self._pending.append(memoryview(flat.view(torch.uint8).numpy()))
-            self._pending_bytes += nbytes
-        if nbytes <= (1 << 20):
-            # Keep a copy only of small tensors: comparing is then cheaper than digesting.
-            self._last[(int(e.kind), e.name)] = (t if e.release is None else t.clone(), offset, ref.digest)
-        return TensorRef(ref.name, ref.dtype, ref.shape, ref.digest, offset, nbytes)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -247,10 +243,11 @@ def _as_bytes(t: torch.Tensor):  # noqa: ANN202 - numpy array
     return t.view(torch.uint8).numpy() if t.numel() else np.zeros(0, dtype=np.uint8)
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0:
-        return True
-    return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.nbytes != b.nbytes:
+        return False
+    # Small buffers compare fastest as bytes; larger ones without the copies.
+    return a.tobytes() == b.tobytes() if a.nbytes <= (64 << 10) else bool(np.array_equal(a, b))
 
 
 def host_entry(name: str, kind: TensorKind, t: torch.Tensor, *, store: bool) -> Entry:
