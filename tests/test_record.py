@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from replay import open_recording
+from replay.rerun.multi import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,14 +88,6 @@ def test_one_part_per_run_and_info_names_the_one_that_diverged(pytest_recording,
     assert res.code == 2 and "run-000, run-001" in res.err
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_two_simulated_nodes_share_one_recording(tmp_path, run_cli):
     """Two torchrun launches with distinct node ranks and one --out: one recording, no clobbering."""
     out = tmp_path / "shared"
@@ -114,7 +106,7 @@ def test_two_simulated_nodes_share_one_recording(tmp_path, run_cli):
             x = e.step(x) / dist.get_world_size()
         dist.destroy_process_group()
     """))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [
         subprocess.Popen(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -122,12 +121,6 @@ def run_single(request: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         return {"error": f"the probe process exited with code {proc.returncode}" + (f": {tail[-1]}" if tail else ""), "sides": []}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _live_worker(i: int, args: dict[str, Any]) -> None:
     side = args["sides"][i]
     device = args["devices"][i]
@@ -160,8 +153,10 @@ def run_live(request: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
 
     sides = request["sides"]
     devices = request["devices"]
+    from replay.rerun.multi import free_port
+
     with tempfile.TemporaryDirectory(prefix="replay-probe-") as tmp:
-        args = {**request, "out": tmp, "port": _free_port(), "world": len(sides),
+        args = {**request, "out": tmp, "port": free_port(), "world": len(sides),
                 "sys_path": [p for p in sys.path if p and Path(p).is_dir()], "devices": devices}
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_live_worker, args=(i, args), name=f"replay-probe-rank{s['rank']}") for i, s in enumerate(sides)]

@@ -23,15 +23,8 @@ from replay.bisect.layers import (
     parse_between,
     recorded_mode,
 )
-from replay.format.results import save_result
 from replay.bisect.steps import StepsBisection, bisect_steps, bisect_steps_rerun
-from replay.cli.common import (
-    emit_json,
-    json_option,
-    open_run,
-    part_option,
-    run_argument,
-)
+from replay.cli.common import json_option, open_run, part_option, run_argument, save_and_emit
 from replay.cli.progress import progress
 from replay.cli.render import fmt_verdict, style, table
 from replay.cli.step import default_device, parse_options, parse_ranks
@@ -158,17 +151,9 @@ def bisect(run: Path | None, root: str, part: str | None, by_steps: bool, ranks_
             result = bisect_config(rec.path, p.name, settings, announce=say,
                                    on_probe=lambda t: say(f"probe {', '.join(t.toggles) or '(recorded settings)'}: {t.outcome}"
                                                           + (" (saved)" if t.cached else f" ({t.seconds:.1f} s)")))
-        data = result.to_json()
-        if not no_save and not (isinstance(result, ConfigBisection) and result.status == "incomplete"):
-            saved = save_result(rec.path, data)
-            if saved is not None:
-                data["saved_to"] = str(saved)
-    if as_json:
-        emit_json(data)
-    else:
-        click.echo(render(result))
-        if data.get("saved_to"):
-            click.echo(f"saved {data['saved_to']}", err=True)
+    # An incomplete configuration search is not a result to keep.
+    save = not no_save and not (isinstance(result, ConfigBisection) and result.status == "incomplete")
+    save_and_emit(rec.path, result.to_json(), "" if as_json else render(result), save=save, as_json=as_json)
     return 0
 
 

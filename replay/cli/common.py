@@ -12,7 +12,7 @@ import click
 
 from replay.format.reader import Recording, resolve_recording
 
-__all__ = ["run_argument", "json_option", "part_option", "open_run", "emit_json", "default_root", "is_tty"]
+__all__ = ["run_argument", "json_option", "part_option", "open_run", "emit_json", "save_and_emit", "default_root", "is_tty"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,6 +52,23 @@ def open_run(run: Path | None, root: str, *, quiet: bool = False) -> Recording:
 
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+def save_and_emit(path: Path, data: dict[str, Any], text: str, *, save: bool, as_json: bool) -> None:
+    """The end of `step` and `bisect`: keep the result beside the recording (unless told not to),
+    then print it as JSON or as ``text``, naming where it was saved."""
+    if save:
+        from replay.format.results import save_result
+
+        saved = save_result(path, data)
+        if saved is not None:
+            data["saved_to"] = str(saved)
+    if as_json:
+        emit_json(data)
+        return
+    click.echo(text)
+    if data.get("saved_to"):
+        click.echo(f"saved {data['saved_to']}", err=True)
 
 
 def is_tty() -> bool:

@@ -10,10 +10,9 @@ import click
 import torch
 
 from replay.analysis.summary import choose_part
-from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument
+from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument, save_and_emit
 from replay.cli.render import style, table
 from replay.errors import UsageError
-from replay.format.results import save_result
 from replay.rerun.runner import StepRerun, rerun_step
 
 EPILOG = """\b
@@ -106,17 +105,7 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
 
         result = rerun_step(chosen, rank, step_index, modes=modes, device=dev, repeat=repeat, factory=factory,
                             options=options, recording=str(rec.path), announce=announce, progress=progress)
-        data = result.to_json()
-        if not no_save:
-            saved = save_result(rec.path, data)
-            if saved is not None:
-                data["saved_to"] = str(saved)
-    if as_json:
-        emit_json(data)
-    else:
-        click.echo(render_step(result))
-        if data.get("saved_to"):
-            click.echo(f"saved {data['saved_to']}", err=True)
+    save_and_emit(rec.path, result.to_json(), "" if as_json else render_step(result), save=not no_save, as_json=as_json)
     return 0
 
 

@@ -38,7 +38,7 @@ from replay.log import get_logger
 from replay.record import rng as _rng
 from replay.record.config import RecorderConfig
 from replay.record.staging import Staging
-from replay.record.writer import Entry, Job, Writer, host_entry
+from replay.record.writer import Entry, Job, Writer, entry_tensor, host_entry
 
 __all__ = ["Recorder"]
 
@@ -358,8 +358,9 @@ class Recorder:
             if margin_src is not None:
                 top = margin_src.float().topk(2, dim=-1).values
                 j.body["margin"] = float((top[..., 0] - top[..., 1]).min())
-            if accepted_entry is not None and accepted_entry.host is not None:
-                j.body["accepted"] = int(accepted_entry.host.to(torch.int64).sum())
+            accepted = entry_tensor(accepted_entry) if accepted_entry is not None else None
+            if accepted is not None:
+                j.body["accepted"] = int(accepted.to(torch.int64).sum())
 
         job.finish = finish
         self._submit(job, wait=self.config.durability == "step")

@@ -22,7 +22,7 @@ from replay.digest import digest_numpy, digest_numpy_many
 from replay.format.journal import FrameKind, JournalWriter
 from replay.format.schema import TensorKind, dtype_to_str
 
-__all__ = ["Entry", "Job", "Writer", "PinnedPool"]
+__all__ = ["Entry", "Job", "Writer", "PinnedPool", "entry_tensor"]
 
 
 @dataclass(slots=True)
@@ -183,10 +183,6 @@ class Writer:
         small: list[tuple[Entry, np.ndarray]] = []
         for _, items in plan:
             for e, arr, ref in items:
-                if e.packed is not None:
-                    # The finish step and the logits margin read some of these as tensors.
-                    e.host = torch.from_numpy(arr.copy()).view(_torch_dtype(e.dtype)).reshape(e.shape)
-                    e.packed = None
                 if e.digest is None and e.digest_slot >= 0 and slots is not None:
                     e.digest = slots[e.digest_slot] & 0xFFFFFFFFFFFFFFFF
                     continue
@@ -241,6 +237,19 @@ def _torch_dtype(name: str) -> torch.dtype:
 def _as_bytes(t: torch.Tensor):  # noqa: ANN202 - numpy array
     t = t.detach().contiguous().reshape(-1)
     return t.view(torch.uint8).numpy() if t.numel() else np.zeros(0, dtype=np.uint8)
+
+
+def entry_tensor(e: Entry) -> torch.Tensor | None:
+    """An entry's bytes as a host tensor, once its copy has landed (in a job's ``finish``).
+
+    Bytes packed with other small tensors are copied out: their offset in the shared buffer need
+    not suit the dtype, and the buffer is reused once the job is written."""
+    if e.host is not None:
+        return e.host
+    if e.packed is None:
+        return None
+    buf, off, n = e.packed
+    return buf[off : off + n].clone().view(_torch_dtype(e.dtype)).reshape(e.shape)
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from replay.errors import ReplayError, UsageError
 from replay.format.reader import Recording
 
-__all__ = ["rerun_ranks", "plan_devices"]
+__all__ = ["rerun_ranks", "plan_devices", "free_port"]
 
 
 def plan_devices(ranks: list[int], devices: str | None) -> list[str]:
@@ -36,12 +36,11 @@ def plan_devices(ranks: list[int], devices: str | None) -> list[str]:
     return [devs[i % len(devs)] for i in range(len(ranks))]
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+def free_port() -> int:
+    """A TCP port free on this host now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _worker(i: int, args: dict[str, Any]) -> None:
@@ -107,7 +106,7 @@ def rerun_ranks(
     live = ranks == list(range(world)) and distinct and world > 1
     with tempfile.TemporaryDirectory(prefix="replay-ranks-") as tmp:
         args = {
-            "ranks": ranks, "devices": devs, "out": tmp, "live": live, "port": _free_port(), "world": world,
+            "ranks": ranks, "devices": devs, "out": tmp, "live": live, "port": free_port(), "world": world,
             "recording": str(recording), "part": part, "step": step, "modes": modes, "repeat": repeat,
             "factory": factory, "options": options or {}, "keyframe": keyframe,
         }
