@@ -446,7 +446,7 @@ def test_unwritable_output_directory(tmp_path: Path) -> None:
 
 def test_info_while_recording(tmp_path: Path, run_cli: Any) -> None:
     """``replay info`` on a live recording: a consistent, growing view; the writer is undisturbed."""
-    steps = 150
+    steps = 300  # 3 s at least: several looks at it even on a loaded machine
     run = start(tmp_path, recorded=True, world=2, steps=steps, step_sleep=0.01)
     wait_steps(run, 1, 2)
     seen: list[int] = []
@@ -561,3 +561,52 @@ def test_ignored_signals_stay_ignored(tmp_path: Path) -> None:
     plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, preexec_fn=ignore_sigint)
     assert r.returncode == plain.returncode == 0, r.stderr
     assert r.stdout.strip() == plain.stdout.strip() == "True"
+
+
+_SIGTERM_PROGRAM = r"""
+import os, signal, sys, threading, time
+from replay.record import auto
+
+LOCK = threading.RLock()  # as the recorder's: held by the main thread through a step's write
+
+class SlowSession:
+    # Like Session.shutdown: the first call takes the recorder and closes it (slowly here, as
+    # on a loaded machine), under the recorder's lock; later calls find nothing and return.
+    def __init__(self):
+        self.taken = False
+    def shutdown(self):
+        if self.taken:
+            return
+        self.taken = True
+        with LOCK:
+            time.sleep(0.6)
+            open(sys.argv[1], "w").write("end marker")
+
+auto._close_on_sigterm(SlowSession())
+
+MAIN = threading.main_thread().ident
+
+def terms(n):
+    for _ in range(n):
+        time.sleep(0.2)
+        signal.pthread_kill(MAIN, signal.SIGTERM)  # to the main thread, inside its wait
+
+threading.Thread(target=terms, args=(int(sys.argv[2]),), daemon=True).start()
+while True:
+    with LOCK:  # a step waiting for its write, when the signal comes
+        threading.Event().wait(0.05)
+"""
+
+
+@pytest.mark.parametrize("terms", [1, 2], ids=["one-sigterm", "wrapper-then-launcher"])
+def test_sigterm_inside_a_step_writes_the_end_marker(tmp_path: Path, terms: int) -> None:
+    """SIGTERM that lands while the step holds the recorder's lock (its wait for the write) ends
+    the rank with its end marker written; so does a second SIGTERM (the wrapper forwards one, a
+    launcher sends its ranks another) arriving while the first one's shutdown runs."""
+    marker = tmp_path / "closed"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _SIGTERM_PROGRAM, str(marker), str(terms)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == -signal.SIGTERM, r.stderr
+    assert marker.exists(), "the rank died before its recorder closed"
+    assert time.monotonic() - t0 < 8, "the shutdown waited for the step's lock"

@@ -45,14 +45,25 @@ def _close_on_sigterm(s: Session) -> None:
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return  # the program handles SIGTERM itself; its handler decides
 
+    closing: list[bool] = []
+
     def handler(signum: int, frame: Any) -> None:
+        if closing:
+            # A second SIGTERM (a launcher that terms its ranks after the wrapper already did)
+            # lands inside the first one's shutdown: let that finish; it then dies by the signal.
+            return
+        closing.append(True)
+        # On the main thread, which the signal interrupted: the locks it may hold (the
+        # recorder's and the session's, say in a step's wait for its write) are re-entrant, so
+        # shutting down here cannot wait on them, where a thread of its own would wait for the
+        # main thread forever. A plain lock held at the moment of the signal (a queue's, for an
+        # instant) could still block it: the watchdog bounds that, since dying late is better
+        # than not dying. Steps already written are kept either way.
+        watchdog = threading.Timer(_SIGTERM_SHUTDOWN_S, os._exit, args=(128 + signum,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            # On a thread, with a bound: the signal may have interrupted the main thread while it
-            # held a lock that shutting down needs (the writer queue's), and dying late is
-            # better than not dying. Steps already written are kept either way.
-            t = threading.Thread(target=s.shutdown, name="replay-sigterm", daemon=True)
-            t.start()
-            t.join(_SIGTERM_SHUTDOWN_S)
+            s.shutdown()
         finally:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
