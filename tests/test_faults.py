@@ -610,3 +610,85 @@ def test_sigterm_inside_a_step_writes_the_end_marker(tmp_path: Path, terms: int)
     assert r.returncode == -signal.SIGTERM, r.stderr
     assert marker.exists(), "the rank died before its recorder closed"
     assert time.monotonic() - t0 < 8, "the shutdown waited for the step's lock"
+
+
+# -- a full disk --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (needs root; the test is skipped otherwise)."""
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here ({(r.stderr or r.stdout).strip()[:120]})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_full_disk_stops_recording_not_the_program(tmp_path: Path, run_cli: Any) -> None:
+    """A real ENOSPC, on a filesystem that fills up mid-run: the program runs every step and
+    exits as it would; each rank ends its journal with a `stopped` marker that names the full
+    disk (the reserve beside each journal makes room for it); every step kept is whole and bit
+    exact, and no partial frame or stray file is left."""
+    with small_filesystem(tmp_path / "rec", "256k"):
+        run = start(tmp_path, recorded=True, world=2, steps=200, width=64)
+        assert finish(run) == 0, run.stderr()[-3000:]
+        assert all(len(run.completed(r)) == 200 for r in (0, 1))
+        assert run.stderr().count("No space left on device; the program goes on unrecorded") == 2, run.stderr()[-3000:]
+        with open_recording(run.rec) as rec:
+            part = next(iter(rec.values()))
+            for rank in (0, 1):
+                steps = part[rank].tables.steps["step"]
+                assert 0 < steps.size < 200 and list(steps) == list(range(steps.size))
+        code, checks, text = verify_json(run_cli, run)
+        assert code == 4, text
+        for rank in (0, 1):
+            assert checks[rank]["state"] == "incomplete", checks[rank]
+            assert any("No space left on device" in p for p in checks[rank]["problems"]), checks[rank]
+            assert not any("killed" in p or "cut short" in p for p in checks[rank]["problems"]), checks[rank]
+        left = sorted(p.name for p in (run.rec / "run-000").iterdir())
+        assert not [n for n in left if n.endswith((".tmp", ".reserve", ".journal"))], left
+        assert not [p.name for p in run.rec.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_write_cut_short_leaves_whole_frames(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame or payload write that fails half-way (ENOSPC) is rolled back, so the frame written
+    next (the end marker) is read; the reserve is freed on request and at close."""
+    from replay.format import journal as jmod
+
+    w = jmod.JournalWriter(tmp_path / "rank-00000.journal", tmp_path / "rank-00000.payload")
+    assert w.reserve_path is not None and w.reserve_path.stat().st_size == jmod.RESERVE_BYTES
+    w.write_frame(jmod.FrameKind.NOTE, {"step": 0, "message": "whole"})
+    off = w.write_payloads([memoryview(b"x" * 100)])
+    real_write, real_writev = os.write, os.writev
+
+    def half_then_full(fd: int, data: Any) -> int:
+        if len(data) > 4:
+            return real_write(fd, bytes(data)[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    def writev_half(fd: int, views: list[memoryview]) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(jmod.os, "write", half_then_full)
+    with pytest.raises(OSError):
+        w.write_frame(jmod.FrameKind.NOTE, {"step": 1, "message": "cut short" * 20})
+    real_writev(w._pfd, [memoryview(b"partial")])  # as if writev had put part of its bytes down
+    monkeypatch.setattr(jmod.os, "writev", writev_half)
+    with pytest.raises(OSError):
+        w.write_payloads([memoryview(b"y" * 50)])
+    monkeypatch.setattr(jmod.os, "write", real_write)
+    monkeypatch.setattr(jmod.os, "writev", real_writev)
+    assert (tmp_path / "rank-00000.journal").stat().st_size == w.journal_size
+    assert (tmp_path / "rank-00000.payload").stat().st_size == w.payload_size == off + 100
+    w.release_reserve()
+    assert not (tmp_path / "rank-00000.reserve").exists()
+    w.write_frame(jmod.FrameKind.CLOSE, {"status": "stopped", "steps": 1}, over_budget=True)
+    w.close()
+    frames: list[Any] = []
+    scan = jmod.scan_journal(tmp_path / "rank-00000.journal", frames.append)
+    assert scan.problem is None
+    assert [(f.kind, f.body.get("step")) for f in frames][-2:] == [(jmod.FrameKind.NOTE, 0), (jmod.FrameKind.CLOSE, None)]

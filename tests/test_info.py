@@ -84,10 +84,37 @@ def test_truncated_rank_file(tmp_path, run_cli, command):
     h5.write_bytes(data[: len(data) // 3])
     res = run_cli(command, rec)
     if command == "info":
-        _one_line_error(res, 4)
-        assert "rank-00001.h5" in res.err
+        # What can be read is shown; the damaged file is named and the exit code says damaged.
+        assert res.code == 4, (res.out, res.err)
+        assert "rank 1: left out" in res.out and "rank-00001.h5" in res.out
+        assert res.err.count("\n") == 1 and "rank 1 cannot be read" in res.err and "Traceback" not in res.err
     else:
         assert res.code == 4 and "DAMAGED" in res.out and "rank-00001.h5" in res.out
+
+
+def test_info_and_report_go_on_past_an_unreadable_rank(tmp_path, run_cli):
+    """One damaged rank file out of four (cut short in transit) does not hide the divergence the
+    other three recorded; the file is named, and the exit code still says damaged."""
+    rec = make_recording(tmp_path, ranks=4, steps=8, diverge_at=5, diverge_rank=2, field="tokens")
+    (rec / "run-000" / "rank-00000.h5").write_bytes(b"\0" * 4096)
+    res = run_cli("info", rec, "--json")
+    assert res.code == 4, res.err
+    data = res.json()
+    assert [r["rank"] for r in data["ranks"]] == [1, 2, 3]
+    assert [u["rank"] for u in data["unreadable_ranks"]] == [0]
+    assert "rank-00000.h5" in data["unreadable_ranks"][0]["problem"]
+    assert data["missing_ranks"] == [] and data["world_size"] == 4
+    d = data["first_divergence"]
+    assert (d["step"], d["ranks"], d["majority"]) == (5, [2], [1, 3])
+    rep = run_cli("report", rec, "--json", "-o", tmp_path / "r.html")
+    assert rep.code == 4, rep.err
+    page = rep.json()
+    assert page["first_token_divergence"]["step"] == 5 and page["agreement"]["ranks"] == [1, 2, 3]
+    assert "Rank 0 is left out" in (tmp_path / "r.html").read_text()
+    # Every rank file damaged: nothing to show, one line.
+    for r in (1, 2, 3):
+        (rec / "run-000" / f"rank-0000{r}.h5").write_bytes(b"\0" * 4096)
+    _one_line_error(run_cli("info", rec), 4)
 
 
 @pytest.mark.parametrize("command", ["info", "verify"])
@@ -96,8 +123,7 @@ def test_not_hdf5(tmp_path, run_cli, command):
     (rec / "run-000" / "rank-00000.h5").write_bytes(b"this is not hdf5" * 100)
     res = run_cli(command, rec)
     assert res.code == 4
-    text = res.err if command == "info" else res.out
-    assert "not an HDF5 file" in text
+    assert "not an HDF5 file" in res.out
 
 
 @pytest.mark.parametrize("where", ["rank-file", "manifest"])

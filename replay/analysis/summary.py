@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from replay.analysis.divergence import Divergence, first_divergence
-from replay.errors import OutOfRange
+from replay.errors import FormatVersionError, OutOfRange, RecordingDamaged
 from replay.format.reader import Part, RankFile, Recording
 from replay.format.schema import RunMode, StepStatus
 
-__all__ = ["RankSummary", "summarize_rank", "summarize_part", "choose_part", "part_divergence"]
+__all__ = ["RankSummary", "summarize_rank", "summarize_part", "choose_part", "part_divergence", "readable"]
 
 
 @dataclass(slots=True)
@@ -74,8 +74,11 @@ def choose_part(rec: Recording, name: str | None) -> Part:
     if len(parts) == 1:
         return parts[0]
     for p in parts:
-        if first_divergence(p) is not None:
-            return p
+        try:
+            if first_divergence(readable(p)[0]) is not None:
+                return p
+        except RecordingDamaged:
+            continue  # no rank of it can be read: it cannot be the one that diverged
     return parts[0]
 
 
@@ -141,14 +144,40 @@ def _kernel_differences(part: Part) -> list[dict[str, Any]]:
     return diffs
 
 
+def readable(part: Part) -> tuple[Part, dict[int, str]]:
+    """``part`` without the rank files that cannot be read, and why each cannot.
+
+    One damaged file (cut short in transit, say) must not hide what the other ranks recorded;
+    when none can be read, the first one's error is the answer."""
+    bad: dict[int, str] = {}
+    first: RecordingDamaged | None = None
+    for r, rf in part.items():
+        try:
+            rf.tables
+        except FormatVersionError:
+            raise  # written by a newer replay: the answer is to upgrade, not a partial view
+        except RecordingDamaged as e:
+            bad[r] = str(e)
+            first = first or e
+    if not bad:
+        return part, bad
+    if len(bad) == len(part):
+        assert first is not None
+        raise first
+    return part.without(bad), bad
+
+
 def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
+    world = part.world_size
+    part, unreadable = readable(part)
     ranks = [summarize_rank(rf) for rf in part.values()]
     div, tok = part_divergence(part)
     out: dict[str, Any] = {
         "part": part.name,
-        "world_size": part.world_size,
+        "world_size": world,
         "ranks": [r.to_json() for r in ranks],
-        "missing_ranks": sorted(set(range(part.world_size)) - set(part)),
+        "unreadable_ranks": [{"rank": r, "problem": why} for r, why in sorted(unreadable.items())],
+        "missing_ranks": sorted(set(range(world)) - set(part) - set(unreadable)),
         "first_divergence": div.to_json() if div else None,
         "first_token_divergence": tok.to_json() if tok else None,
     }

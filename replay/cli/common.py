@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 
 import click
 
+from replay.errors import RecordingDamaged
 from replay.format.reader import Recording, resolve_recording
 
 __all__ = ["run_argument", "json_option", "part_option", "open_run", "emit_json", "save_and_emit", "default_root", "is_tty"]
@@ -52,6 +53,18 @@ def open_run(run: Path | None, root: str, *, quiet: bool = False) -> Recording:
 
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+def unreadable_exit(summary: dict[str, Any]) -> int:
+    """After showing what could be read: 0, or (one line on stderr) the damaged-recording code
+    when some rank files of the part shown could not be read."""
+    bad = summary.get("unreadable_ranks") or []
+    if not bad:
+        return 0
+    ranks = ", ".join(str(u["rank"]) for u in bad)
+    click.echo(f"replay: {summary['part']}: rank{'s' if len(bad) > 1 else ''} {ranks} cannot be read and "
+               "{} left out; `replay verify` says more".format("are" if len(bad) > 1 else "is"), err=True)
+    return RecordingDamaged.exit_code
 
 
 def save_and_emit(path: Path, data: dict[str, Any], text: str, *, save: bool, as_json: bool) -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 import click
 
 from replay.analysis.summary import choose_part, summarize_part
-from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument
+from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument, unreadable_exit
 from replay.cli.render import fmt_margin, style, table
+from replay.errors import RecordingDamaged
 from replay.format.reader import Recording
 
 
@@ -24,7 +25,7 @@ def info(run: Path | None, root: str, part: str | None, as_json: bool) -> int:
         emit_json(out)
     else:
         click.echo(render_info(out))
-    return 0
+    return unreadable_exit(out)
 
 
 def info_data(rec: Recording, part: str | None = None) -> dict:
@@ -33,7 +34,12 @@ def info_data(rec: Recording, part: str | None = None) -> dict:
     summary = summarize_part(chosen)
     parts = []
     for name, p in rec.items():
-        s = summary if p is chosen else summarize_part(p, with_details=False)
+        try:
+            s = summary if p is chosen else summarize_part(p, with_details=False)
+        except RecordingDamaged as e:  # another part, none of whose rank files can be read
+            parts.append({"name": name, "world_size": p.world_size, "diverged": None, "token_diverged": None,
+                          "problem": str(e)})
+            continue
         parts.append({"name": name, "world_size": p.world_size, "diverged": s["first_divergence"] is not None,
                       "token_diverged": s["first_token_divergence"] is not None})
     return {"recording": str(rec.path), "command": rec.manifest.get("command"), "parts": parts, **summary}
@@ -47,7 +53,8 @@ def render_info(s: dict) -> str:
         cmd = " ".join(map(str, c)) if isinstance(c, list) else str(c)
         lines.append(f"command     {cmd}")
     if len(s["parts"]) > 1:
-        marks = [f"{p['name']}{' (diverged)' if p['diverged'] else ''}" for p in s["parts"]]
+        marks = [f"{p['name']}{' (diverged)' if p['diverged'] else ''}{' (cannot be read)' if p.get('problem') else ''}"
+                 for p in s["parts"]]
         lines.append(f"parts       {', '.join(marks)}; showing {s['part']}")
     lines.append(f"world size  {s['world_size']}")
     rows = []
@@ -58,14 +65,19 @@ def render_info(s: dict) -> str:
     lines.append(table(["rank", "steps", "complete", "graphs", "graph steps", "eager steps", "raised", "host"], rows))
     for m in s["missing_ranks"]:
         lines.append(style(f"  rank {m}: no file", fg="red"))
+    for u in s.get("unreadable_ranks", []):
+        lines.append(style(f"  rank {u['rank']}: left out, {u['problem']}", fg="red"))
     for r in s["ranks"]:
         if r["problem"]:
             lines.append(style(f"  rank {r['rank']}: {r['problem']}", fg="yellow"))
         if r["last_error"]:
             lines.append(f"  rank {r['rank']} raised: {r['last_error']}")
     d, t = s["first_divergence"], s["first_token_divergence"]
-    if d is None:
-        lines.append(style("no divergence: every rank recorded the same bits at every common step", fg="green"))
+    if d is None and s.get("unreadable_ranks") and len(s["ranks"]) < 2:
+        lines.append("no divergence to look for: fewer than two ranks can be read")
+    elif d is None:
+        read = "every rank" if not s.get("unreadable_ranks") else "every rank that can be read"
+        lines.append(style(f"no divergence: {read} recorded the same bits at every common step", fg="green"))
     else:
         lines.append(style(f"first divergence        step {d['step']}: {d['field']} differs on rank(s) "
                            f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d['majority']))})", fg="red", bold=True))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument
+from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument, unreadable_exit
 from replay.report import build_report, write_report
 
 EPILOG = """\b
@@ -40,4 +40,4 @@ def report(run: Path | None, root: str, output: Path | None, part: str | None, a
         emit_json({"report": str(path), **data.to_json()})
     else:
         click.echo(str(path))
-    return 0
+    return unreadable_exit(data.summary)

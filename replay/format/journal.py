@@ -86,6 +86,20 @@ class JournalWriter:
             raise
         self.payload_size = 0
         self.journal_size = 0
+        self.reserve_path: Path | None = reserve_path(journal_path)
+        try:
+            _write_reserve(self.reserve_path)
+        except OSError:
+            self.reserve_path = None  # the disk is nearly full already: record without a reserve
+
+    def release_reserve(self) -> None:
+        """Free the reserve: on a full disk, the room for the end marker that says so."""
+        path, self.reserve_path = self.reserve_path, None
+        if path is not None:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     @property
     def total_bytes(self) -> int:
@@ -100,7 +114,11 @@ class JournalWriter:
         view = memoryview(data).cast("B")
         self._check_budget(view.nbytes)
         offset = self.payload_size
-        _write_all(self._pfd, view)
+        try:
+            _write_all(self._pfd, view)
+        except OSError:
+            self._rollback_payload(offset)
+            raise
         self.payload_size += view.nbytes
         return offset
 
@@ -110,15 +128,25 @@ class JournalWriter:
         total = sum(v.nbytes for v in views)
         self._check_budget(total)
         offset = self.payload_size
-        while views:
-            n = os.writev(self._pfd, views[:1024])  # IOV_MAX
-            self.payload_size += n
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
+        try:
+            while views:
+                n = os.writev(self._pfd, views[:1024])  # IOV_MAX
+                self.payload_size += n
+                while views and n >= views[0].nbytes:
+                    n -= views[0].nbytes
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
+        except OSError:
+            self._rollback_payload(offset)
+            raise
         return offset
+
+    def _rollback_payload(self, size: int) -> None:
+        # A write cut short (a full disk) leaves the file at its last whole write, so that what
+        # is written next (the end marker) starts where the readers expect.
+        self.payload_size = size
+        _truncate(self._pfd, size)
 
     def write_frame(self, kind: FrameKind, body: dict[str, Any], *, over_budget: bool = False) -> None:
         """Append one frame. ``over_budget``: the small end marker that says why recording
@@ -131,7 +159,12 @@ class JournalWriter:
             self._check_budget(len(frame))
         # One write call per frame: a kill leaves a frame either whole or cut short, never
         # interleaved with another.
-        _write_all(self._jfd, memoryview(frame))
+        try:
+            _write_all(self._jfd, memoryview(frame))
+        except OSError:
+            # Part of a frame on disk would hide every later frame (the end marker) from readers.
+            _truncate(self._jfd, self.journal_size)
+            raise
         self.journal_size += len(frame)
 
     def sync(self) -> None:
@@ -141,6 +174,7 @@ class JournalWriter:
     def close(self) -> None:
         """Close both files; safe to call twice (a second ``os.close`` of a number could close
         an unrelated file that reused it)."""
+        self.release_reserve()
         fds, self._pfd, self._jfd = (self._pfd, self._jfd), -1, -1
         for fd in fds:
             if fd < 0:
@@ -149,6 +183,34 @@ class JournalWriter:
                 os.close(fd)
             except OSError:
                 pass
+
+
+# Room kept beside each live journal (a file of zeros, so that the blocks are really taken): when
+# the disk fills, the recorder frees it to write the end marker that says why recording stopped.
+# Sealing removes the reserve of a process that was killed.
+RESERVE_BYTES = 64 << 10
+
+
+def reserve_path(journal_path: Path) -> Path:
+    return journal_path.with_suffix(".reserve")
+
+
+def _write_reserve(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _write_all(fd, memoryview(bytes(RESERVE_BYTES)))
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+
+
+def _truncate(fd: int, size: int) -> None:
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        pass  # the reader drops a cut-short tail anyway
 
 
 def _write_all(fd: int, view: memoryview) -> None:

@@ -146,8 +146,12 @@ def write_manifest(recording: Path, data: dict[str, Any], *, node: int | None = 
         create_exclusive(path, text)
         return path
     tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave a stray empty file behind
+        raise
     return path
 
 

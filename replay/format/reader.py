@@ -12,7 +12,7 @@ import math
 import os
 import stat
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -340,6 +340,14 @@ class Part(Mapping[int, RankFile]):
 
     def __len__(self) -> int:
         return len(self._files)
+
+    def without(self, ranks: Iterable[int]) -> Part:
+        """This part less some of its rank files (those that cannot be read, say)."""
+        drop = set(ranks)
+        other = Part.__new__(Part)
+        other.path, other.name = self.path, self.name
+        other._files = {r: f for r, f in self._files.items() if r not in drop}
+        return other
 
     @property
     def world_size(self) -> int:

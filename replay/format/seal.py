@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replay.format.h5 import write_rank_file
-from replay.format.journal import scan_journal
+from replay.format.journal import reserve_path, scan_journal
 from replay.format.schema import parse_rank_stem
 from replay.format.tables import TablesBuilder
 
@@ -99,6 +99,8 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False) -> SealResult |
 
 
 def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int) -> SealResult:
+    # The reserve of a writer that is gone (killed, or closing): its room helps the seal fit.
+    reserve_path(journal).unlink(missing_ok=True)
     builder = TablesBuilder()
     scan = scan_journal(journal, builder.add)
     payload_size = payload.stat().st_size if payload.exists() else 0

@@ -571,6 +571,7 @@ class Recorder:
             if not w.stop(timeout=2.0):
                 return  # the writer is stuck (a hung filesystem): leave the journal as it is
             body = {"ended_at": time.time(), "status": "stopped", "error": self.error, "steps": self._step_counter}
+            w.journal.release_reserve()  # on a full disk, the room for this frame
             w.journal.write_frame(FrameKind.CLOSE, body, over_budget=True)
         except Exception:  # noqa: BLE001 - a full disk cannot take this frame either; the journal stays readable
             pass

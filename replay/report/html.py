@@ -175,6 +175,8 @@ def _summary(rep: Report) -> str:
     extra = []
     if s.get("missing_ranks"):
         extra.append(f"<p>Ranks with no file: {_e(', '.join(map(str, s['missing_ranks'])))}.</p>")
+    for u in s.get("unreadable_ranks", []):
+        extra.append(f"<p>Rank {_e(str(u['rank']))} is left out: {_e(u['problem'])}</p>")
     for r in s.get("ranks", []):
         if r.get("problem"):
             extra.append(f"<p>Rank {r['rank']}: {_e(r['problem'])}</p>")
