@@ -149,22 +149,17 @@ def readable(part: Part) -> tuple[Part, dict[int, str]]:
 
     One damaged file (cut short in transit, say) must not hide what the other ranks recorded;
     when none can be read, the first one's error is the answer."""
-    bad: dict[int, str] = {}
-    first: RecordingDamaged | None = None
+    bad: dict[int, RecordingDamaged] = {}
     for r, rf in part.items():
         try:
             rf.tables
         except FormatVersionError:
             raise  # written by a newer replay: the answer is to upgrade, not a partial view
         except RecordingDamaged as e:
-            bad[r] = str(e)
-            first = first or e
-    if not bad:
-        return part, bad
-    if len(bad) == len(part):
-        assert first is not None
-        raise first
-    return part.without(bad), bad
+            bad[r] = e
+    if bad and len(bad) == len(part):
+        raise next(iter(bad.values()))
+    return (part.without(bad) if bad else part), {r: str(e) for r, e in bad.items()}
 
 
 def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:

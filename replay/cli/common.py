@@ -62,8 +62,8 @@ def unreadable_exit(summary: dict[str, Any]) -> int:
     if not bad:
         return 0
     ranks = ", ".join(str(u["rank"]) for u in bad)
-    click.echo(f"replay: {summary['part']}: rank{'s' if len(bad) > 1 else ''} {ranks} cannot be read and "
-               "{} left out; `replay verify` says more".format("are" if len(bad) > 1 else "is"), err=True)
+    which = f"ranks {ranks} cannot be read and are" if len(bad) > 1 else f"rank {ranks} cannot be read and is"
+    click.echo(f"replay: {summary['part']}: {which} left out; `replay verify` says more", err=True)
     return RecordingDamaged.exit_code
 
 

@@ -65,7 +65,7 @@ def render_info(s: dict) -> str:
     lines.append(table(["rank", "steps", "complete", "graphs", "graph steps", "eager steps", "raised", "host"], rows))
     for m in s["missing_ranks"]:
         lines.append(style(f"  rank {m}: no file", fg="red"))
-    for u in s.get("unreadable_ranks", []):
+    for u in s["unreadable_ranks"]:
         lines.append(style(f"  rank {u['rank']}: left out, {u['problem']}", fg="red"))
     for r in s["ranks"]:
         if r["problem"]:
@@ -73,10 +73,10 @@ def render_info(s: dict) -> str:
         if r["last_error"]:
             lines.append(f"  rank {r['rank']} raised: {r['last_error']}")
     d, t = s["first_divergence"], s["first_token_divergence"]
-    if d is None and s.get("unreadable_ranks") and len(s["ranks"]) < 2:
+    if d is None and s["unreadable_ranks"] and len(s["ranks"]) < 2:
         lines.append("no divergence to look for: fewer than two ranks can be read")
     elif d is None:
-        read = "every rank" if not s.get("unreadable_ranks") else "every rank that can be read"
+        read = "every rank that can be read" if s["unreadable_ranks"] else "every rank"
         lines.append(style(f"no divergence: {read} recorded the same bits at every common step", fg="green"))
     else:
         lines.append(style(f"first divergence        step {d['step']}: {d['field']} differs on rank(s) "

@@ -200,10 +200,10 @@ def _write_reserve(path: Path) -> None:
     try:
         _write_all(fd, memoryview(bytes(RESERVE_BYTES)))
     except BaseException:
-        os.close(fd)
         path.unlink(missing_ok=True)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
 
 
 def _truncate(fd: int, size: int) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.analysis.summary import choose_part, readable, summarize_part
+from replay.analysis.summary import choose_part, summarize_part
 from replay.errors import ReplayError
 from replay.format.reader import Part, Recording
 from replay.format.schema import RunMode, StepStatus
@@ -200,7 +200,7 @@ def build_report(recording: Recording | str | Path, part: str | None = None, *, 
     rec = recording
     chosen = choose_part(rec, part)
     summary = summarize_part(chosen)
-    chosen = readable(chosen)[0]  # the summary names the rank files left out
+    chosen = chosen.without(u["rank"] for u in summary["unreadable_ranks"])  # the summary names them
     cmd = rec.manifest.get("command")
     if isinstance(cmd, list):
         cmd = " ".join(map(str, cmd))
