@@ -10,6 +10,7 @@ import numpy as np
 from replay.digest import digest
 from replay.errors import ReplayError
 from replay.format.reader import Part, RankFile, Recording
+from replay.states import CheckState
 
 __all__ = ["RankCheck", "verify_recording"]
 
@@ -30,12 +31,12 @@ class RankCheck:
         return not self.problems
 
     @property
-    def state(self) -> str:
+    def state(self) -> CheckState:
         """``intact``; ``incomplete``: what is there is whole, but the end of the run is missing
         (killed, crashed, recording stopped); ``damaged``: something recorded cannot be trusted."""
         if not self.problems:
-            return "intact"
-        return "incomplete" if self.tail_problems == len(self.problems) else "damaged"
+            return CheckState.INTACT
+        return CheckState.INCOMPLETE if self.tail_problems == len(self.problems) else CheckState.DAMAGED
 
     def lost_tail(self, message: str) -> None:
         self.problems.append(message)

@@ -10,10 +10,13 @@ from typing import Any, Callable, TypeVar
 
 import click
 
-from replay.errors import RecordingDamaged
+from replay.errors import RecordingDamaged, UsageError
 from replay.format.reader import Recording, resolve_recording
+from replay.states import RESULTS_FORMAT_VERSION
+from replay.textsafe import escape
 
-__all__ = ["run_argument", "json_option", "part_option", "open_run", "emit_json", "save_and_emit", "default_root", "is_tty"]
+__all__ = ["run_argument", "json_option", "part_option", "open_run", "emit_json", "save_and_emit", "default_root", "is_tty",
+           "parse_options", "parse_ranks", "report_unreadable", "split_list", "unreadable_exit"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,20 +59,77 @@ def emit_json(obj: Any) -> None:
 
 
 def unreadable_exit(summary: dict[str, Any]) -> int:
+    """``report_unreadable`` of a part summary (``summarize_part``'s dict)."""
+    return report_unreadable(summary["part"], summary.get("unreadable_ranks") or [])
+
+
+def report_unreadable(part: str, bad: list[dict[str, Any]]) -> int:
     """After showing what could be read: 0, or (one line on stderr) the damaged-recording code
     when some rank files of the part shown could not be read."""
-    bad = summary.get("unreadable_ranks") or []
     if not bad:
         return 0
     ranks = ", ".join(str(u["rank"]) for u in bad)
     which = f"ranks {ranks} cannot be read and are" if len(bad) > 1 else f"rank {ranks} cannot be read and is"
-    click.echo(f"replay: {summary['part']}: {which} left out; `replay verify` says more", err=True)
+    click.echo(f"replay: {escape(part)}: {which} left out; `replay verify` says more", err=True)
     return RecordingDamaged.exit_code
+
+
+def parse_ranks(text: str) -> list[int]:
+    """``0-3`` or ``0,2,5`` (or a mix) as a sorted list of ranks."""
+    out: list[int] = []
+    for piece in text.split(","):
+        piece = piece.strip()
+        if not piece:
+            continue
+        lo, sep, hi = piece.partition("-")
+        try:
+            out += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
+        except ValueError:
+            raise UsageError(f"--ranks {text!r}: use a list like 0-3 or 0,2,5") from None
+    return sorted(set(out))
+
+
+def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
+    """``--set key=value`` items as a dict; a value is JSON when it parses as JSON, else a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set {item!r}: use --set key=value")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def split_list(items: tuple[str, ...]) -> list[str]:
+    """Comma-separated entries (repeatable option), splitting only outside brackets and quotes."""
+    out: list[str] = []
+    for text in items:
+        depth, quote, cur = 0, "", ""
+        for ch in text:
+            if quote:
+                quote = "" if ch == quote else quote
+            elif ch in "\"'":
+                quote = ch
+            elif ch in "[{":
+                depth += 1
+            elif ch in "]}":
+                depth -= 1
+            elif ch == "," and depth == 0:
+                out.append(cur.strip())
+                cur = ""
+                continue
+            cur += ch
+        out.append(cur.strip())
+    return [x for x in out if x]
 
 
 def save_and_emit(path: Path, data: dict[str, Any], text: str, *, save: bool, as_json: bool) -> None:
     """The end of `step` and `bisect`: keep the result beside the recording (unless told not to),
     then print it as JSON or as ``text``, naming where it was saved."""
+    data.setdefault("format_version", RESULTS_FORMAT_VERSION)
     if save:
         from replay.format.results import save_result
 
@@ -81,7 +141,7 @@ def save_and_emit(path: Path, data: dict[str, Any], text: str, *, save: bool, as
         return
     click.echo(text)
     if data.get("saved_to"):
-        click.echo(f"saved {data['saved_to']}", err=True)
+        click.echo(f"saved {escape(data['saved_to'])}", err=True)
 
 
 def is_tty() -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from replay._version import __version__
 from replay.errors import ReplayError
 
 __all__ = ["cli", "main"]
@@ -35,7 +36,7 @@ Typical session:
   replay record -- pytest tests/test_mtp.py     record every rank, no code change
   replay info                                   newest recording: first divergence
   replay step --rank 3 --step 812 --mode both   re-run one step, eager and CUDA graph
-  replay bisect --rank 3 --step 812 --between eager,cudagraph
+  replay bisect layers --rank 3 --step 812 --between eager,cudagraph
 """
 
 
@@ -51,7 +52,8 @@ class _LazyGroup(click.Group):
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
-@click.version_option(package_name="replay", prog_name="replay", message="%(prog)s %(version)s")
+# The version from replay/_version.py, not from package metadata: right in a checkout that is not pip-installed.
+@click.version_option(__version__, prog_name="replay", message="%(prog)s %(version)s")
 def cli() -> None:
     """Record and replay multi-GPU LLM inference, and find where ranks drift."""
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import click
 
-from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument, unreadable_exit
-from replay.report import build_report, write_report
+from replay import api
+from replay.cli.common import emit_json, json_option, open_run, part_option, report_unreadable, run_argument
+from replay.textsafe import escape
 
 EPILOG = """\b
 Examples:
@@ -34,10 +35,9 @@ def report(run: Path | None, root: str, output: Path | None, part: str | None, a
     the page was built from is printed instead of the path.
     """
     with open_run(run, root, quiet=as_json) as rec:
-        data = build_report(rec, part)
-    path = write_report(data, output)
+        result = api.make_report(rec, part, output=output)
     if as_json:
-        emit_json({"report": str(path), **data.to_json()})
+        emit_json(result.to_json())
     else:
-        click.echo(str(path))
-    return unreadable_exit(data.summary)
+        click.echo(escape(str(result.path)))
+    return report_unreadable(result.data.part, result.data.summary.get("unreadable_ranks") or [])

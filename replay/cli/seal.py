@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
+from replay import api
 from replay.cli.common import emit_json, json_option, run_argument
-from replay.errors import RecordingDamaged
 from replay.format.reader import resolve_recording
-from replay.format.seal import journal_is_live, seal_part
+from replay.textsafe import escape
 
 
 @click.command()
@@ -18,26 +18,21 @@ from replay.format.seal import journal_is_live, seal_part
 def seal(run: Path | None, root: str, as_json: bool) -> int:
     """Seal every rank journal of RUN whose process has ended."""
     path, _ = resolve_recording(run, root)
-    if not path.is_dir():
-        raise RecordingDamaged(f"{path} is a file, not a recording: give the directory `replay record` wrote")
-    results = []
-    for part in sorted(p for p in path.iterdir() if p.is_dir()):
-        for r in seal_part(part):
-            results.append({"part": part.name, "rank": r.rank, "steps": r.steps, "complete": r.complete,
-                            "problem": r.problem, "error": r.error})
-        live = sorted(j.name for j in part.glob("rank-*.journal") if journal_is_live(j))
-        results += [{"part": part.name, "journal": name, "live": True} for name in live]
-    failed = [r for r in results if r.get("error")]
+    result = api.seal(path)
     if as_json:
-        emit_json({"recording": str(path), "sealed": results})
+        emit_json(result.to_json())
     else:
-        for r in results:
-            if r.get("live"):
-                click.echo(f"{r['part']} {r['journal']}: still being written by a running process; not sealed")
-            elif r["error"]:
-                click.echo(f"{r['part']} rank {r['rank']}: cannot be sealed ({r['error']}); its journal is kept and readable")
-            else:
-                click.echo(f"{r['part']} rank {r['rank']}: sealed {r['steps']} steps" + ("" if r["complete"] else " (ended early)"))
-        if not results:
-            click.echo("nothing to seal")
-    return 4 if failed else 0
+        click.echo(render_seal(result))
+    return result.exit_code
+
+
+def render_seal(result: api.SealOutcome) -> str:
+    lines = []
+    for part, r in result.sealed:
+        if r.error:
+            lines.append(f"{escape(part)} rank {r.rank}: cannot be sealed ({escape(r.error)}); its journal is kept and readable")
+        else:
+            lines.append(f"{escape(part)} rank {r.rank}: sealed {r.steps} steps" + ("" if r.complete else " (ended early)"))
+    for part, journal in result.live:
+        lines.append(f"{escape(part)} {escape(journal)}: still being written by a running process; not sealed")
+    return "\n".join(lines) or "nothing to seal"

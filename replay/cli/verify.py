@@ -6,9 +6,13 @@ from pathlib import Path
 
 import click
 
-from replay.analysis.verify import verify_recording
+from replay import api
 from replay.cli.common import emit_json, json_option, open_run, run_argument
 from replay.cli.render import style
+from replay.states import CheckState
+from replay.textsafe import escape
+
+_COLOUR = {CheckState.INTACT: "green", CheckState.INCOMPLETE: "yellow", CheckState.DAMAGED: "red"}
 
 
 @click.command(epilog="\b\nExamples:\n  replay verify\n  replay verify recordings/RUN --quick")
@@ -18,25 +22,23 @@ from replay.cli.render import style
 def verify(run: Path | None, root: str, quick: bool, as_json: bool) -> int:
     """Check every rank file of RUN (default: the newest recording), bit for bit."""
     with open_run(run, root) as rec:
-        checks = verify_recording(rec, payload=not quick)
-        path = str(rec.path)
-    intact = all(c.intact for c in checks)
-    state = "intact" if intact else ("incomplete" if all(c.state != "damaged" for c in checks) else "damaged")
+        result = api.verify(rec, payload=not quick)
     if as_json:
-        emit_json({"recording": path, "intact": intact, "state": state, "ranks": [c.to_json() for c in checks]})
+        emit_json(result.to_json())
     else:
-        for c in checks:
-            head = f"{c.part} rank {c.rank}: {c.steps} steps, {c.tensors_checked} tensors checked"
-            if c.intact:
-                click.echo(f"{head}: " + style("intact", fg="green") + "".join(f"; {n}" for n in c.notes))
-            else:
-                click.echo(f"{head}: " + style(c.state.upper(), fg="red" if c.state == "damaged" else "yellow", bold=True))
-                for p in c.problems:
-                    click.echo(f"  - {p}")
-        if intact:
-            click.echo(style("recording is intact", fg="green"))
-        elif state == "incomplete":
-            click.echo(style("recording is incomplete: what it holds is whole, the end of the run is missing", fg="yellow"))
+        click.echo(render_verify(result))
+    return result.exit_code
+
+
+def render_verify(result: api.VerifyResult) -> str:
+    lines = []
+    for c in result.checks:
+        head = f"{escape(c.part)} rank {c.rank}: {c.steps} steps, {c.tensors_checked} tensors checked"
+        if c.intact:
+            lines.append(f"{head}: " + style("intact", fg="green") + "".join(f"; {escape(n)}" for n in c.notes))
         else:
-            click.echo(style("recording is damaged", fg="red"))
-    return 0 if intact else 4
+            state = CheckState(c.state)
+            lines.append(f"{head}: " + style(state.value.upper(), fg=_COLOUR[state], bold=True))
+            lines += [f"  - {escape(p)}" for p in c.problems]
+    lines.append(style(str(result), fg=_COLOUR[result.state]))
+    return "\n".join(lines)

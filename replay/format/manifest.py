@@ -53,12 +53,9 @@ def versions() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "replay_format": FORMAT_VERSION,
     }
-    try:
-        import replay
+    from replay._version import __version__  # arch (#18): the version from one place, not the package root
 
-        v["replay"] = replay.__version__
-    except Exception:  # pragma: no cover - partial installs
-        pass
+    v["replay"] = __version__
     if torch.cuda.is_available():
         try:
             v["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())

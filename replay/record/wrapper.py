@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import replay
+from replay._version import __version__  # arch (#18): the version from one place, not the package root
 from replay.errors import UsageError
 from replay.format.manifest import write_manifest
 from replay.format.seal import SealResult, journal_is_live, seal_part
@@ -115,7 +116,7 @@ def record_command(
         "started_at": started,
         "status": "recording",
         "settings": _settings_json(settings),
-        "replay_version": replay.__version__,
+        "replay_version": __version__,
     }
     try:
         write_manifest(out, manifest, node=node)

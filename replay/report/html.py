@@ -417,7 +417,7 @@ def _results(rep: Report) -> str:
 
 def render_html(rep: Report) -> str:
     """The report page as one string (needs matplotlib for the figures)."""
-    from replay import __version__
+    from replay._version import __version__
 
     title = f"replay report: {Path(rep.recording).name}"
     sub = _e(rep.recording) + (f" · <code>{_e(rep.command)}</code>" if rep.command else "")
