@@ -295,3 +295,52 @@ def test_config_live_names_the_one_shot_all_reduce(recs: dict[str, Path], run_cl
     d = bisect(run_cli, recs["tp"], "--config", "--rank", 1, "--step", 0, "--criterion", "live",
                "--toggles", "one_shot_allreduce", "--no-save")
     assert d["status"] == "done" and d["minimal"] == ["one_shot_allreduce=false"]
+
+
+# -- the sub-commands, and what the old one-command form maps onto -----------------------------
+
+
+def test_subcommands_answer_as_the_old_flags_do(recs: dict[str, Path], run_cli: Any) -> None:
+    new = run_cli("bisect", "steps", recs["toy"], "--no-save", "--json")
+    old = run_cli("bisect", recs["toy"], "--steps", "--no-save", "--json")
+    assert new.code == old.code == 0
+    drop = ("format_version",)
+    assert {k: v for k, v in new.json().items() if k not in drop} == {k: v for k, v in old.json().items() if k not in drop}
+    assert new.json()["format_version"] == 1
+    # Each sub-command takes only its own options: --context means nothing to a step bisection.
+    res = run_cli("bisect", "steps", recs["toy"], "--context", 2)
+    assert res.code == 2 and "--context" in res.err and "Traceback" not in res.err
+    res = run_cli("bisect", "layers", recs["toy"], "--rank", 0)
+    assert res.code == 2 and "--between" in res.err
+
+
+# -- reproduce the recording --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hidden(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One rank recorded with HIDDEN_DOUBLE=1 in its environment (tests/hidden_engine.py): the
+    recorded config does not say so, so a plain re-run does not reproduce the recording."""
+    out = tmp_path_factory.mktemp("hidden") / "rec"
+    args = [sys.executable, "-m", "replay", "record", "--out", str(out), "--quiet", "--step", "tests.hidden_engine:HiddenEngine.step",
+            "--state", "state_tensors", "--config", "replay_config", "--factory", "tests.hidden_engine:build",
+            "--keyframe-every", "2", "--", sys.executable, "-m", "tests.hidden_engine", "4"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HIDDEN_DOUBLE="1", **ONE_RANK)
+    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_config_reproduce_finds_what_the_recording_environment_had(hidden: Path, run_cli: Any) -> None:
+    assert "HIDDEN_DOUBLE" not in os.environ  # the probes re-run without it
+    res = run_cli("bisect", "config", hidden, "--rank", 0, "--step", 2, "--no-save", "--json")
+    assert res.code == 0, res.err
+    d = res.json()
+    # The only rank, run eagerly: nothing to compare with but the recording itself.
+    assert d["criterion"] == "reproduce" and d["reference"] is None
+    assert d["status"] == "done" and d["minimal"] == ["double=true"]  # seed_offset, tried too, is not needed
+    assert d["tried"][0]["toggles"] == [] and d["tried"][0]["outcome"] == "differs"
+    text = run_cli("bisect", "config", hidden, "--rank", 0, "--step", 2, "--no-save")
+    assert text.code == 0 and text.out.splitlines()[0].startswith("rank 0, step 2: the smallest set of toggles that makes it "
+                                                                  "match the recording")

@@ -22,6 +22,10 @@ criterion, chosen from the recording unless given:
 - ``live`` (asked for): every rank is re-run at once with live collectives (gloo or NCCL); it
   matches when all ranks give the same bits. Needed when a change alters the collectives a step
   makes (one-shot all-reduce, token broadcast), which recorded collectives cannot answer.
+- ``reproduce`` (asked for, or the only rank ran the step eagerly): rank R alone re-runs its own
+  recorded step (keyframe, inputs, RNG, collectives, tuner choices); it matches when its outputs
+  have the bits it recorded. The answer is the smallest set of toggles that makes the re-run
+  reproduce the recording: what the recording environment had that this re-run does not.
 
 The baseline (no change) must diverge. It runs from the recorded configuration alone; if that
 does not reproduce rank R's recorded outputs and R recorded tuner choices, it runs with those
@@ -37,12 +41,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from dataclasses import field as _field
 from pathlib import Path
 from typing import Any
 
 from replay.analysis.divergence import vote
+from replay.bisect.config_model import CRITERIA, Change, ConfigBisection, ConfigBisectSettings, Criterion, ProbeRecord
 from replay.bisect.ddmin import ddmin
 from replay.bisect.probe import run_live, run_single
 from replay.bisect.state import BisectState
@@ -50,140 +53,13 @@ from replay.errors import OutOfRange, RerunError, UsageError
 from replay.format.reader import Part, Recording
 from replay.format.tables import combine_digests
 from replay.rerun.target import TargetSpec
+from replay.states import BisectStatus, ProbeOutcome
 
-__all__ = ["CRITERIA", "Change", "ConfigBisectSettings", "ConfigBisection", "ProbeRecord", "bisect_config"]
+__all__ = ["CRITERIA", "Change", "ConfigBisectSettings", "ConfigBisection", "ConfigSearch", "Criterion", "ProbeRecord",
+           "bisect_config"]
 
-CRITERIA = ("ranks", "eager", "live")
 TUNER_CHOICES = "tuner_choices"
-
-
-@dataclass(kw_only=True, slots=True)
-class ConfigBisectSettings:
-    """What ``replay bisect --config`` is asked; the click options map onto these fields."""
-
-    rank: int
-    """The rank whose step diverges."""
-    step: int
-    """The step to make match."""
-    toggles: list[str] | None = None
-    """Toggles to try, ``name`` or ``name=JSON`` (another value than recorded); None: all declared."""
-    criterion: str | None = None
-    """``ranks``, ``eager`` or ``live`` (see the module docstring); None: chosen from the recording."""
-    against: int | None = None
-    """With ``ranks``: the reference rank (default: the lowest rank of the majority at the step)."""
-    device: str = "cpu"
-    """Where probes run: ``cpu``, or ``cuda:N`` (with ``live``, ranks go to cuda:0..N-1)."""
-    factory: str | None = None
-    """Rebuild the target with this factory instead of the recorded one."""
-    options: dict[str, Any] = _field(default_factory=dict)
-    """Toggle values applied to every probe, the baseline included (``--set``)."""
-    max_probes: int | None = None
-    """Stop after this many new probes (the state is kept: run again to resume)."""
-    fresh: bool = False
-    """Forget the saved state of this bisection and start over."""
-    timeout_s: float = 600.0
-    """Seconds one probe may take."""
-
-    def __post_init__(self) -> None:
-        if self.criterion is not None and self.criterion not in CRITERIA:
-            raise UsageError(f"--criterion {self.criterion!r}: use one of {', '.join(CRITERIA)}")
-        if self.max_probes is not None and self.max_probes < 1:
-            raise UsageError("--max-probes must be at least 1")
-        if self.against is not None and self.criterion not in (None, "ranks"):
-            raise UsageError("--against names the reference rank of the ranks criterion; leave it out with --criterion "
-                             f"{self.criterion}")
-        if self.timeout_s <= 0:
-            raise UsageError("--probe-timeout must be positive")
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """Toggle ``name`` set to ``value`` (recorded: ``was``)."""
-
-    name: str
-    value: Any
-    was: Any
-    shown: str = ""  # how the value reads, where its JSON would not (tuner choices)
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}={self.shown or json.dumps(self.value, default=str)}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "value": self.value, "was": self.was, "label": self.label}
-
-
-@dataclass(slots=True)
-class ProbeRecord:
-    toggles: list[str]
-    outcome: str  # "matches" | "differs" | "error"
-    cached: bool
-    seconds: float = 0.0
-    error: str | None = None
-    sides: list[dict[str, Any]] = _field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"toggles": self.toggles, "outcome": self.outcome, "cached": self.cached,
-                "seconds": round(self.seconds, 3), "error": self.error,
-                "sides": [{k: s.get(k) for k in ("label", "rank", "mode", "digests", "reproduces", "error")} for s in self.sides]}
-
-
-@dataclass(slots=True)
-class ConfigBisection:
-    recording: str
-    part: str
-    rank: int
-    step: int
-    criterion: str
-    reference: int | None
-    status: str  # "done" | "incomplete" | "no-divergence" | "no-fix"
-    candidates: list[Change]
-    tried: list[ProbeRecord]
-    minimal: list[Change] | None
-    tuner_policy: str
-    state_path: str
-    probes_run: int = 0
-    notes: list[str] = _field(default_factory=list)
-
-    def describe_criterion(self) -> str:
-        if self.criterion == "ranks":
-            return f"rank {self.reference} (both re-run with the same toggles)"
-        if self.criterion == "eager":
-            return "its eager re-run (CUDA graph against eager, same toggles)"
-        return "every other rank (all re-run at once, live collectives)"
-
-    def verdict(self) -> str:
-        head = f"rank {self.rank}, step {self.step}: "
-        cached = sum(1 for t in self.tried if t.cached)
-        cost = f"{len(self.tried)} probes" + (f", {cached} answered from the saved state" if cached else "")
-        if self.status == "no-divergence":
-            return head + f"re-run with the recorded settings it already matches {self.describe_criterion()}: nothing to bisect"
-        if self.status == "no-fix":
-            return head + f"no combination of the {len(self.candidates)} toggles tried makes it match {self.describe_criterion()} ({cost})"
-        if self.status == "incomplete":
-            return head + f"stopped after {self.probes_run} new probes (--max-probes); run the same command again to resume"
-        names = ", ".join(c.label for c in self.minimal or [])
-        return head + f"the smallest set of toggles that makes it match {self.describe_criterion()}: {names} ({cost})"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": "bisect-config",
-            "recording": self.recording,
-            "part": self.part,
-            "rank": self.rank,
-            "step": self.step,
-            "criterion": self.criterion,
-            "reference": self.reference,
-            "status": self.status,
-            "candidates": [c.to_json() for c in self.candidates],
-            "tried": [t.to_json() for t in self.tried],
-            "minimal": [c.label for c in self.minimal] if self.minimal is not None else None,
-            "minimal_toggles": [c.to_json() for c in self.minimal] if self.minimal is not None else None,
-            "tuner_policy": self.tuner_policy,
-            "probes_run": self.probes_run,
-            "state": self.state_path,
-            "notes": self.notes,
-        }
+_SIDE_KEYS = ("label", "rank", "data", "mode", "digests", "reproduces", "error", "toggles", "params")
 
 
 class _Budget(Exception):
@@ -211,29 +87,29 @@ def _vote_at(part: Part, step: int) -> tuple[list[int], list[int]]:
     return vote(values) if values else ([], [])
 
 
-def _choose_criterion(part: Part, s: ConfigBisectSettings) -> tuple[str, int | None]:
-    if s.criterion == "live":
-        return "live", None
-    if s.criterion == "eager":
-        return "eager", None
+def choose_criterion(part: Part, s: ConfigBisectSettings) -> tuple[Criterion, int | None]:
+    """The criterion asked for, or the one the recording calls for, and its reference rank."""
+    assert s.rank is not None and s.step is not None
+    if s.criterion in (Criterion.LIVE, Criterion.EAGER, Criterion.REPRODUCE):
+        return Criterion(s.criterion), None
     if s.against is not None:
         part[s.against].step(s.step)
         if s.against == s.rank:
             raise UsageError("--against must name another rank than --rank")
-        return "ranks", s.against
+        return Criterion.RANKS, s.against
     majority, odd = _vote_at(part, s.step)
-    if s.criterion == "ranks" or (len(part) > 1 and s.rank in odd):
+    if s.criterion == Criterion.RANKS or (len(part) > 1 and s.rank in odd):
         ref = next((r for r in majority if r != s.rank), None)
         if ref is None:
             raise UsageError(f"rank {s.rank} is in the majority at step {s.step}: give --against M, the rank to match")
-        return "ranks", ref
+        return Criterion.RANKS, ref
     if part[s.rank].step(s.step).mode == "graph":
-        return "eager", None
+        return Criterion.EAGER, None
     if len(part) > 1:
         raise UsageError(f"rank {s.rank} agrees with the majority at step {s.step} and the step ran eagerly: nothing "
-                         "diverges there; pick an odd rank and step (`replay bisect --steps`), or use --criterion live")
-    raise UsageError(f"step {s.step} ran eagerly on the only rank: there is nothing to compare it with; "
-                     "use --criterion eager to compare a CUDA graph re-run with an eager one")
+                         "diverges there; pick an odd rank and step (`replay bisect steps`), or use --criterion live "
+                         "or --criterion reproduce")
+    return Criterion.REPRODUCE, None  # the only rank, run eagerly: match what it recorded
 
 
 def _parse_toggle(text: str) -> tuple[str, Any, bool]:
@@ -250,8 +126,10 @@ def _canon(v: Any) -> str:
     return json.dumps(v, sort_keys=True, default=str)
 
 
-def _candidates(declared: dict[str, list[Any]], recorded: dict[str, Any], wanted: list[str] | None,
-                exclude: set[str]) -> tuple[list[Change], list[str]]:
+def candidates(declared: dict[str, list[Any]], recorded: dict[str, Any], wanted: list[str] | None,
+               exclude: set[str]) -> tuple[list[Change], list[str]]:
+    """The changes to try (``wanted``, or one other value of every declared toggle), and notes on
+    toggles left out."""
     notes: list[str] = []
     specs = [_parse_toggle(t) for t in wanted] if wanted else [(n, None, False) for n in declared]
     unknown = [n for n, _, _ in specs if n not in declared]
@@ -278,17 +156,249 @@ def _candidates(declared: dict[str, list[Any]], recorded: dict[str, Any], wanted
     return out, notes
 
 
-def _outcome(result: dict[str, Any], outputs: set[str]) -> tuple[str, str | None]:
+def probe_outcome(result: dict[str, Any], outputs: dict[str, str] | set[str],
+                  recorded: dict[str, str] | None = None) -> tuple[ProbeOutcome, str | None]:
+    """``matches`` when every side gave the same bits for the recorded ``outputs`` (and, with
+    ``recorded``, the bits recorded); ``error`` when a side failed or returned none of them."""
     if result.get("error"):
-        return "error", str(result["error"])
+        return ProbeOutcome.ERROR, str(result["error"])
     sides = result.get("sides") or []
     bad = next((s for s in sides if s.get("error")), None)
     if bad is not None:
-        return "error", f"{bad.get('label')}: {bad['error']}"
+        return ProbeOutcome.ERROR, f"{bad.get('label')}: {bad['error']}"
     digs = [{k: v for k, v in (s.get("digests") or {}).items() if k in outputs} for s in sides]
     if not sides or any(not d for d in digs):
-        return "error", "a probe re-ran the step but returned none of its recorded outputs"
-    return ("matches" if all(d == digs[0] for d in digs) else "differs"), None
+        return ProbeOutcome.ERROR, "a probe re-ran the step but returned none of its recorded outputs"
+    want = recorded if recorded is not None else digs[0]
+    return (ProbeOutcome.MATCHES if all(d == want for d in digs) else ProbeOutcome.DIFFERS), None
+
+
+class ConfigSearch:
+    """One configuration bisection: read what the recording says, probe, search (module docstring).
+
+    The steps are methods in the order ``run`` calls them: the baseline (``baseline``), the
+    candidate changes (``changes``), a starting set that matches (``start``), then ``ddmin``.
+    Every probe goes through ``probe``, which answers from the saved state when it can.
+    """
+
+    def __init__(self, recording: Path, part_name: str, settings: ConfigBisectSettings, *,
+                 announce: Callable[[str], None], on_probe: Callable[[ProbeRecord], None]) -> None:
+        if settings.rank is None or settings.step is None:
+            raise UsageError("a configuration bisection needs a rank and a step (replay.api.bisect_config chooses them)")
+        self.s = settings
+        self.rank, self.step = settings.rank, settings.step
+        self.recording = Path(recording)
+        self.part_name = part_name
+        self.on_probe = on_probe
+        self._read_recording()
+        key = {"part": part_name, "rank": self.rank, "step": self.step, "criterion": self.criterion, "reference": self.ref,
+               "toggles": settings.toggles, "device": settings.device, "factory": settings.factory, "options": settings.options}
+        self.state = BisectState(self.recording, key, fresh=settings.fresh)
+        if self.state.resumed:
+            announce(f"resuming the bisection saved in {self.state.path}")
+        self.tried: list[ProbeRecord] = []
+        self.new_probes = 0
+        self.result = ConfigBisection(recording=str(self.recording), part=part_name, rank=self.rank, step=self.step,
+                                      criterion=self.criterion, reference=self.ref, status=BisectStatus.INCOMPLETE,
+                                      candidates=[], tried=self.tried, minimal=None, tuner_policy="config",
+                                      state_path=str(self.state.path))
+
+    # -- what the recording says ------------------------------------------------------------
+
+    def _read_recording(self) -> None:
+        s = self.s
+        with Recording(self.recording) as rec:
+            part = rec[self.part_name]
+            rf = part[self.rank]
+            rf.step(self.step)
+            self.spec = TargetSpec.from_rank_file(rf)
+            self.criterion, self.ref = choose_criterion(part, s)
+            self.ranks = list(part)
+            if self.criterion == Criterion.LIVE:
+                self._check_live(part)
+            recorded = _outputs_at(part, self.rank, self.step)
+            self.outputs = set(recorded)
+            self.recorded_hex = {k: f"{v:016x}" for k, v in recorded.items()}
+            self.recorded_cfg = self.spec.config if isinstance(self.spec.config, dict) else {}
+            self.step_mode = "cudagraph" if rf.step(self.step).mode == "graph" else "eager"
+            self.choices = {r: {k: v for k, v in part[r].tuner_choices().items() if not k.startswith("triton:")}
+                            for r in self.ranks}
+
+    def _check_live(self, part: Part) -> None:
+        world = part.world_size
+        if self.ranks != list(range(world)):
+            raise RerunError(f"--criterion live re-runs every rank together, but this part holds ranks {self.ranks} of {world}")
+        for r in self.ranks:
+            part[r].step(self.step)
+        if self.s.device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.device_count() < len(self.ranks):
+                raise UsageError(f"--criterion live runs the {len(self.ranks)} ranks at once, one GPU each, but "
+                                 f"{torch.cuda.device_count()} GPU(s) are here: use --device cpu")
+
+    # -- one probe --------------------------------------------------------------------------
+
+    def mode_for(self, opts: dict[str, Any]) -> str:
+        if "cudagraph" in opts:
+            return "cudagraph" if opts["cudagraph"] else "eager"
+        if "cudagraph" in self.recorded_cfg:
+            return "cudagraph" if self.recorded_cfg["cudagraph"] else "eager"
+        return self.step_mode
+
+    def sides(self, opts: dict[str, Any]) -> list[dict[str, Any]]:
+        r = self.rank
+        if self.criterion == Criterion.EAGER:
+            return [{"label": "cudagraph", "rank": r, "mode": "cudagraph", "options": {**opts, "cudagraph": True}},
+                    {"label": "eager", "rank": r, "mode": "eager", "options": {**opts, "cudagraph": False}}]
+        if self.criterion == Criterion.REPRODUCE:
+            return [{"label": f"rank {r}", "rank": r, "data": r, "mode": self.mode_for(opts), "options": opts}]
+        who = [r, self.ref] if self.criterion == Criterion.RANKS else self.ranks
+        data = {x: (self.ref if self.criterion == Criterion.RANKS else x) for x in who}
+        return [{"label": f"rank {x}", "rank": x, "data": data[x], "mode": self.mode_for(opts), "options": opts} for x in who]
+
+    def request(self, changes: list[Change], policy: str) -> dict[str, Any]:
+        opts: dict[str, Any] = dict(self.s.options)
+        if policy == "config" and any(self.choices.values()):
+            opts[TUNER_CHOICES] = {}  # the recorded configuration alone decides the tactics
+        opts.update({c.name: c.value for c in changes})
+        return {"recording": str(self.recording), "part": self.part_name, "step": self.step, "device": self.s.device,
+                "factory": self.s.factory, "sides": self.sides(opts)}
+
+    def _saved(self, labels: list[str], key: str) -> ProbeRecord | None:
+        saved = self.state.probes.get(key)
+        if saved is None:
+            return None
+        return ProbeRecord(labels, ProbeOutcome(saved["outcome"]), True, saved.get("seconds", 0.0), saved.get("error"),
+                           saved.get("sides", []))
+
+    def _execute(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self.criterion == Criterion.LIVE:
+            n = len(self.ranks)
+            devs = [f"cuda:{i}" for i in range(n)] if self.s.device.startswith("cuda") else ["cpu"] * n
+            return run_live({**req, "devices": devs}, timeout_s=self.s.timeout_s)
+        return run_single(req, timeout_s=self.s.timeout_s)
+
+    def probe(self, changes: list[Change], policy: str) -> ProbeRecord:
+        """The answer for ``changes`` under tuner ``policy``: saved, or from a new probe."""
+        key = _canon({"policy": policy, "changes": sorted(c.label for c in changes)})
+        labels = [c.label for c in changes]
+        rec = self._saved(labels, key)
+        if rec is None:
+            if self.s.max_probes is not None and self.new_probes >= self.s.max_probes:
+                raise _Budget()
+            t0 = time.perf_counter()
+            result = self._execute(self.request(changes, policy))
+            self.new_probes += 1
+            recorded = self.recorded_hex if self.criterion == Criterion.REPRODUCE else None
+            outcome, err = probe_outcome(result, self.outputs, recorded)
+            rec = ProbeRecord(labels, outcome, False, time.perf_counter() - t0, err, list(result.get("sides") or []))
+            self.state.probes[key] = {"toggles": labels, "outcome": outcome, "error": err, "seconds": rec.seconds,
+                                      "sides": [{k: x.get(k) for k in _SIDE_KEYS} for x in rec.sides]}
+            self.state.save()
+        self.tried.append(rec)
+        self.on_probe(rec)
+        return rec
+
+    # -- the search -------------------------------------------------------------------------
+
+    def baseline(self) -> tuple[ProbeRecord, str]:
+        """The probe with no change, and the tuner policy the search keeps.
+
+        Tactics come from the recorded configuration alone, unless that hides the divergence and
+        the ranks recorded different tuner choices: then each rank's own choices. Reproducing the
+        recording uses the recorded choices from the start."""
+        pair = [self.rank, self.ref] if self.criterion == Criterion.RANKS and self.ref is not None else self.ranks
+        mixed = len({_canon(self.choices.get(r) or {}) for r in pair}) > 1
+        own = self.criterion in (Criterion.EAGER, Criterion.REPRODUCE) and self.choices.get(self.rank)
+        policy = "recorded" if own else "config"
+        base = self.probe([], policy)
+        if base.outcome == ProbeOutcome.ERROR:
+            hint = " (a change of collectives needs --criterion live)" if "collective" in (base.error or "") else ""
+            raise RerunError(f"the baseline probe of rank {self.rank}, step {self.step} failed: {base.error}{hint}")
+        if base.outcome == ProbeOutcome.MATCHES and policy == "config" and mixed:
+            again = self.probe([], "recorded")
+            if again.outcome == ProbeOutcome.DIFFERS:
+                policy, base = "recorded", again
+                self.result.notes.append("with the recorded configuration alone the step matches; with each rank's recorded "
+                                         "tuner choices it diverges: probes use the recorded choices, and tuner_choices is a candidate")
+        return base, policy
+
+    def _note_baseline(self, base: ProbeRecord) -> None:
+        if self.criterion == Criterion.REPRODUCE:
+            return  # not reproducing the recording is what this criterion bisects
+        for x in base.sides:
+            if x.get("rank") == x.get("data") and x.get("reproduces") is False and x.get("mode") == self.step_mode:
+                self.result.notes.append(f"the re-run of rank {x.get('rank')} does not reproduce its recorded outputs at step "
+                                         f"{self.step} (nondeterminism, or another environment; --criterion reproduce "
+                                         "bisects that)")
+        if self.criterion == Criterion.RANKS and len({x.get("params") for x in base.sides}) > 1:
+            raise UsageError(f"ranks {self.rank} and {self.ref} hold different parameters (tensor-parallel shards?), so they "
+                             "cannot re-run the same data: use --criterion live")
+
+    def changes(self, base: ProbeRecord, policy: str) -> list[Change]:
+        declared = next((x.get("toggles") for x in base.sides if x.get("toggles")), None) or {}
+        if not declared:
+            raise UsageError(f"the target ({self.spec.factory or self.spec.step}) declares no toggles (a replay_toggles() "
+                             "method) to bisect over")
+        exclude = {"cudagraph"} if self.criterion == Criterion.EAGER else set()
+        out, notes = candidates(declared, self.recorded_cfg, self.s.toggles, exclude)
+        self.result.notes += notes
+        if policy == "recorded" and self.criterion not in (Criterion.EAGER, Criterion.REPRODUCE):
+            to = self.ref if self.ref is not None else 0
+            if self.choices.get(to) != self.choices.get(self.rank):
+                out.append(Change(TUNER_CHOICES, self.choices.get(to) or {}, "recorded", shown=f"rank {to}'s"))
+        if not out:
+            raise UsageError("no toggle is left to try: name toggles with --toggles, or pick another criterion")
+        return out
+
+    def start(self, changes: list[Change], flips: Callable[[list[Change]], bool]) -> list[Change] | None:
+        """A set of changes that matches: all of them, or all but one (one may break the probe)."""
+        if flips(changes):
+            return changes
+        for c in changes if len(changes) > 1 else []:
+            rest = [x for x in changes if x is not c]
+            if flips(rest):
+                self.result.notes.append(f"with every change the step does not match; without {c.label} it does")
+                return rest
+        return None
+
+    def search(self) -> None:
+        base, policy = self.baseline()
+        self._note_baseline(base)
+        self.result.tuner_policy = policy
+        if base.outcome == ProbeOutcome.MATCHES:
+            self.result.status = BisectStatus.NO_DIVERGENCE
+            return
+        self.result.candidates = changes = self.changes(base, policy)
+
+        def flips(subset: list[Change]) -> bool:
+            return self.probe(subset, policy).outcome == ProbeOutcome.MATCHES
+
+        start = self.start(changes, flips)
+        if start is None:
+            self.result.status = BisectStatus.NO_FIX
+            errs = [t for t in self.tried if t.outcome == ProbeOutcome.ERROR]
+            if errs:
+                self.result.notes.append(f"{len(errs)} probe(s) failed, e.g. {errs[0].error}")
+            return
+        self.result.minimal = ddmin(start, flips)
+        self.result.status = BisectStatus.DONE
+
+    def run(self) -> ConfigBisection:
+        try:
+            self.search()
+        except _Budget:
+            self.result.status = BisectStatus.INCOMPLETE
+            self.result.notes.append(f"the state is saved in {self.state.path}")
+        finally:
+            self.result.probes_run = self.new_probes
+        if self.result.status != BisectStatus.INCOMPLETE:
+            minimal = [c.label for c in self.result.minimal] if self.result.minimal else None
+            self.state.data["done"] = True
+            self.state.data["result"] = {"status": self.result.status, "minimal": minimal}
+            self.state.save()
+        return self.result
 
 
 def bisect_config(
@@ -299,165 +409,7 @@ def bisect_config(
     announce: Callable[[str], None] = lambda s: None,
     on_probe: Callable[[ProbeRecord], None] = lambda p: None,
 ) -> ConfigBisection:
-    """Find the smallest set of toggle changes that makes ``settings.step`` match (module docstring)."""
-    s = settings
-    recording = Path(recording)
-    with Recording(recording) as rec:
-        part = rec[part_name]
-        rf = part[s.rank]
-        rf.step(s.step)
-        spec = TargetSpec.from_rank_file(rf)
-        criterion, ref = _choose_criterion(part, s)
-        world = part.world_size
-        ranks = list(part)
-        if criterion == "live":
-            if ranks != list(range(world)):
-                raise RerunError(f"--criterion live re-runs every rank together, but this part holds ranks {ranks} of {world}")
-            for r in ranks:
-                part[r].step(s.step)
-            if s.device.startswith("cuda"):
-                import torch
+    """Find the smallest set of toggle changes that makes ``settings.step`` match (module docstring).
 
-                if torch.cuda.device_count() < len(ranks):
-                    raise UsageError(f"--criterion live runs the {len(ranks)} ranks at once, one GPU each, but "
-                                     f"{torch.cuda.device_count()} GPU(s) are here: use --device cpu")
-        outputs = set(_outputs_at(part, s.rank, s.step))
-        recorded_cfg = spec.config if isinstance(spec.config, dict) else {}
-        step_mode = "cudagraph" if rf.step(s.step).mode == "graph" else "eager"
-        choices = {r: {k: v for k, v in part[r].tuner_choices().items() if not k.startswith("triton:")} for r in ranks}
-    key = {"part": part_name, "rank": s.rank, "step": s.step, "criterion": criterion, "reference": ref,
-           "toggles": s.toggles, "device": s.device, "factory": s.factory, "options": s.options}
-    state = BisectState(recording, key, fresh=s.fresh)
-    if state.resumed:
-        announce(f"resuming the bisection saved in {state.path}")
-    tried: list[ProbeRecord] = []
-    budget = {"new": 0}
-
-    def mode_for(opts: dict[str, Any]) -> str:
-        if "cudagraph" in opts:
-            return "cudagraph" if opts["cudagraph"] else "eager"
-        if "cudagraph" in recorded_cfg:
-            return "cudagraph" if recorded_cfg["cudagraph"] else "eager"
-        return step_mode
-
-    def request(changes: list[Change], policy: str) -> dict[str, Any]:
-        opts: dict[str, Any] = dict(s.options)
-        if policy == "config" and any(choices.values()):
-            opts[TUNER_CHOICES] = {}  # the recorded configuration alone decides the tactics
-        opts.update({c.name: c.value for c in changes})
-        if criterion == "eager":
-            sides = [{"label": "cudagraph", "rank": s.rank, "mode": "cudagraph", "options": {**opts, "cudagraph": True}},
-                     {"label": "eager", "rank": s.rank, "mode": "eager", "options": {**opts, "cudagraph": False}}]
-        else:
-            who = [s.rank, ref] if criterion == "ranks" else ranks
-            data = {r: (ref if criterion == "ranks" else r) for r in who}
-            sides = [{"label": f"rank {r}", "rank": r, "data": data[r], "mode": mode_for(opts), "options": opts} for r in who]
-        return {"recording": str(recording), "part": part_name, "step": s.step, "device": s.device,
-                "factory": s.factory, "sides": sides}
-
-    def run(changes: list[Change], policy: str) -> ProbeRecord:
-        label_key = _canon({"policy": policy, "changes": sorted(c.label for c in changes)})
-        labels = [c.label for c in changes]
-        saved = state.probes.get(label_key)
-        if saved is not None:
-            rec_ = ProbeRecord(labels, saved["outcome"], True, saved.get("seconds", 0.0), saved.get("error"), saved.get("sides", []))
-            tried.append(rec_)
-            on_probe(rec_)
-            return rec_
-        if s.max_probes is not None and budget["new"] >= s.max_probes:
-            raise _Budget()
-        req = request(changes, policy)
-        t0 = time.perf_counter()
-        if criterion == "live":
-            devs = [f"cuda:{i}" for i in range(len(ranks))] if s.device.startswith("cuda") else ["cpu"] * len(ranks)
-            result = run_live({**req, "devices": devs}, timeout_s=s.timeout_s)
-        else:
-            result = run_single(req, timeout_s=s.timeout_s)
-        budget["new"] += 1
-        outcome, err = _outcome(result, outputs)
-        rec_ = ProbeRecord(labels, outcome, False, time.perf_counter() - t0, err, list(result.get("sides") or []))
-        state.probes[label_key] = {"toggles": labels, "outcome": outcome, "error": err, "seconds": rec_.seconds,
-                                   "sides": [{k: x.get(k) for k in ("label", "rank", "data", "mode", "digests", "reproduces", "error", "toggles", "params")}
-                                             for x in rec_.sides]}
-        state.save()
-        tried.append(rec_)
-        on_probe(rec_)
-        return rec_
-
-    result = ConfigBisection(recording=str(recording), part=part_name, rank=s.rank, step=s.step, criterion=criterion,
-                             reference=ref, status="incomplete", candidates=[], tried=tried, minimal=None,
-                             tuner_policy="config", state_path=str(state.path))
-    try:
-        # The baseline. Tactics come from the recorded configuration alone, unless that hides the
-        # divergence and the ranks recorded different tuner choices: then each rank's own choices.
-        pair = [s.rank, ref] if criterion == "ranks" and ref is not None else ranks
-        mixed = len({_canon(choices.get(r) or {}) for r in pair}) > 1
-        policy = "recorded" if criterion == "eager" and choices.get(s.rank) else "config"
-        base = run([], policy)
-        if base.outcome == "error":
-            hint = " (a change of collectives needs --criterion live)" if "collective" in (base.error or "") else ""
-            raise RerunError(f"the baseline probe of rank {s.rank}, step {s.step} failed: {base.error}{hint}")
-        if base.outcome == "matches" and policy == "config" and mixed:
-            again = run([], "recorded")
-            if again.outcome == "differs":
-                policy, base = "recorded", again
-                result.notes.append("with the recorded configuration alone the step matches; with each rank's recorded tuner "
-                                    "choices it diverges: probes use the recorded choices, and tuner_choices is a candidate")
-        for x in base.sides:
-            if x.get("rank") == x.get("data") and x.get("reproduces") is False and x.get("mode") == step_mode:
-                result.notes.append(f"the re-run of rank {x.get('rank')} does not reproduce its recorded outputs at step "
-                                    f"{s.step} (nondeterminism, or another environment)")
-        result.tuner_policy = policy
-        if criterion == "ranks" and len({x.get("params") for x in base.sides}) > 1:
-            raise UsageError(f"ranks {s.rank} and {ref} hold different parameters (tensor-parallel shards?), so they cannot "
-                             "re-run the same data: use --criterion live")
-        if base.outcome == "matches":
-            result.status = "no-divergence"
-            return _finish(result, state)
-        declared = next((x.get("toggles") for x in base.sides if x.get("toggles")), None) or {}
-        if not declared:
-            raise UsageError(f"the target ({spec.factory or spec.step}) declares no toggles (a replay_toggles() method) to bisect over")
-        changes, notes = _candidates(declared, recorded_cfg, s.toggles, {"cudagraph"} if criterion == "eager" else set())
-        result.notes += notes
-        if policy == "recorded" and criterion != "eager":
-            to = ref if ref is not None else 0
-            if choices.get(to) != choices.get(s.rank):
-                changes.append(Change(TUNER_CHOICES, choices.get(to) or {}, "recorded", shown=f"rank {to}'s"))
-        result.candidates = changes
-        if not changes:
-            raise UsageError("no toggle is left to try: name toggles with --toggles, or pick another criterion")
-
-        def flips(subset: list[Change]) -> bool:
-            return run(subset, policy).outcome == "matches"
-
-        start: list[Change] | None = changes if flips(changes) else None
-        if start is None:
-            # One change may break the probe (an error) or undo the fix: try leaving each out once.
-            for c in changes if len(changes) > 1 else []:
-                rest = [x for x in changes if x is not c]
-                if flips(rest):
-                    start = rest
-                    result.notes.append(f"with every change the step does not match; without {c.label} it does")
-                    break
-        if start is None:
-            result.status = "no-fix"
-            errs = [t for t in tried if t.outcome == "error"]
-            if errs:
-                result.notes.append(f"{len(errs)} probe(s) failed, e.g. {errs[0].error}")
-            return _finish(result, state)
-        result.minimal = ddmin(start, flips)
-        result.status = "done"
-    except _Budget:
-        result.status = "incomplete"
-        result.notes.append(f"the state is saved in {state.path}")
-    finally:
-        result.probes_run = budget["new"]
-    return _finish(result, state)
-
-
-def _finish(result: ConfigBisection, state: BisectState) -> ConfigBisection:
-    if result.status != "incomplete":
-        state.data["done"] = True
-        state.data["result"] = {"status": result.status, "minimal": [c.label for c in result.minimal] if result.minimal else None}
-        state.save()
-    return result
+    ``replay.api.bisect_config`` takes a ``Part`` and fills in the rank and step."""
+    return ConfigSearch(recording, part_name, settings, announce=announce, on_probe=on_probe).run()
