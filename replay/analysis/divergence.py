@@ -7,12 +7,12 @@ under a second.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
 
+from replay.analysis.vote import vote
 from replay.format.reader import Part, RankFile
 
 __all__ = ["Divergence", "first_divergence", "vote"]
@@ -42,17 +42,6 @@ class Divergence:
     def __str__(self) -> str:
         odd = ", ".join(map(str, self.ranks))
         return f"step {self.step}: {self.field} differs on rank{'s' if len(self.ranks) > 1 else ''} {odd}"
-
-
-def vote(values: dict[int, int]) -> tuple[list[int], list[int]]:
-    """(majority, odd ones out). Ties go to the group holding the lowest rank."""
-    counts = Counter(values.values())
-    best = max(counts.values())
-    winners = [v for v, c in counts.items() if c == best]
-    win = min(winners, key=lambda v: min(r for r, x in values.items() if x == v))
-    majority = sorted(r for r, v in values.items() if v == win)
-    odd = sorted(r for r, v in values.items() if v != win)
-    return majority, odd
 
 
 def _field_ids(rf: RankFile, names: dict[str, int], prefix: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

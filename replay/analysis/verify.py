@@ -65,27 +65,40 @@ def _check_rank(part: Part, rf: RankFile, *, payload: bool) -> RankCheck:
         return c
     steps = t.steps["step"]
     c.steps = int(steps.size)
-    last = int(steps[-1]) if steps.size else None
-    c.last_step = last
-    kept = f"steps 0..{last} are kept" if last is not None else "no step was recorded"
+    c.last_step = int(steps[-1]) if steps.size else None
     if rf.live:
         c.notes.append("still recording (its process holds the journal)")
     elif not rf.sealed:
         c.notes.append("not sealed yet (a journal left by a process that ended without closing)")
-    problem = t.attrs.get("journal_problem")
+    _check_end(c, t.attrs, live=rf.live)
+    if steps.size and not np.array_equal(steps, np.arange(steps.size)):
+        gaps = np.flatnonzero(np.diff(steps) != 1)
+        c.problems.append(f"steps are not contiguous (first gap after step {int(steps[gaps[0]]) if gaps.size else '?'})")
+    if payload:
+        _check_payload(c, rf, t)
+    return c
+
+
+def _check_end(c: RankCheck, attrs: dict[str, Any], *, live: bool) -> None:
+    """How the rank's recording ended: a frame cut short, a stop, or no end marker (a kill)."""
+    last = c.last_step
+    kept = f"steps 0..{last} are kept" if last is not None else "no step was recorded"
+    problem = attrs.get("journal_problem")
     if problem:
         c.lost_tail(
-            f"journal ended inside a frame ({problem}): the last {t.attrs.get('lost_bytes', '?')} bytes, "
+            f"journal ended inside a frame ({problem}): the last {attrs.get('lost_bytes', '?')} bytes, "
             "an unfinished record, were dropped"
         )
-    stopped = t.attrs.get("stopped")
-    if stopped and not rf.live:
+    if live:
+        return
+    stopped = attrs.get("stopped")
+    if stopped:
         c.lost_tail(
             f"recording stopped {f'after step {last}' if last is not None else 'before its first step'} "
             f"({stopped}): {kept}; the steps the program ran after that were not recorded"
         )
-    elif not t.attrs.get("complete") and not rf.live:
-        if t.attrs.get("no_header"):
+    elif not attrs.get("complete"):
+        if attrs.get("no_header"):
             c.lost_tail("killed before it wrote its header: nothing was recorded")
         else:
             c.lost_tail(
@@ -93,29 +106,28 @@ def _check_rank(part: Part, rf: RankFile, *, payload: bool) -> RankCheck:
                 + (f"after step {last}: {kept}; anything it did after that was not recorded" if last is not None
                    else "before its first step: no step was recorded")
             )
-    if steps.size and not np.array_equal(steps, np.arange(steps.size)):
-        gaps = np.flatnonzero(np.diff(steps) != 1)
-        c.problems.append(f"steps are not contiguous (first gap after step {int(steps[gaps[0]]) if gaps.size else '?'})")
-    if payload:
-        stored = t.tensors[t.tensors["offset"] >= 0]
-        seen: set[tuple[int, int]] = set()
-        for row in stored:
-            key = (int(row["offset"]), int(row["nbytes"]))
-            if key in seen:  # deduplicated bytes: checked once
-                continue
-            seen.add(key)
-            try:
-                tensor = rf.read_tensor(row)
-            except ReplayError as e:
-                c.problems.append(str(e))
+
+
+def _check_payload(c: RankCheck, rf: RankFile, t: Any) -> None:
+    """Re-digest every stored tensor (deduplicated bytes once); stop after 20 problems."""
+    stored = t.tensors[t.tensors["offset"] >= 0]
+    seen: set[tuple[int, int]] = set()
+    for row in stored:
+        key = (int(row["offset"]), int(row["nbytes"]))
+        if key in seen:  # deduplicated bytes: checked once
+            continue
+        seen.add(key)
+        try:
+            tensor = rf.read_tensor(row)
+        except ReplayError as e:
+            c.problems.append(str(e))
+            break
+        c.tensors_checked += 1
+        if digest(tensor) != int(row["digest"]):
+            name = t.string(int(row["name"]))
+            c.problems.append(f"tensor {name!r} of step {int(row['step'])}: payload bytes do not match their digest")
+            if len(c.problems) > 20:
                 break
-            c.tensors_checked += 1
-            if digest(tensor) != int(row["digest"]):
-                name = t.string(int(row["name"]))
-                c.problems.append(f"tensor {name!r} of step {int(row['step'])}: payload bytes do not match their digest")
-                if len(c.problems) > 20:
-                    break
-    return c
 
 
 def verify_recording(rec: Recording, *, payload: bool = True) -> list[RankCheck]:

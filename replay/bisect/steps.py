@@ -23,6 +23,7 @@ from replay.analysis.divergence import first_divergence
 from replay.errors import UsageError
 from replay.format.reader import Part
 from replay.rerun.runner import Replayer
+from replay.states import StepsHow
 
 __all__ = ["Interval", "StepsBisection", "bisect_steps", "bisect_steps_rerun", "intervals"]
 
@@ -46,7 +47,7 @@ class Interval:
 class StepsBisection:
     recording: str
     part: str
-    how: str  # "ranks": recorded digests across ranks; "rerun": the recording against re-runs
+    how: StepsHow  # RANKS: recorded digests across ranks; RERUN: the recording against re-runs
     ranks: list[int]  # the ranks compared (how == "ranks") or the one re-run
     first: int | None  # the first step that differs
     field: str | None = None
@@ -62,7 +63,7 @@ class StepsBisection:
     notes: list[str] = _field(default_factory=list)
 
     def verdict(self) -> str:
-        if self.how == "ranks":
+        if self.how == StepsHow.RANKS:
             who = "ranks " + ", ".join(map(str, self.ranks))
             if self.first is None:
                 return f"{who} agree at every common step"
@@ -113,7 +114,7 @@ def bisect_steps(part: Part, *, ranks: list[int] | None = None, recording: str =
                          "to compare the recording with re-runs use --against-rerun")
     d = first_divergence(part, ranks=chosen)
     t = first_divergence(part, ranks=chosen, prefix="tokens.")
-    res = StepsBisection(recording=recording, part=part.name, how="ranks", ranks=chosen, first=None)
+    res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RANKS, ranks=chosen, first=None)
     if d is not None:
         res.first, res.field, res.odd, res.majority = d.step, d.field, d.ranks, d.majority
     if t is not None:
@@ -163,7 +164,7 @@ def bisect_steps_rerun(
     rp.check(ivs[0].first, hi)
     if rp.factory_name is not None:
         announce(f"importing factory {rp.factory_name} (named by the recording)" if factory is None else f"importing factory {factory} (--factory)")
-    res = StepsBisection(recording=recording, part=part.name, how="rerun", ranks=[rank], first=None, mode=mode,
+    res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RERUN, ranks=[rank], first=None, mode=mode,
                          steps_total=hi - lo + 1, exhaustive=exhaustive)
     done: dict[int, Interval] = {}
 
@@ -184,32 +185,39 @@ def bisect_steps_rerun(
 
     try:
         rp.build()
-        hit: Interval | None = None
-        if exhaustive:
-            for i in progress(range(len(ivs)), label=f"rank {rank}: re-running {len(ivs)} intervals"):
-                if probe(i).departed is not None:
-                    hit = done[i]
-                    break
-        else:
-            if probe(len(ivs) - 1).departed is not None:
-                a, b = 0, len(ivs) - 1  # invariant: interval b departs
-                while a < b:
-                    mid = (a + b) // 2
-                    if probe(mid).departed is not None:
-                        b = mid
-                    else:
-                        a = mid + 1
-                hit = done[b]
-            else:
-                res.notes.append("the last interval re-ran as recorded, so the search assumed no departure; "
-                                 "a rare (nondeterministic) departure needs --exhaustive")
+        hit = _first_departing(ivs, probe, done, exhaustive=exhaustive, res=res,
+                               progress=lambda it: progress(it, label=f"rank {rank}: re-running {len(ivs)} intervals"))
     finally:
         rp.close()
     if hit is not None:
         res.first, res.field = hit.departed, hit.field
-        earlier = [iv for iv in res.probes if iv.first < hit.first]
-        if earlier and all(iv.departed is None for iv in earlier) and not exhaustive:
-            unchecked = [iv for iv in ivs if iv.last < hit.first and iv not in res.probes]
-            if unchecked:
-                res.notes.append(f"{len(unchecked)} earlier interval(s) were not re-run (the search assumes a departure persists)")
+        _note_unchecked(res, ivs, hit)
     return res
+
+
+def _first_departing(ivs: list[Interval], probe: Callable[[int], Interval], done: dict[int, Interval], *, exhaustive: bool,
+                     res: StepsBisection, progress: Callable[[Iterable[int]], Iterable[int]]) -> Interval | None:
+    """The first interval whose re-run departs: in order (``exhaustive``), or by binary search
+    assuming a departure persists (the last interval is probed first: none there, none at all)."""
+    if exhaustive:
+        return next((done[i] for i in progress(range(len(ivs))) if probe(i).departed is not None), None)
+    if probe(len(ivs) - 1).departed is None:
+        res.notes.append("the last interval re-ran as recorded, so the search assumed no departure; "
+                         "a rare (nondeterministic) departure needs --exhaustive")
+        return None
+    a, b = 0, len(ivs) - 1  # invariant: interval b departs
+    while a < b:
+        mid = (a + b) // 2
+        if probe(mid).departed is not None:
+            b = mid
+        else:
+            a = mid + 1
+    return done[b]
+
+
+def _note_unchecked(res: StepsBisection, ivs: list[Interval], hit: Interval) -> None:
+    earlier = [iv for iv in res.probes if iv.first < hit.first]
+    if earlier and all(iv.departed is None for iv in earlier) and not res.exhaustive:
+        unchecked = [iv for iv in ivs if iv.last < hit.first and iv not in res.probes]
+        if unchecked:
+            res.notes.append(f"{len(unchecked)} earlier interval(s) were not re-run (the search assumes a departure persists)")

@@ -132,6 +132,12 @@ def _section(sid: str, how: str, body: str) -> str:
 
 
 def _summary(rep: Report) -> str:
+    verdict, grid = _verdict(rep), _facts(rep)
+    return _section("summary", "Where the ranks first disagree, and what to run next.",
+                    verdict + grid + "".join(_rank_notes(rep.summary)) + _next_commands(rep))
+
+
+def _verdict(rep: Report) -> str:
     d, t = rep.first_divergence, rep.first_token_divergence
     lines = []
     if d is None:
@@ -157,7 +163,11 @@ def _summary(rep: Report) -> str:
         lines.append(f"Tuner choice differs for <code>{_e(td['op'])}</code>: " + ", ".join(f"r{_e(r)} {_e(c)}" for r, c in td["choices"].items()))
     if len(s.get("kernel_differences", [])):
         lines.append(f"Captured graphs hold different kernels on different ranks ({len(s['kernel_differences'])} graph keys): see below.")
-    verdict = f'<div class="verdict {cls}">' + "".join(f'<div class="line">{x}</div>' for x in lines) + "</div>"
+    return f'<div class="verdict {cls}">' + "".join(f'<div class="line">{x}</div>' for x in lines) + "</div>"
+
+
+def _facts(rep: Report) -> str:
+    s = rep.summary
     complete = sum(1 for r in s.get("ranks", []) if r.get("complete"))
     eager = sum(r["eager_steps"] for r in rep.rank_runs)
     graphs = sum(r["graph_steps"] for r in rep.rank_runs)
@@ -171,7 +181,10 @@ def _summary(rep: Report) -> str:
         ("graph / eager steps", f"{graphs:,} / {eager:,}"),
         ("saved results", str(len(rep.results))),
     ]
-    grid = '<div class="facts">' + "".join(f'<div class="fact"><div class="k">{k}</div><div class="v">{v}</div></div>' for k, v in facts) + "</div>"
+    return '<div class="facts">' + "".join(f'<div class="fact"><div class="k">{k}</div><div class="v">{v}</div></div>' for k, v in facts) + "</div>"
+
+
+def _rank_notes(s: dict[str, Any]) -> list[str]:
     extra = []
     if s.get("missing_ranks"):
         extra.append(f"<p>Ranks with no file: {_e(', '.join(map(str, s['missing_ranks'])))}.</p>")
@@ -182,15 +195,18 @@ def _summary(rep: Report) -> str:
             extra.append(f"<p>Rank {r['rank']}: {_e(r['problem'])}</p>")
         if r.get("last_error"):
             extra.append(f"<p>Rank {r['rank']} raised: <code>{_e(r['last_error'])}</code></p>")
-    target = t or d
-    nxt = ""
-    if target is not None:
-        run = _e(rep.recording)
-        nxt = (
-            f'<pre class="cmd">replay step {run} --rank {target["ranks"][0]} --step {target["step"]} --mode both\n'
-            f'replay bisect {run} --rank {target["ranks"][0]} --step {target["step"]} --between eager,cudagraph</pre>'
-        )
-    return _section("summary", "Where the ranks first disagree, and what to run next.", verdict + grid + "".join(extra) + nxt)
+    return extra
+
+
+def _next_commands(rep: Report) -> str:
+    target = rep.first_token_divergence or rep.first_divergence
+    if target is None:
+        return ""
+    run = _e(rep.recording)
+    return (
+        f'<pre class="cmd">replay step {run} --rank {target["ranks"][0]} --step {target["step"]} --mode both\n'
+        f'replay bisect layers {run} --rank {target["ranks"][0]} --step {target["step"]} --between eager,cudagraph</pre>'
+    )
 
 
 def _agreement(rep: Report) -> str:
@@ -293,6 +309,16 @@ def _pill(verdict: Any) -> str:
 
 
 def _result_step(r: dict[str, Any]) -> str:
+    """A saved ``replay step`` result: what ran, per mode what it found, and its verdicts.
+
+    Saved results are data from disk: every field is checked for its type before it is shown."""
+    lines = [_step_head(r)] + _mode_facts(r.get("modes"))
+    notes = [n for n in r.get("notes") or [] if isinstance(n, str)] if isinstance(r.get("notes"), list) else []
+    extra = "".join(f'<p class="none">{_e(n)}</p>' for n in notes[:10])
+    return "".join(f"<p>{x}</p>" for x in lines) + _verdict_table(r.get("verdicts")) + extra
+
+
+def _step_head(r: dict[str, Any]) -> str:
     head = [f"rank {_fmt(r.get('rank'))}, step {_fmt(r.get('step'))}"]
     modes = r.get("modes")
     if isinstance(modes, dict):
@@ -302,20 +328,29 @@ def _result_step(r: dict[str, Any]) -> str:
     for key, label in (("device", "on"), ("keyframe", "from keyframe at step")):
         if isinstance(r.get(key), (str, int)) and not isinstance(r.get(key), bool):
             head.append(f"{label} {_fmt(r[key])}")
-    lines = [", ".join(head)]
-    if isinstance(modes, dict):
-        for name, m in modes.items():
-            if not isinstance(m, dict):
-                continue
-            facts = []
-            if isinstance(m.get("repeats_equal"), bool):
-                facts.append("repeats equal" if m["repeats_equal"] else "<b>repeats differ</b> (nondeterministic)")
-            dep = m.get("departed")
-            if isinstance(dep, dict):
-                facts.append(f"departed from the recording at step {_fmt(dep.get('step'))} ({_fmt(dep.get('field'))})")
-            if facts:
-                lines.append(f"{_e(name)}: " + "; ".join(facts))
-    verdicts = [v for v in r.get("verdicts") or [] if isinstance(v, dict)]
+    return ", ".join(head)
+
+
+def _mode_facts(modes: Any) -> list[str]:
+    if not isinstance(modes, dict):
+        return []
+    lines = []
+    for name, m in modes.items():
+        if not isinstance(m, dict):
+            continue
+        facts = []
+        if isinstance(m.get("repeats_equal"), bool):
+            facts.append("repeats equal" if m["repeats_equal"] else "<b>repeats differ</b> (nondeterministic)")
+        dep = m.get("departed")
+        if isinstance(dep, dict):
+            facts.append(f"departed from the recording at step {_fmt(dep.get('step'))} ({_fmt(dep.get('field'))})")
+        if facts:
+            lines.append(f"{_e(name)}: " + "; ".join(facts))
+    return lines
+
+
+def _verdict_table(raw: Any) -> str:
+    verdicts = [v for v in raw or [] if isinstance(v, dict)] if isinstance(raw, list) else []
     has_output = any("output" in v for v in verdicts)
     cols = ["max_abs", "max_rel", "ulp", "argmax_agree", "topk_overlap", "margin"]
     rows = []
@@ -323,12 +358,12 @@ def _result_step(r: dict[str, Any]) -> str:
         diff = f"{_fmt(v.get('mismatched'))} / {_fmt(v.get('numel'))}" if v.get("numel") else "–"
         row = [_fmt(v.get("a")), _fmt(v.get("b"))] + ([_fmt(v.get("output"))] if has_output else [])
         rows.append(row + [_pill(v.get("verdict", "?"))] + [_fmt(v.get(c)) for c in cols] + [diff, _fmt(v.get("note", ""))])
-    heads = ["a", "b"] + (["output"] if has_output else []) + ["verdict", "max abs", "max rel", "ulp", "argmax agrees", "top-k overlap", "margin", "elements differ", "note"]
+    if not rows:
+        return '<p class="none">No verdicts recorded.</p>'
+    heads = ["a", "b"] + (["output"] if has_output else []) + ["verdict", "max abs", "max rel", "ulp", "argmax agrees",
+                                                               "top-k overlap", "margin", "elements differ", "note"]
     first_num = 4 if has_output else 3
-    table = _table(heads, rows, set(range(first_num, first_num + 7))) if rows else '<p class="none">No verdicts recorded.</p>'
-    notes = [n for n in r.get("notes") or [] if isinstance(n, str)] if isinstance(r.get("notes"), list) else []
-    extra = "".join(f'<p class="none">{_e(n)}</p>' for n in notes[:10])
-    return "".join(f"<p>{x}</p>" for x in lines) + table + extra
+    return _table(heads, rows, set(range(first_num, first_num + 7)))
 
 
 def _result_bisect_steps(r: dict[str, Any]) -> str:
