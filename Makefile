@@ -4,11 +4,13 @@ PYTEST ?= $(PYTHON) -m pytest
 # Tests run the package from this checkout, installed or not (the GPU machine has no network).
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: setup demo test test-gpu test-slow bench soak report-check clean help
+.PHONY: setup demo test test-e2e test-all test-gpu test-slow bench soak report-check clean help
 
 help:
 	@echo "make demo      record the reference engine drifting on CPU, show the divergence, re-run the step"
-	@echo "make test      the CPU test suite (what CI runs)"
+	@echo "make test      the fast CPU suite (what CI runs): unit tests, architecture checks, an end-to-end smoke"
+	@echo "make test-e2e  the multi-process end-to-end CPU tests (minutes)"
+	@echo "make test-all  both"
 	@echo "make test-gpu  GPU tests (one or two CUDA GPUs)"
 	@echo "make bench     recorder overhead, digest and writer throughput, info speed"
 	@echo "make soak      long recording soak run (8 ranks, thousands of steps)"
@@ -23,8 +25,18 @@ setup: .make/setup
 demo: setup
 	$(PYTHON) scripts/demo.py
 
+CPU := not gpu and not multigpu and not slow
+
+# The end-to-end tests that record multi-process runs take most of the time; `make test` keeps
+# only those marked smoke (tests/test_architecture.py, the layer and complexity checks, runs here).
 test: setup
-	$(PYTEST) -q -m "not gpu and not multigpu and not slow" -p no:cacheprovider
+	$(PYTEST) -q -m "$(CPU) and (not e2e or smoke)" -p no:cacheprovider
+
+test-e2e: setup
+	$(PYTEST) -q -m "$(CPU) and e2e and not smoke" -p no:cacheprovider
+
+test-all: setup
+	$(PYTEST) -q -m "$(CPU)" -p no:cacheprovider
 
 test-gpu: setup
 	$(PYTEST) -q -m "gpu or multigpu" -p no:cacheprovider

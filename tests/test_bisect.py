@@ -158,6 +158,7 @@ def test_taps_pair_outputs_and_name_what_never_fired() -> None:
 # -- steps ------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_steps_between_ranks_from_digests(recs: dict[str, Path], run_cli: Any) -> None:
     d = bisect(run_cli, recs["toy"], "--steps")
     assert (d["kind"], d["how"], d["first"], d["odd"], d["majority"]) == ("bisect-steps", "ranks", 6, [1], [0, 2])
@@ -168,6 +169,7 @@ def test_steps_between_ranks_from_digests(recs: dict[str, Path], run_cli: Any) -
     assert (d["first"], d["odd"], d["field"]) == (0, [1], "output.logits")
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_steps_against_rerun_bisects_keyframe_intervals(recs: dict[str, Path], run_cli: Any) -> None:
     """A re-run made to depart from step 5 (keyframes every 4: intervals 0-3, 4-7, 8-11): the
     search re-runs the last interval, then the middle one, then the first, and names step 5."""
@@ -179,6 +181,7 @@ def test_steps_against_rerun_bisects_keyframe_intervals(recs: dict[str, Path], r
     assert bisect(run_cli, recs["toy"], *args)["first"] is None
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_steps_against_rerun_finds_the_baked_value(recs: dict[str, Path], run_cli: Any) -> None:
     """Recorded under a graph that baked in one KV page: an eager re-run departs at the first
     step that needs two; a graph re-run reproduces every step."""
@@ -192,6 +195,7 @@ def test_steps_against_rerun_finds_the_baked_value(recs: dict[str, Path], run_cl
 
 
 @pytest.mark.parametrize("between", ["eager,cudagraph", "recorded,rerun"])
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_layers_name_the_attention_that_reads_the_baked_page_count(recs: dict[str, Path], run_cli: Any, between: str) -> None:
     step = departure_step(recs["baked"])
     d = bisect(run_cli, recs["baked"], "--rank", 0, "--step", step, "--between", between)
@@ -208,6 +212,7 @@ def test_layers_name_the_attention_that_reads_the_baked_page_count(recs: dict[st
     assert json.loads(Path(d["saved_to"]).read_text())["first"] == d["first"]
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_layers_name_the_layer_the_stale_padding_corrupts(recs: dict[str, Path], run_cli: Any) -> None:
     """Padded rows keep a real request's slot and pages: the graph's mixer writes the padded row's
     KV (attention) or state (recurrence) into that request, which then reads it back."""
@@ -224,6 +229,7 @@ def test_layers_name_the_layer_the_stale_padding_corrupts(recs: dict[str, Path],
     assert any("padding" in m["note"] for m in d["modules"])
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_layers_rank_against_rank_name_the_moe_combine(recs: dict[str, Path], run_cli: Any) -> None:
     d = bisect(run_cli, recs["tactic"], "--between", "rank:0,rank:1", "--no-save")
     assert d["step"] == 0 and d["ranks"] == [0, 1]
@@ -236,6 +242,7 @@ def test_layers_rank_against_rank_name_the_moe_combine(recs: dict[str, Path], ru
     assert only["first"] == "layers.0.moe.combine"
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_layers_tensor_parallel_one_shot_all_reduce(recs: dict[str, Path], run_cli: Any) -> None:
     d = bisect(run_cli, recs["tp"], "--between", "rank:0,rank:1", "--step", 0, "--no-save")
     local = [m["name"] for m in d["modules"] if m["rank_local"]]
@@ -245,6 +252,7 @@ def test_layers_tensor_parallel_one_shot_all_reduce(recs: dict[str, Path], run_c
     assert d["maker"] == "layers.0.attn" and d["maker"] not in local
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_layers_errors_are_one_line(recs: dict[str, Path], run_cli: Any) -> None:
     for args, words in [
         (["--rank", 0, "--between", "eager,cudagraph"], "give --step"),
@@ -263,6 +271,7 @@ def test_layers_errors_are_one_line(recs: dict[str, Path], run_cli: Any) -> None
 # -- settings ---------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_config_names_the_forced_tactic_and_resumes(recs: dict[str, Path], run_cli: Any) -> None:
     rec = recs["tactic"]
     settings = ConfigBisectSettings(rank=1, step=0, toggles=["force_tactic", "deterministic"], max_probes=2)
@@ -283,6 +292,7 @@ def test_config_names_the_forced_tactic_and_resumes(recs: dict[str, Path], run_c
      ("baked", "bug_baked_kv_len", "bug_baked_kv_len=false")],
     ids=["stale-padding", "baked-value"],
 )
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_config_names_the_graph_hazard(recs: dict[str, Path], run_cli: Any, name: str, toggles: str, expect: str) -> None:
     rec = recs[name]
     step = departure_step(rec) if name == "baked" else 1
@@ -292,6 +302,7 @@ def test_config_names_the_graph_hazard(recs: dict[str, Path], run_cli: Any, name
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_config_live_names_the_one_shot_all_reduce(recs: dict[str, Path], run_cli: Any) -> None:
     """All four ranks re-run together with live (gloo) collectives for each probe."""
     d = bisect(run_cli, recs["tp"], "--config", "--rank", 1, "--step", 0, "--criterion", "live",
@@ -302,6 +313,7 @@ def test_config_live_names_the_one_shot_all_reduce(recs: dict[str, Path], run_cl
 # -- the sub-commands, and what the old one-command form maps onto -----------------------------
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_subcommands_answer_as_the_old_flags_do(recs: dict[str, Path], run_cli: Any) -> None:
     new = run_cli("bisect", "steps", recs["toy"], "--no-save", "--json")
     old = run_cli("bisect", recs["toy"], "--steps", "--no-save", "--json")
@@ -334,6 +346,7 @@ def hidden(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_config_reproduce_finds_what_the_recording_environment_had(hidden: Path, run_cli: Any) -> None:
     assert "HIDDEN_DOUBLE" not in os.environ  # the probes re-run without it
     res = run_cli("bisect", "config", hidden, "--rank", 0, "--step", 2, "--no-save", "--json")
@@ -346,3 +359,14 @@ def test_config_reproduce_finds_what_the_recording_environment_had(hidden: Path,
     text = run_cli("bisect", "config", hidden, "--rank", 0, "--step", 2, "--no-save")
     assert text.code == 0 and text.out.splitlines()[0].startswith("rank 0, step 2: the smallest set of toggles that makes it "
                                                                   "match the recording")
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke  # kept in `make test`: record a real process, read it, re-run it, bisect it
+def test_smoke_record_info_and_bisect_a_rerun(hidden: Path, run_cli: Any) -> None:
+    info = run_cli("info", hidden, "--json")
+    assert info.code == 0 and [r["steps"] for r in info.json()["ranks"]] == [4]
+    d = bisect(run_cli, hidden, "--steps", "--against-rerun", "--rank", 0, "--no-save")
+    assert (d["how"], d["first"], d["field"]) == ("rerun", 0, "output.logits")  # HIDDEN_DOUBLE is not set here
+    d = run_cli("bisect", "steps", hidden, "--against-rerun", "--exhaustive", "--set", "double=true", "--no-save", "--json")
+    assert d.code == 0 and d.json()["first"] is None and len(d.json()["probes"]) == 2  # keyframes every 2 steps

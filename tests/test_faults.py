@@ -333,12 +333,14 @@ def scenario(ran: dict[str, dict[str, Run]], name: str) -> Run:
     return rec
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_sigkill_one_rank(ran: dict[str, dict[str, Run]], run_cli: Any) -> None:
     rec = scenario(ran, "kill-one")
     last = check_kept(rec, 2)
     assert_reports_loss(run_cli, rec, {1}, last)
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_sigkill_all_ranks(ran: dict[str, dict[str, Run]], run_cli: Any) -> None:
     # Without the recorder the launcher itself is killed (137); with it, `replay record` survives
     # the kill of its command's group and returns the same code.
@@ -347,11 +349,13 @@ def test_sigkill_all_ranks(ran: dict[str, dict[str, Run]], run_cli: Any) -> None
     assert_reports_loss(run_cli, rec, {0, 1}, last)
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_sigkill_at_a_random_moment(ran: dict[str, dict[str, Run]], run_cli: Any) -> None:
     rec = scenario(ran, "kill-random")
     check_trial(rec, run_cli, world=3, steps=60, stats=KillStats())
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_rank_raises_mid_step(ran: dict[str, dict[str, Run]], run_cli: Any) -> None:
     rec = scenario(ran, "raise")
     last = check_kept(rec, 2)
@@ -366,6 +370,7 @@ def test_rank_raises_mid_step(ran: dict[str, dict[str, Run]], run_cli: Any) -> N
     assert info.code == 0 and "rank 1 raised: ValueError: rank 1 raised at step 5" in info.out
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_hung_collective_ended_by_program_timeout(ran: dict[str, dict[str, Run]], run_cli: Any) -> None:
     rec = scenario(ran, "hang")
     last = check_kept(rec, 2)
@@ -378,6 +383,7 @@ def test_hung_collective_ended_by_program_timeout(ran: dict[str, dict[str, Run]]
 
 
 @pytest.mark.parametrize("name", ["sigint", "sigterm"])
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_wrapper_interrupted(ran: dict[str, dict[str, Run]], run_cli: Any, name: str) -> None:
     rec = scenario(ran, name)
     last = check_kept(rec, 2)
@@ -388,6 +394,7 @@ def test_wrapper_interrupted(ran: dict[str, dict[str, Run]], run_cli: Any, name:
     assert code == 0, text
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_size_limit_stops_recording_not_the_program(ran: dict[str, dict[str, Run]], run_cli: Any) -> None:
     rec = scenario(ran, "max-bytes")
     assert all(len(rec.completed(r)) == 30 for r in (0, 1))

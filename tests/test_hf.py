@@ -64,6 +64,7 @@ def _step(run_cli, rec: Path, *args: object) -> dict:
 # -- one rank, eager -------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_one_rank_records_every_step(recordings, run_cli):
     info = run_cli("info", recordings["one"], "--json").json()
     assert info["world_size"] == 1
@@ -71,6 +72,7 @@ def test_one_rank_records_every_step(recordings, run_cli):
     assert info["first_divergence"] is None
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_one_rank_step_reruns_bit_for_bit(recordings, run_cli):
     """Keyframe at step 3, step 4 fast-forwarded to: the static cache is the whole state, and the
     cache passed as an argument is the rebuilt engine's."""
@@ -79,6 +81,7 @@ def test_one_rank_step_reruns_bit_for_bit(recordings, run_cli):
     assert eager["vs_recording"]["logits"]["verdict"] == "bitwise equal"
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_one_rank_bisect_recorded_against_rerun(recordings, run_cli):
     res = run_cli("bisect", recordings["one"], "--rank", 0, "--step", 5, "--between", "recorded,rerun", "--json", "--no-save")
     assert res.code == 0, res.err
@@ -92,6 +95,7 @@ def test_one_rank_bisect_recorded_against_rerun(recordings, run_cli):
 # -- two ranks, tensor-parallel over gloo, rank 1 perturbed ------------------------------------------
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_tp_functional_collectives_are_recorded(recordings):
     """DTensor reduces through torch's functional collectives: two all-reduces per layer per step,
     the same output bits on both ranks, different inputs (each rank's partial sum)."""
@@ -110,12 +114,14 @@ def test_tp_functional_collectives_are_recorded(recordings):
     assert all(a != b for a, b in zip(rows[0]["in_digest"], rows[1]["in_digest"]))
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_tp_info_finds_the_planted_step(recordings, run_cli):
     info = run_cli("info", recordings["tp"], "--json").json()
     d = info["first_divergence"]
     assert (d["step"], d["field"], d["ranks"]) == (PLANTED_AT, "output.logits", [1])
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_tp_one_rank_alone_replays_its_collectives(recordings, run_cli):
     """Rank 1 alone on a fake process group: its all-reduces answer from the recording, its own
     inputs to them match the recorded digests, and it reproduces its (perturbed) bits."""
@@ -129,6 +135,7 @@ def test_tp_one_rank_alone_replays_its_collectives(recordings, run_cli):
     assert before["matches_ranks"]["logits"] == [0, 1]  # before the planted step both ranks agree
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_tp_all_ranks_with_live_collectives(recordings, run_cli):
     res = run_cli("step", recordings["tp"], "--ranks", "0-1", "--step", 4, "--mode", "eager", "--json", "--no-save")
     assert res.code == 0, res.err
@@ -139,6 +146,7 @@ def test_tp_all_ranks_with_live_collectives(recordings, run_cli):
         assert r["modes"]["eager"]["vs_recording"]["logits"]["verdict"] == "bitwise equal"
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_tp_bisect_names_the_planted_module(recordings, run_cli):
     """At the first step where the ranks disagree, the first module that differs (shards aside) is
     the one whose weight was perturbed; the shards of the sharded projections are rank-local."""

@@ -401,6 +401,7 @@ def test_ranks_run_an_injected_sitecustomize(spawned: SpawnedRun) -> None:
     assert len(spawned.started) >= 2  # both ranks (and maybe the resource tracker)
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_clean_ranks_stay_identical(two_ranks: dict[str, list[RankResult]]) -> None:
     r0, r1 = two_ranks["clean"]
     assert r0.error is None and r1.error is None and r0.steps == r1.steps == STEPS
@@ -408,6 +409,7 @@ def test_clean_ranks_stay_identical(two_ranks: dict[str, list[RankResult]]) -> N
     assert r0.graph_steps == STEPS
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_forced_tactic_drifts_in_replicated_layout(two_ranks: dict[str, list[RankResult]]) -> None:
     for r in two_ranks["drift"]:
         assert r.error_type == "RankDriftError", r.error
@@ -416,12 +418,14 @@ def test_forced_tactic_drifts_in_replicated_layout(two_ranks: dict[str, list[Ran
     assert two_ranks["drift"][1].tuner_choices == {"moe_combine": "bf16"}
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_tp_keeps_lockstep_despite_forced_tactic(two_ranks: dict[str, list[RankResult]]) -> None:
     r0, r1 = two_ranks["drift-tp"]
     assert r0.error is None and r1.error is None and r0.steps == STEPS
     assert r0.tokens == r1.tokens and r0.logits_digests == r1.logits_digests
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_broadcast_tokens_completes_and_hides_drift(two_ranks: dict[str, list[RankResult]]) -> None:
     r0, r1 = two_ranks["drift-broadcast"]
     assert r0.error is None and r1.error is None and r0.steps == STEPS
@@ -429,11 +433,13 @@ def test_broadcast_tokens_completes_and_hides_drift(two_ranks: dict[str, list[Ra
     assert r0.overridden_steps == 0 and r1.overridden_steps > 0
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_broadcast_tuner_agrees_across_ranks(two_ranks: dict[str, list[RankResult]]) -> None:
     r0, r1 = two_ranks["tuner-broadcast"]
     assert r0.error is None and r0.tuner_choices == r1.tuner_choices and "moe_combine.m16" in r0.tuner_choices
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_tp_matches_replicated_first_steps(four_ranks: dict[str, list[RankResult]]) -> None:
     _, replicated = run_steps(3)
     for r in four_ranks["tp"]:
@@ -444,12 +450,14 @@ def test_tp_matches_replicated_first_steps(four_ranks: dict[str, list[RankResult
     assert len({r.logits_digests[0] for r in four_ranks["tp"]}) == 1
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_one_shot_allreduce_gives_ranks_different_bits(four_ranks: dict[str, list[RankResult]]) -> None:
     results = four_ranks["tp-one-shot"]
     assert all(r.error in (None,) or r.error_type == "RankDriftError" for r in results)
     assert len({r.logits_digests[0] for r in results}) > 1
 
 
+@pytest.mark.e2e  # multi-process, module-scoped fixture: `make test-e2e`
 def test_drift_names_the_odd_rank_out(four_ranks: dict[str, list[RankResult]]) -> None:
     for r in four_ranks["drift-rank2"]:
         assert r.error_type == "RankDriftError", r.error

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from replay.analysis.divergence import Divergence, first_divergence
-from replay.errors import FormatVersionError, OutOfRange, RecordingDamaged
+from replay.errors import FormatVersionError, RecordingDamaged
 from replay.format.reader import Part, RankFile, Recording
 from replay.format.schema import RunMode, StepStatus
 
@@ -182,11 +182,3 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         out["tuner_differences"] = _tuner_differences(part)
         out["kernel_differences"] = _kernel_differences(part)
     return out
-
-
-def check_rank_step(part: Part, rank: int, step: int) -> RankFile:
-    rf = part[rank]
-    if rf.n_steps == 0:
-        raise OutOfRange(f"rank {rank} recorded no steps")
-    rf.step(step)
-    return rf

@@ -1,14 +1,14 @@
 """Bisection: the first step, the first layer and the smallest setting where a step diverges."""
 
-from replay.bisect.config import ConfigBisection, ConfigBisectSettings, bisect_config
+from replay.bisect.config import ConfigBisection, ConfigBisectSettings, Criterion, bisect_config
 from replay.bisect.layers import LayersBisection, Side, bisect_layers, parse_between
-from replay.format.results import save_result
 from replay.bisect.steps import StepsBisection, bisect_steps, bisect_steps_rerun
 from replay.bisect.taps import TapCapture, Taps
 
 __all__ = [
     "ConfigBisectSettings",
     "ConfigBisection",
+    "Criterion",
     "LayersBisection",
     "Side",
     "StepsBisection",
@@ -19,5 +19,4 @@ __all__ = [
     "bisect_steps",
     "bisect_steps_rerun",
     "parse_between",
-    "save_result",
 ]

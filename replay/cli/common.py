@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -15,8 +14,8 @@ from replay.format.reader import Recording, resolve_recording
 from replay.states import RESULTS_FORMAT_VERSION
 from replay.textsafe import escape
 
-__all__ = ["run_argument", "json_option", "part_option", "open_run", "emit_json", "save_and_emit", "default_root", "is_tty",
-           "parse_options", "parse_ranks", "report_unreadable", "split_list", "unreadable_exit"]
+__all__ = ["run_argument", "json_option", "part_option", "open_run", "emit_json", "save_and_emit", "default_root",
+           "parse_options", "parse_ranks", "report_unreadable", "split_list"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,11 +55,6 @@ def open_run(run: Path | None, root: str, *, quiet: bool = False) -> Recording:
 
 def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
-
-
-def unreadable_exit(summary: dict[str, Any]) -> int:
-    """``report_unreadable`` of a part summary (``summarize_part``'s dict)."""
-    return report_unreadable(summary["part"], summary.get("unreadable_ranks") or [])
 
 
 def report_unreadable(part: str, bad: list[dict[str, Any]]) -> int:
@@ -142,7 +136,3 @@ def save_and_emit(path: Path, data: dict[str, Any], text: str, *, save: bool, as
     click.echo(text)
     if data.get("saved_to"):
         click.echo(f"saved {escape(data['saved_to'])}", err=True)
-
-
-def is_tty() -> bool:
-    return sys.stdout.isatty()

@@ -109,10 +109,6 @@ def _png(fig: Any, *, tight: bool = False) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _extent_x(rep: Report) -> tuple[float, float]:
-    return rep.first_step - 0.5, rep.last_step + 0.5
-
-
 def _rank_ticks(ax: Any, ranks: list[int]) -> None:
     n = len(ranks)
     every = 1 if n <= 24 else math.ceil(n / 16)
