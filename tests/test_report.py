@@ -194,6 +194,7 @@ def test_saved_results_are_data_and_odd_ones_are_skipped(diverged, tmp_path, run
         "g-nokind.json": {"rank": 1},
         "h-list.json": [1, 2, 3],
         "i-script.json": {"kind": "step", "rank": "<script>alert(1)</script>", "verdicts": []},
+        "j-newer.json": {"kind": "bisect-steps", "format_version": 99, "first": 1234567},
     }
     for name, obj in files.items():
         (res_dir / name).write_text(json.dumps(obj))
@@ -208,8 +209,10 @@ def test_saved_results_are_data_and_odd_ones_are_skipped(diverged, tmp_path, run
     assert "d-future.json (kind bisect-quantum)" in page and "g-nokind.json" in page
     assert "h-list.json: not a JSON object" in page and "z-broken.json: not readable JSON" in page
     assert "&lt;script&gt;" in page
+    # A result a newer replay saved is named, not misread.
+    assert "j-newer.json: written by a newer replay (results format_version 99)" in page and "1234567" not in page
     data = run_cli("report", rec, "--json").json()
-    assert sorted(r["_file"] for r in data["results"]) == sorted(n for n in files if n != "h-list.json")
+    assert sorted(r["_file"] for r in data["results"]) == sorted(n for n in files if n not in ("h-list.json", "j-newer.json"))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "missing", "not-a-recording", "bad-part"])
@@ -325,3 +328,22 @@ def test_colour_only_on_a_terminal(monkeypatch):
     assert "\x1b[" in render.fmt_verdict("different")
     monkeypatch.setenv("NO_COLOR", "1")
     assert render.style("x", fg="red") == "x"
+
+
+@pytest.mark.parametrize(
+    "ranks, diverge_rank, field", [(4, 2, "output"), (3, 0, "input"), (5, 4, "tokens"), (2, 1, "output")],
+    ids=["four-ranks", "rank-0-inputs", "five-ranks-tokens", "two-ranks"],
+)
+def test_info_and_report_agree_on_where_and_who(tmp_path, run_cli, ranks, diverge_rank, field):
+    """One vote and one search: the report's map marks, at the first divergence info names, exactly
+    the ranks info names odd; no step before it differs."""
+    rec = make_recording(tmp_path, ranks=ranks, steps=9, diverge_at=3, diverge_rank=diverge_rank, field=field)
+    info = run_cli("info", rec, "--json").json()
+    rep = run_cli("report", rec, "--json").json()
+    d = info["first_divergence"]
+    assert rep["first_divergence"] == d and d["step"] == 3
+    cells = np.array(rep["agreement"]["cells"])
+    col = rep["bins"]["first_steps"].index(d["step"])
+    odd = [r for i, r in enumerate(rep["agreement"]["ranks"]) if cells[i, col] > Cell.GRAPH]
+    assert odd == d["ranks"]
+    assert rep["agreement"]["divergent_steps"]["first"][0] == d["step"]

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from replay.states import RESULTS_FORMAT_VERSION
+
 __all__ = ["load_results"]
 
 _MAX_RESULT_BYTES = 4 << 20
@@ -36,6 +38,11 @@ def load_results(recording: Path) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         if obj.get("kind") == "bisect-state" or p.name.startswith("bisect-state-"):
             continue  # an interrupted bisection's working state, not a result
+        version = obj.get("format_version", 1)  # results saved before versions were written are version 1
+        if not isinstance(version, int) or isinstance(version, bool) or version > RESULTS_FORMAT_VERSION:
+            skipped.append(f"{p.name}: written by a newer replay (results format_version {version!r}); "
+                           f"this one reads up to {RESULTS_FORMAT_VERSION}")
+            continue
         obj = dict(obj)
         obj["_file"] = p.name
         obj.setdefault("_mtime", p.stat().st_mtime)
