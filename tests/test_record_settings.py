@@ -1,0 +1,68 @@
+"""`replay.record.settings`: what `replay record` tells every process it starts, from the command
+line and `[tool.replay]`, checked where it enters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from replay.record import settings as S
+from replay.record.settings import RecordSettings, load_pyproject_settings
+
+
+def test_round_trip_through_the_environment_keeps_every_field() -> None:
+    s = RecordSettings(steps=["pkg.engine:Engine.step"], state="state_tensors", keyframe_every=4, ring=0,
+                       collectives="full", probes=["pkg.layers:attn"], outputs=["logits", "tokens"])
+    assert RecordSettings.from_env(s.to_env()) == s
+
+
+def test_a_newer_recorder_s_unknown_field_is_ignored_by_an_older_process() -> None:
+    text = RecordSettings(ring=3).to_env().replace('"ring": 3', '"ring": 3, "from_the_future": 1')
+    assert RecordSettings.from_env(text).ring == 3
+
+
+def test_command_line_overrides_pyproject_and_lists_add_up() -> None:
+    base = RecordSettings(steps=["a:f"], ring=16, state="s")
+    m = base.merged(steps=["b:g", "a:f"], ring=0, state=None, probes=[], keyframe_every=None)
+    assert m.steps == ["a:f", "b:g"]  # added, once each, in order
+    assert m.ring == 0  # 0 given on the command line is a value, not "not given"
+    assert m.state == "s" and m.keyframe_every == 50  # None / empty: not given
+
+
+@pytest.mark.parametrize("bad", [{"steps": ["no_colon"]}, {"probes": ["x"]}, {"keyframe_every": -1}, {"ring": -2}],
+                         ids=["step", "probe", "keyframe", "ring"])
+def test_bad_values_are_refused_where_they_enter(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        RecordSettings(**bad)
+
+
+def test_pyproject_nearest_table_with_hyphenated_keys(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.replay]\nsteps = ["outer:f"]\n')
+    inner = tmp_path / "pkg" / "sub"
+    inner.mkdir(parents=True)
+    (tmp_path / "pkg" / "pyproject.toml").write_text('[tool.replay]\nkeyframe-every = 7\nstate = "kv"\n')
+    assert load_pyproject_settings(inner) == {"keyframe_every": 7, "state": "kv"}  # the nearest file only
+    assert load_pyproject_settings(tmp_path) == {"steps": ["outer:f"]}
+    assert RecordSettings(**load_pyproject_settings(inner)).keyframe_every == 7
+
+
+def test_pyproject_without_a_table_or_with_unknown_keys(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert load_pyproject_settings(tmp_path) == {}
+    (tmp_path / "pyproject.toml").write_text('[tool.replay]\nkeyframes = 3\n')
+    with pytest.raises(ValueError, match="unknown \\[tool.replay\\] keys: keyframes"):
+        load_pyproject_settings(tmp_path)
+    (tmp_path / "pyproject.toml").write_text('[tool.replay\n')
+    with pytest.raises(ValueError, match="cannot read"):
+        load_pyproject_settings(tmp_path)
+
+
+def test_current_reads_what_replay_record_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(S.ENV_DIR, raising=False)
+    monkeypatch.delenv(S.ENV_SETTINGS, raising=False)
+    assert S.current() is None
+    monkeypatch.setenv(S.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(S.ENV_SETTINGS, RecordSettings(ring=5).to_env())
+    got = S.current()
+    assert got is not None and got[0] == tmp_path and got[1].ring == 5
