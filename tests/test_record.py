@@ -22,6 +22,7 @@ def replay_cmd(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: i
     return subprocess.run([sys.executable, "-m", "replay", *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.e2e  # multi-process, 35-90 s on two loaded cores: `make test-e2e`
 def test_plain_script_records_with_step_and_exit_code_passes_through(tmp_path):
     out = tmp_path / "rec"
     p = replay_cmd("record", "--out", str(out), "--step", "plain_engine_script:MyEngine.step", "--state", "state",
@@ -42,6 +43,7 @@ def test_plain_script_records_with_step_and_exit_code_passes_through(tmp_path):
     assert manifest["exit_code"] == 5 and manifest["status"] == "complete"
 
 
+@pytest.mark.e2e  # multi-process, 35-90 s on two loaded cores: `make test-e2e`
 def test_second_engine_in_the_same_process_group_is_a_new_part(tmp_path, run_cli):
     out = tmp_path / "two"
     p = replay_cmd("record", "--out", str(out), "--quiet", "--step", "plain_engine_script:MyEngine.step", "--state", "state",
@@ -76,6 +78,7 @@ def pytest_recording(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e  # multi-process, 35-90 s on two loaded cores: `make test-e2e`
 def test_one_part_per_run_and_info_names_the_one_that_diverged(pytest_recording, run_cli):
     data = run_cli("info", pytest_recording, "--json").json()
     parts = {p["name"]: p["diverged"] for p in data["parts"]}
@@ -88,6 +91,7 @@ def test_one_part_per_run_and_info_names_the_one_that_diverged(pytest_recording,
     assert res.code == 2 and "run-000, run-001" in res.err
 
 
+@pytest.mark.e2e  # multi-process, 35-90 s on two loaded cores: `make test-e2e`
 def test_two_simulated_nodes_share_one_recording(tmp_path, run_cli):
     """Two torchrun launches with distinct node ranks and one --out: one recording, no clobbering."""
     out = tmp_path / "shared"
@@ -126,6 +130,7 @@ def test_two_simulated_nodes_share_one_recording(tmp_path, run_cli):
     assert len(data["parts"]) == 1
 
 
+@pytest.mark.e2e  # multi-process, 35-90 s on two loaded cores: `make test-e2e`
 def test_check_lockstep_flushes_the_ring_and_can_stop(tmp_path, run_cli):
     out = tmp_path / "ls"
     p = replay_cmd("record", "--out", str(out), "--quiet", "--check-lockstep", "--stop-on-divergence", "--ring", "4",
