@@ -93,7 +93,7 @@ def serve(request: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m replay.bisect.probe REQUEST.json RESULT.json (internal to replay bisect --config)", file=sys.stderr)
+        print("usage: python -m replay.bisect.probe REQUEST.json RESULT.json (internal to replay bisect config)", file=sys.stderr)
         return 2
     request = json.loads(Path(args[0]).read_text())
     try:
