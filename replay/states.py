@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["BisectStatus", "CheckState", "ProbeOutcome", "StepsHow", "RESULTS_FORMAT_VERSION"]
+__all__ = ["BisectStatus", "CheckState", "ProbeOutcome", "ResultKind", "StepsHow", "RESULTS_FORMAT_VERSION"]
 
 RESULTS_FORMAT_VERSION = 1
 """Version of the JSON that ``replay step`` and ``replay bisect`` save in ``<recording>/results/``.
@@ -47,3 +47,13 @@ class StepsHow(StrEnum):
 
     RANKS = "ranks"  # recorded digests across ranks
     RERUN = "rerun"  # the recording against re-runs of one rank
+
+
+class ResultKind(StrEnum):
+    """The ``kind`` of a saved result (``<recording>/results/*.json``): what wrote it."""
+
+    STEP = "step"  # replay step --rank
+    STEP_RANKS = "step-ranks"  # replay step --ranks (printed, not saved)
+    BISECT_STEPS = "bisect-steps"
+    BISECT_LAYERS = "bisect-layers"
+    BISECT_CONFIG = "bisect-config"

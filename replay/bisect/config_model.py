@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Any
 
 from replay.errors import UsageError
-from replay.states import BisectStatus, ProbeOutcome
+from replay.states import BisectStatus, ProbeOutcome, ResultKind
 
 __all__ = ["CRITERIA", "Change", "ConfigBisectSettings", "ConfigBisection", "Criterion", "ProbeRecord"]
 
@@ -141,7 +141,7 @@ class ConfigBisection:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "kind": "bisect-config",
+            "kind": ResultKind.BISECT_CONFIG,
             "recording": self.recording,
             "part": self.part,
             "rank": self.rank,

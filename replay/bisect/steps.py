@@ -23,7 +23,7 @@ from replay.analysis.divergence import first_divergence
 from replay.errors import UsageError
 from replay.format.reader import Part
 from replay.rerun.runner import Replayer
-from replay.states import StepsHow
+from replay.states import ResultKind, StepsHow
 
 __all__ = ["Interval", "StepsBisection", "bisect_steps", "bisect_steps_rerun", "intervals"]
 
@@ -83,7 +83,7 @@ class StepsBisection:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "kind": "bisect-steps",
+            "kind": ResultKind.BISECT_STEPS,
             "recording": self.recording,
             "part": self.part,
             "how": self.how,

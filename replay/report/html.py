@@ -18,6 +18,7 @@ from typing import Any
 from replay.errors import ReplayError
 from replay.report import plots
 from replay.report.data import Report, check_report_path
+from replay.states import ResultKind
 
 __all__ = ["SECTIONS", "render_html", "write_report"]
 
@@ -411,10 +412,10 @@ def _other_keys(r: dict[str, Any], skip: set[str]) -> str:
 
 
 _RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "step": _result_step,
-    "bisect-steps": _result_bisect_steps,
-    "bisect-layers": _result_bisect_layers,
-    "bisect-config": _result_bisect_config,
+    ResultKind.STEP: _result_step,
+    ResultKind.BISECT_STEPS: _result_bisect_steps,
+    ResultKind.BISECT_LAYERS: _result_bisect_layers,
+    ResultKind.BISECT_CONFIG: _result_bisect_config,
 }
 
 
