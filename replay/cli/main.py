@@ -28,6 +28,7 @@ COMMANDS = {
     "report": "replay.cli.report",
     "verify": "replay.cli.verify",
     "seal": "replay.cli.seal",
+    "diff": "replay.cli.diff",  # issue 17
 }
 
 EPILOG = """\b

@@ -1,0 +1,487 @@
+"""``replay diff A B``: two runs compared, what differs first, then what else differs.
+
+A and B are recordings, parts or ranks (``recA``, ``recA:run-000``, ``recA:run-000/3``). The
+comparison is organised in streams, one per pair of ranks (rank r of A with rank r of B when the
+runs have as many ranks; every rank of the wider run with a rank of the narrower one otherwise).
+Per stream: the first (step, field) whose bits differ, the first token divergence and the margin
+there, how many steps differ. Fields laid out differently in the two runs (TP=N against TP=M) are
+taken out of the streams and compared whole, once their shards are put back together
+(``replay.analysis.unshard``). Runs that batched differently are aligned by request and position
+where they can be (``replay.analysis.align``). Then what else differs, most likely cause first
+(``replay.analysis.diff_context``).
+
+Verdicts are never claimed beyond what was compared: a step that raised, a step one side did not
+record, a field that could not be read back whole, each keeps the verdict from "the same".
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from replay.analysis.align import BatchAlignment, align_batches
+from replay.analysis.diff_context import Category, ContextDiff, context_differences
+from replay.analysis.diff_sides import Side, open_side
+from replay.analysis.diff_streams import Names, RowDiff, StreamFacts, diff_rows, field_rows, margin_at, step_facts
+from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_shape, field_tensor, whole_tensor
+from replay.errors import UsageError
+from replay.format.reader import RankFile
+
+__all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "diff_runs", "diff"]
+
+
+@dataclass(kw_only=True, slots=True)
+class DiffOptions:
+    rtol: float | None = None
+    """Relative tolerance: fields whose bits differ but whose values are within it count as the same."""
+
+    atol: float | None = None
+    """Absolute tolerance (with ``rtol``; either alone sets the other to 0)."""
+
+    ulp: int | None = None
+    """Largest distance in units in the last place allowed between matching elements."""
+
+    topk: int = 5
+    """k of the top-k agreement reported for logits."""
+
+    shards: dict[str, int] = field(default_factory=dict)
+    """Declared shard dimensions (``{"output.hidden": 1}``) for plain-tensor TP whose recording has
+    no layout: the field is split over the part's ranks, in rank order, along that dimension."""
+
+    max_tensor_compares: int = 1000
+    """Most tensors read per stream (tolerance) or steps per unsharded field; the rest are said to
+    be not compared."""
+
+    def __post_init__(self) -> None:
+        for name in ("rtol", "atol"):
+            v = getattr(self, name)
+            if v is not None and (not math.isfinite(v) or v < 0):
+                raise UsageError(f"--{name} must be a finite number >= 0, not {v}")
+        if self.ulp is not None and self.ulp < 0:
+            raise UsageError(f"--ulp must be >= 0, not {self.ulp}")
+        if self.topk < 1:
+            raise UsageError(f"--topk must be >= 1, not {self.topk}")
+        if self.max_tensor_compares < 1:
+            raise UsageError("--max-tensor-compares must be >= 1")
+
+    @property
+    def tolerant(self) -> bool:
+        return self.rtol is not None or self.atol is not None or self.ulp is not None
+
+    def describe(self) -> str:
+        parts = [f"{n}={getattr(self, n):g}" for n in ("rtol", "atol") if getattr(self, n) is not None]
+        if self.ulp is not None:
+            parts.append(f"ulp={self.ulp}")
+        return ", ".join(parts) if parts else "bitwise"
+
+
+class DiffVerdict(enum.Enum):
+    SAME = "the same"
+    WITHIN_TOLERANCE = "the same within tolerance"
+    INCOMPLETE = "not shown to be the same"
+    DIFFERENT = "different"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def exit_code(self) -> int:
+        """As diff(1): 0 the same, 1 different (or not shown to be the same)."""
+        return 0 if self in (DiffVerdict.SAME, DiffVerdict.WITHIN_TOLERANCE) else 1
+
+
+_SEVERITY = [DiffVerdict.SAME, DiffVerdict.WITHIN_TOLERANCE, DiffVerdict.INCOMPLETE, DiffVerdict.DIFFERENT]
+
+
+def _worst(vs: list[DiffVerdict]) -> DiffVerdict:
+    return max(vs, key=_SEVERITY.index) if vs else DiffVerdict.INCOMPLETE
+
+
+def _hex(d: Any) -> str:
+    return f"{int(d):016x}"
+
+
+@dataclass(slots=True)
+class FirstDifference:
+    step: int
+    field: str
+    digest_a: str | None  # None: not recorded on that side
+    digest_b: str | None
+    margin_a: float | None = None
+    margin_b: float | None = None
+    comparison: dict[str, Any] | None = None  # compare_tensors' verdict, when both tensors were kept
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "field": self.field, "digest_a": self.digest_a, "digest_b": self.digest_b,
+                "margin_a": self.margin_a, "margin_b": self.margin_b, "comparison": self.comparison, "note": self.note}
+
+
+@dataclass(slots=True)
+class StreamDiff:
+    """Rank ``rank_a`` of A against rank ``rank_b`` of B."""
+
+    rank_a: int
+    rank_b: int
+    verdict: DiffVerdict
+    facts: StreamFacts
+    compared_rows: int
+    differing_rows: int
+    differing_steps: int
+    first: FirstDifference | None
+    first_token: FirstDifference | None
+    first_beyond_tolerance: FirstDifference | None = None
+    tolerance: dict[str, int] | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"rank {self.rank_a}" if self.rank_a == self.rank_b else f"A rank {self.rank_a} / B rank {self.rank_b}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stream": self.name, "rank_a": self.rank_a, "rank_b": self.rank_b, "verdict": str(self.verdict),
+                **self.facts.to_json(), "compared_fields": self.compared_rows, "differing_fields": self.differing_rows,
+                "differing_steps": self.differing_steps,
+                "first_difference": self.first.to_json() if self.first else None,
+                "first_token_divergence": self.first_token.to_json() if self.first_token else None,
+                "first_beyond_tolerance": self.first_beyond_tolerance.to_json() if self.first_beyond_tolerance else None,
+                "tolerance": self.tolerance, "reasons": self.reasons}
+
+
+@dataclass(slots=True)
+class UnshardedField:
+    """A field laid out differently in A and B, compared whole."""
+
+    field: str
+    layout_a: str
+    layout_b: str
+    verdict: DiffVerdict
+    compared_steps: int = 0
+    differing_steps: int = 0
+    first_step: int | None = None
+    comparison: dict[str, Any] | None = None
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"field": self.field, "layout_a": self.layout_a, "layout_b": self.layout_b, "verdict": str(self.verdict),
+                "compared_steps": self.compared_steps, "differing_steps": self.differing_steps,
+                "first_step": self.first_step, "comparison": self.comparison, "note": self.note}
+
+
+@dataclass(slots=True)
+class RunDiff:
+    a: str
+    b: str
+    verdict: DiffVerdict
+    headline: str
+    tolerance: str
+    layouts: dict[str, int]  # world sizes
+    streams: list[StreamDiff]
+    unsharded: list[UnshardedField]
+    batching: BatchAlignment | None
+    context: list[ContextDiff]
+    notes: list[str]
+
+    @property
+    def exit_code(self) -> int:
+        return self.verdict.exit_code
+
+    @property
+    def first(self) -> tuple[StreamDiff, FirstDifference] | None:
+        """The earliest first difference over all streams (lowest step, then lowest rank)."""
+        cands = [(s.first.step, s.rank_a, s) for s in self.streams if s.first is not None]
+        if not cands:
+            return None
+        s = min(cands, key=lambda c: (c[0], c[1]))[2]
+        return s, s.first  # type: ignore[return-value]
+
+    @property
+    def first_token(self) -> tuple[StreamDiff, FirstDifference] | None:
+        cands = [(s.first_token.step, s.rank_a, s) for s in self.streams if s.first_token is not None]
+        if not cands:
+            return None
+        s = min(cands, key=lambda c: (c[0], c[1]))[2]
+        return s, s.first_token  # type: ignore[return-value]
+
+    def to_json(self) -> dict[str, Any]:
+        first, tok = self.first, self.first_token
+        return {
+            "verdict": str(self.verdict), "same": self.exit_code == 0, "headline": self.headline,
+            "a": self.a, "b": self.b, "tolerance": self.tolerance, "world_size": self.layouts,
+            "first_difference": ({"stream": first[0].name, **first[1].to_json()} if first else None),
+            "first_token_divergence": ({"stream": tok[0].name, **tok[1].to_json()} if tok else None),
+            "streams": [s.to_json() for s in self.streams],
+            "unsharded": [u.to_json() for u in self.unsharded],
+            "batching": self.batching.to_json() if self.batching else None,
+            "other_differences": [c.to_json() for c in self.context],
+            "notes": self.notes,
+        }
+
+
+# -- one stream -------------------------------------------------------------------------------
+
+
+def _tensor_comparison(ra: RankFile, rb: RankFile, step: int, name: str, opts: DiffOptions) -> tuple[dict[str, Any] | None, str, Any]:
+    """(comparison json, note, Comparison) for one field at one step, when both tensors are kept."""
+    from replay.analysis.compare import compare_tensors
+
+    ta = field_tensor(ra, step, name)
+    tb = field_tensor(rb, step, name)
+    if isinstance(ta, Missing) or isinstance(tb, Missing):
+        why = ta if isinstance(ta, Missing) else tb
+        where = "both" if isinstance(ta, Missing) and isinstance(tb, Missing) else ("A" if isinstance(ta, Missing) else "B")
+        return None, f"{why} in {where}: the bits differ, by how much is not known", None
+    c = compare_tensors(ta, tb, name_a="A", name_b="B", rtol=opts.rtol, atol=opts.atol, k=opts.topk)
+    return c.to_json(), "", c
+
+
+def _within(c: Any, opts: DiffOptions) -> bool:
+    from replay.analysis.compare import Verdict
+
+    if c.verdict is Verdict.BITWISE_EQUAL:
+        return True
+    if opts.ulp is not None:
+        ok_ulp = c.ulp is not None and c.ulp <= opts.ulp
+        if opts.rtol is None and opts.atol is None:
+            return ok_ulp
+        return ok_ulp and c.verdict is Verdict.WITHIN_TOLERANCE
+    return c.verdict is Verdict.WITHIN_TOLERANCE
+
+
+def _first(rd: RowDiff, i: int, names: Names, ra: RankFile, rb: RankFile, opts: DiffOptions) -> FirstDifference:
+    step, name = int(rd.step[i]), names.names[int(rd.gid[i])]
+    fd = FirstDifference(step=step, field=name,
+                         digest_a=_hex(rd.digest_a[i]) if rd.has_a[i] else None,
+                         digest_b=_hex(rd.digest_b[i]) if rd.has_b[i] else None,
+                         margin_a=margin_at(ra, step), margin_b=margin_at(rb, step))
+    if not (rd.has_a[i] and rd.has_b[i]):
+        fd.note = f"recorded in {'A' if rd.has_a[i] else 'B'} only at this step"
+    else:
+        fd.comparison, fd.note, _ = _tensor_comparison(ra, rb, step, name, opts)
+    return fd
+
+
+def _stream(ra: RankFile, rb: RankFile, names: Names, keep: Any, opts: DiffOptions) -> StreamDiff:
+    facts = step_facts(ra, rb)
+    rd = diff_rows(field_rows(ra, names, keep), field_rows(rb, names, keep), facts.common)
+    is_token = np.array([n.startswith("tokens.") for n in names.names] + [False], dtype=bool)
+    first = _first(rd, 0, names, ra, rb, opts) if rd.size else None
+    tok_idx = np.flatnonzero(is_token[rd.gid]) if rd.size else np.zeros(0, dtype=np.int64)
+    first_token = _first(rd, int(tok_idx[0]), names, ra, rb, opts) if tok_idx.size else None
+    s = StreamDiff(rank_a=ra.rank, rank_b=rb.rank, verdict=DiffVerdict.SAME, facts=facts, compared_rows=rd.compared,
+                   differing_rows=rd.size, differing_steps=int(np.unique(rd.step).size), first=first, first_token=first_token)
+    beyond = rd.size
+    if opts.tolerant and rd.size:
+        beyond = _apply_tolerance(s, rd, names, ra, rb, opts)
+    reasons = s.reasons
+    if facts.only_a.size or facts.only_b.size:
+        reasons.append(", ".join(f"{n} step{'s' if a.size != 1 else ''} recorded in {w} only (first: {int(a[0])})"
+                                 for w, a, n in (("A", facts.only_a, facts.only_a.size), ("B", facts.only_b, facts.only_b.size)) if a.size))
+    raised_differ = set(facts.raised_a) != set(facts.raised_b) or facts.n_raised_a != facts.n_raised_b
+    for w, n, r in (("A", facts.n_raised_a, facts.raised_a), ("B", facts.n_raised_b, facts.raised_b)):
+        if n:
+            k = next(iter(r))
+            reasons.append(f"{n} step{'s' if n != 1 else ''} raised in {w} (first: step {k}: {r[k][:120]})")
+    if facts.common.size == 0:
+        reasons.append("no step recorded in both")
+    if rd.size and beyond:
+        s.verdict = DiffVerdict.DIFFERENT
+    elif facts.only_a.size or facts.only_b.size or raised_differ:
+        s.verdict = DiffVerdict.DIFFERENT
+    elif facts.n_raised_a or facts.common.size == 0 or rd.compared == 0:
+        s.verdict = DiffVerdict.INCOMPLETE
+        if rd.compared == 0 and facts.common.size:
+            reasons.append("no field recorded in both")
+    elif rd.size:
+        s.verdict = DiffVerdict.WITHIN_TOLERANCE
+    return s
+
+
+def _apply_tolerance(s: StreamDiff, rd: RowDiff, names: Names, ra: RankFile, rb: RankFile, opts: DiffOptions) -> int:
+    """Compare the differing fields' tensors; return how many are not shown within tolerance."""
+    counts = {"within": 0, "beyond": 0, "digest_only": 0, "not_compared": 0, "one_side_only": 0}
+    for i in range(rd.size):
+        if not (rd.has_a[i] and rd.has_b[i]):
+            counts["one_side_only"] += 1
+            continue
+        if counts["within"] + counts["beyond"] + counts["digest_only"] >= opts.max_tensor_compares:
+            counts["not_compared"] = rd.size - i - counts["one_side_only"]
+            break
+        step, name = int(rd.step[i]), names.names[int(rd.gid[i])]
+        js, note, c = _tensor_comparison(ra, rb, step, name, opts)
+        if c is None:
+            counts["digest_only"] += 1
+        elif _within(c, opts):
+            counts["within"] += 1
+            continue
+        else:
+            counts["beyond"] += 1
+        if s.first_beyond_tolerance is None:
+            fd = _first(rd, i, names, ra, rb, opts)
+            s.first_beyond_tolerance = fd
+    s.tolerance = counts
+    if counts["digest_only"]:
+        s.reasons.append(f"{counts['digest_only']} differing field(s) recorded as digests only: tolerance cannot be applied")
+    if counts["not_compared"]:
+        s.reasons.append(f"{counts['not_compared']} differing field(s) not compared (--max-tensor-compares {opts.max_tensor_compares})")
+    return rd.size - counts["within"]
+
+
+# -- fields laid out differently ----------------------------------------------------------------
+
+
+def _field_names(rf: RankFile) -> list[str]:
+    t = rf.tables
+    ids = np.unique(t.fields["field"])
+    return [t.string(int(i)) for i in ids]
+
+
+def _unsharded(name: str, a: Side, b: Side, la: Layout, lb: Layout, opts: DiffOptions) -> UnshardedField:
+    fa, fb = [a.part[r] for r in a.part], [b.part[r] for r in b.part]
+    common = np.intersect1d(fa[0].tables.steps["step"], fb[0].tables.steps["step"])
+    u = UnshardedField(field=name, layout_a=la.describe(), layout_b=lb.describe(), verdict=DiffVerdict.SAME)
+    from replay.analysis.compare import Verdict, compare_tensors
+
+    for step in common[: opts.max_tensor_compares]:
+        step = int(step)
+        ta, tb = whole_tensor(fa, step, name, la), whole_tensor(fb, step, name, lb)
+        if isinstance(ta, Missing) or isinstance(tb, Missing):
+            u.verdict = DiffVerdict.INCOMPLETE
+            u.note = f"{'A' if isinstance(ta, Missing) else 'B'}: {ta if isinstance(ta, Missing) else tb}; not compared"
+            return u
+        u.compared_steps += 1
+        c = compare_tensors(ta, tb, name_a="A", name_b="B", rtol=opts.rtol, atol=opts.atol, k=opts.topk)
+        if c.verdict is Verdict.BITWISE_EQUAL or (opts.tolerant and _within(c, opts)):
+            if c.verdict is not Verdict.BITWISE_EQUAL and u.verdict is DiffVerdict.SAME:
+                u.verdict = DiffVerdict.WITHIN_TOLERANCE
+            continue
+        u.differing_steps += 1
+        if u.first_step is None:
+            u.first_step, u.comparison = step, c.to_json()
+        u.verdict = DiffVerdict.DIFFERENT
+    if common.size == 0:
+        u.verdict, u.note = DiffVerdict.INCOMPLETE, "no step recorded in both"
+    elif common.size > opts.max_tensor_compares and u.verdict is not DiffVerdict.DIFFERENT:
+        u.verdict = DiffVerdict.INCOMPLETE
+        u.note = f"compared the first {opts.max_tensor_compares} of {common.size} steps (--max-tensor-compares)"
+    return u
+
+
+# -- the whole diff -----------------------------------------------------------------------------
+
+
+def _pairs(a: Side, b: Side) -> list[tuple[int, int]]:
+    if len(a.ranks) == len(b.ranks):
+        return list(zip(a.ranks, b.ranks))
+    if len(a.ranks) > len(b.ranks):
+        return [(r, b.ranks[i % len(b.ranks)]) for i, r in enumerate(a.ranks)]
+    return [(a.ranks[i % len(a.ranks)], r) for i, r in enumerate(b.ranks)]
+
+
+def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
+    """Compare two opened sides (see ``replay.analysis.diff_sides.open_side``)."""
+    opts = options or DiffOptions()
+    pairs = _pairs(a, b)
+    files = [(a.part[x], b.part[y]) for x, y in pairs]
+    wa, wb = a.part.world_size, b.part.world_size
+    notes: list[str] = []
+    names = Names()
+    unsharded: list[UnshardedField] = []
+    excluded: set[str] = set()
+    a0, b0 = a.part[next(iter(a.part))], b.part[next(iter(b.part))]
+    if wa != wb:
+        # Laid out differently: a sharded field's per-rank digests differ by design, so such a
+        # field is compared whole instead of rank by rank.
+        for name in sorted(set(_field_names(a0)) | set(_field_names(b0))):
+            la, lb = field_layout(a0.attrs, name, opts.shards), field_layout(b0.attrs, name, opts.shards)
+            if la.kind is LayoutKind.REPLICATED and lb.kind is LayoutKind.REPLICATED:
+                continue
+            excluded.add(name)
+            unsharded.append(_unsharded(name, a, b, la, lb, opts))
+        notes.append(f"A has {wa} rank(s) and B {wb}: replicated fields are compared rank against rank, "
+                     "sharded fields whole" + ("" if unsharded else " (no field has a recorded or declared shard layout)"))
+        notes += _shape_notes(files[0], excluded)
+    elif opts.shards:
+        notes.append("--shard ignored: A and B have the same layout, so shards are compared shard against shard")
+    streams = [_stream(ra, rb, names, lambda n: n not in excluded, opts) for ra, rb in files]
+    batching = align_batches(files[0][0], files[0][1], files[0][0].tables.steps["step"], files[0][1].tables.steps["step"])
+    context = context_differences(files, a.recording.manifest, b.recording.manifest, same_layout=wa == wb)
+    weights = next(c for c in context if c.category is Category.WEIGHTS)
+    verdict = _worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
+                     + ([DiffVerdict.DIFFERENT] if weights.differs else []))
+    rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
+                 layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
+                 batching=batching if batching.batched_differently else None, context=context, notes=notes)
+    rd.headline = _headline(rd)
+    return rd
+
+
+def _shape_notes(pair: tuple[RankFile, RankFile], excluded: set[str]) -> list[str]:
+    """Fields whose shapes differ across layouts with no layout to rebuild them by."""
+    ra, rb = pair
+    common = np.intersect1d(ra.tables.steps["step"], rb.tables.steps["step"])
+    if not common.size:
+        return []
+    s = int(common[0])
+    out = []
+    for name in sorted((set(_field_names(ra)) & set(_field_names(rb))) - excluded):
+        sa, sb = field_shape(ra, s, name), field_shape(rb, s, name)
+        if sa is not None and sb is not None and sa != sb:
+            out.append(f"{name} has shape {sa} in A and {sb} in B and no layout is recorded: it cannot be unsharded "
+                       f"(declare it: --shard {name}=DIM)")
+    return out
+
+
+def _fmt_margin(m: float | None) -> str:
+    return "unknown" if m is None else f"{m:.3g}"
+
+
+def _headline(rd: RunDiff) -> str:
+    """The first line of the output: the verdict, then the one fact that says most."""
+    v = rd.verdict
+    n_steps = max((s.facts.common.size for s in rd.streams), default=0)
+    if v is DiffVerdict.SAME:
+        return (f"the same: every field of every step has the same bits ({len(rd.streams)} stream"
+                f"{'s' if len(rd.streams) != 1 else ''} x {n_steps} steps"
+                + (f", {len(rd.unsharded)} field(s) compared unsharded" if rd.unsharded else "") + ")")
+    if v is DiffVerdict.WITHIN_TOLERANCE:
+        n = sum(s.differing_rows for s in rd.streams)
+        return f"the same within tolerance ({rd.tolerance}): {n} field(s) differ in bits, every one within tolerance"
+    first, tok = rd.first, rd.first_token
+    if v is DiffVerdict.DIFFERENT:
+        if first is not None:
+            s, f = first
+            steps = sum(x.differing_steps for x in rd.streams if x is s)
+            text = f"different: {s.name} step {f.step}: {f.field} first differs; {steps} of {s.facts.common.size} steps differ"
+            if tok is not None:
+                ts, t = tok
+                text += f"; first token divergence step {t.step} ({t.field}, margin A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
+            else:
+                text += "; no token divergence"
+            return text
+        bad = [u for u in rd.unsharded if u.verdict is DiffVerdict.DIFFERENT]
+        if bad:
+            return f"different: {bad[0].field} (compared unsharded) first differs at step {bad[0].first_step}"
+        weights = next((c for c in rd.context if c.category is Category.WEIGHTS and c.differs), None)
+        if weights is not None:
+            names = ", ".join(str(i["name"]) for i in weights.items[:3])
+            return f"different: weights differ ({names}{', ...' if weights.count > 3 else ''}); every step's fields have the same bits"
+        s = next(x for x in rd.streams if x.verdict is DiffVerdict.DIFFERENT)
+        return f"different: {s.name}: {'; '.join(s.reasons) or 'fields differ'}"
+    reasons = [f"{s.name}: {r}" for s in rd.streams for r in s.reasons] + [f"{u.field}: {u.note}" for u in rd.unsharded if u.note]
+    return f"not shown to be the same: {reasons[0] if reasons else 'nothing was compared'}"
+
+
+def diff(a: str, b: str, options: DiffOptions | None = None) -> RunDiff:
+    """``replay diff A B`` as a library call: open both sides and compare them."""
+    sa = open_side(a, "A")
+    sb = open_side(b, "B")
+    try:
+        return diff_runs(sa, sb, options)
+    finally:
+        sa.recording.close()
+        sb.recording.close()

@@ -1,0 +1,248 @@
+"""What else differs between two runs, beside the steps: ranked by how likely it is the cause.
+
+The order is the order in which a difference changes what the same code computes: weights change
+the function itself; the target's config changes the model or the engine; the numerics context
+(TF32, deterministic mode, SDPA backend, the numerics env vars) changes how the same kernels
+compute; tuner choices and the kernels captured inside graphs change which kernels run; versions
+change everything a little and are often the same on both sides; the environment (hosts, command)
+rarely matters by itself. Only metadata is read: rank file attributes and the small tables.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from replay.analysis.summary import short_kernel_name
+from replay.format.reader import RankFile
+
+__all__ = ["Category", "ContextDiff", "context_differences"]
+
+_CAP = 20  # items listed per category; the count says how many there are
+
+
+class Category(enum.Enum):
+    WEIGHTS = "weights"
+    CONFIG = "config"
+    NUMERICS = "numerics"
+    TUNER = "tuner choices"
+    KERNELS = "graph kernels"
+    VERSIONS = "versions"
+    ENVIRONMENT = "environment"
+
+
+RANKED = list(Category)
+
+
+@dataclass(slots=True)
+class ContextDiff:
+    """One category: what differs (capped), or why it could not be compared."""
+
+    category: Category
+    items: list[dict[str, Any]] = field(default_factory=list)
+    count: int = 0
+    note: str = ""  # "weights not recorded", "different layouts: ...", ...
+    compared: bool = True
+
+    @property
+    def differs(self) -> bool:
+        return self.count > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"category": self.category.value, "differs": self.differs, "count": self.count,
+                "compared": self.compared, "note": self.note, "items": self.items}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def _dict_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[dict[str, Any]]:
+    fa, fb = _flatten(a), _flatten(b)
+    out = []
+    for k in sorted(set(fa) | set(fb)):
+        va, vb = fa.get(k, "<unset>"), fb.get(k, "<unset>")
+        if json.dumps(va, sort_keys=True, default=str) != json.dumps(vb, sort_keys=True, default=str):
+            out.append({"name": k, "a": _short(va), "b": _short(vb)})
+    return out
+
+
+def _short(v: Any) -> Any:
+    if isinstance(v, (int, float, bool)) or v is None:
+        return v
+    s = v if isinstance(v, str) else json.dumps(v, default=str)
+    return s if len(s) <= 120 else s[:117] + "..."
+
+
+def _target(rf: RankFile) -> dict[str, Any]:
+    t = rf.attrs.get("target")
+    return t if isinstance(t, dict) else {}
+
+
+def _capped(cat: Category, items: list[dict[str, Any]], note: str = "") -> ContextDiff:
+    return ContextDiff(category=cat, items=items[:_CAP], count=len(items), note=note)
+
+
+def _weights(pairs: list[tuple[RankFile, RankFile]], same_layout: bool) -> ContextDiff:
+    wa = [_target(a).get("weights") for a, _ in pairs]
+    wb = [_target(b).get("weights") for _, b in pairs]
+    have_a = all(isinstance(w, dict) and w for w in wa)
+    have_b = all(isinstance(w, dict) and w for w in wb)
+    if not have_a or not have_b:
+        which = "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
+        return ContextDiff(category=Category.WEIGHTS, compared=False, note=f"weights not recorded in {which}")
+    items: list[dict[str, Any]] = []
+    for (ra, rb), da, db in zip(pairs, wa, wb):
+        for name in sorted(set(da) | set(db)):
+            pa, pb = da.get(name), db.get(name)
+            if pa is None or pb is None:
+                items.append({"name": name, "ranks": [ra.rank, rb.rank], "a": "absent" if pa is None else "present",
+                              "b": "absent" if pb is None else "present"})
+                continue
+            if not isinstance(pa, dict) or not isinstance(pb, dict):
+                continue
+            if pa.get("shape") != pb.get("shape") or pa.get("dtype") != pb.get("dtype"):
+                items.append({"name": name, "ranks": [ra.rank, rb.rank],
+                              "a": f"{pa.get('dtype')} {pa.get('shape')}", "b": f"{pb.get('dtype')} {pb.get('shape')}",
+                              "why": "shape or dtype" + ("" if same_layout else " (the runs are laid out differently: may be a shard)")})
+            elif same_layout and pa.get("digest") != pb.get("digest"):
+                items.append({"name": name, "ranks": [ra.rank, rb.rank], "a": _short(pa.get("digest")),
+                              "b": _short(pb.get("digest")), "why": "digest"})
+    # The same parameter on every rank pair is one difference, named once with its ranks.
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for it in items:
+        key = (it["name"], it.get("why", ""))
+        if key in merged:
+            merged[key]["ranks_a"].append(it["ranks"][0])
+        else:
+            merged[key] = {**{k: v for k, v in it.items() if k != "ranks"}, "ranks_a": [it["ranks"][0]]}
+    note = "" if same_layout else "the runs are laid out differently: weight digests are per shard, only names, shapes and dtypes compared"
+    return _capped(Category.WEIGHTS, list(merged.values()), note)
+
+
+def _config(a: RankFile, b: RankFile) -> ContextDiff:
+    ta, tb = _target(a), _target(b)
+    ca, cb = ta.get("config"), tb.get("config")
+    if ca is None and cb is None:
+        ca, cb = a.attrs.get("config"), b.attrs.get("config")
+    if ca is None and cb is None:
+        return ContextDiff(category=Category.CONFIG, compared=False, note="no target config recorded")
+    items = _dict_diff(ca if isinstance(ca, dict) else {"config": ca}, cb if isinstance(cb, dict) else {"config": cb})
+    for k in ("factory", "step"):
+        if ta.get(k) != tb.get(k):
+            items.append({"name": f"target.{k}", "a": _short(ta.get(k)), "b": _short(tb.get(k))})
+    return _capped(Category.CONFIG, items)
+
+
+def _numerics(a: RankFile, b: RankFile) -> ContextDiff:
+    items = _dict_diff({"flags": a.attrs.get("numerics") or {}, "env": a.attrs.get("env") or {}},
+                       {"flags": b.attrs.get("numerics") or {}, "env": b.attrs.get("env") or {}})
+    la, lb = (_target(a).get("launch") or {}), (_target(b).get("launch") or {})
+    if isinstance(la, dict) and isinstance(lb, dict):
+        items += _dict_diff({"launch_env": la.get("env_numerics") or {}}, {"launch_env": lb.get("env_numerics") or {}})
+    # Per-step numerics contexts (optional): every distinct context each rank ran a step under.
+    na, nb = _target(a).get("numerics"), _target(b).get("numerics")
+    note = ""
+    if isinstance(na, dict) and isinstance(nb, dict):
+        ctx_a = _contexts(na)
+        ctx_b = _contexts(nb)
+        if ctx_a != ctx_b:
+            first_a, first_b = na.get("first"), nb.get("first")
+            items += _dict_diff({"step_context": (na.get("contexts") or {}).get(first_a) or {}},
+                                {"step_context": (nb.get("contexts") or {}).get(first_b) or {}})
+            if len(ctx_a) != len(ctx_b):
+                items.append({"name": "step_context.distinct", "a": len(ctx_a), "b": len(ctx_b)})
+    elif na is None and nb is None:
+        note = "no per-step numerics context recorded"
+    else:
+        note = f"per-step numerics context recorded in run {'A' if na is not None else 'B'} only"
+    return _capped(Category.NUMERICS, items, note)
+
+
+def _contexts(n: dict[str, Any]) -> list[str]:
+    c = n.get("contexts")
+    if not isinstance(c, dict):
+        return []
+    return sorted(json.dumps(v, sort_keys=True, default=str) for v in c.values())
+
+
+def _tuner(pairs: list[tuple[RankFile, RankFile]]) -> ContextDiff:
+    items = []
+    for a, b in pairs:
+        ca, cb = a.tuner_choices(), b.tuner_choices()
+        for op in sorted(set(ca) | set(cb)):
+            if ca.get(op) != cb.get(op):
+                items.append({"name": op, "rank_a": a.rank, "rank_b": b.rank,
+                              "a": ca.get(op, "default"), "b": cb.get(op, "default")})
+    return _capped(Category.TUNER, items)
+
+
+def _graph_kernels(rf: RankFile) -> dict[str, list[str]]:
+    t = rf.tables
+    out: dict[str, list[str]] = {}
+    for g in t.graphs:
+        ks = t.kernels[t.kernels["graph"] == g["graph"]]
+        out[t.string(int(g["key"]))] = [short_kernel_name(t.string(int(k["name"]))) for k in np.sort(ks, order="ordinal")]
+    return out
+
+
+def _kernels(pairs: list[tuple[RankFile, RankFile]]) -> ContextDiff:
+    items = []
+    for a, b in pairs:
+        ga, gb = _graph_kernels(a), _graph_kernels(b)
+        for key in sorted(set(ga) | set(gb)):
+            ka, kb = ga.get(key), gb.get(key)
+            if ka == kb:
+                continue
+            if ka is None or kb is None:
+                items.append({"name": key, "rank_a": a.rank, "rank_b": b.rank,
+                              "a": "not captured" if ka is None else f"{len(ka)} kernels",
+                              "b": "not captured" if kb is None else f"{len(kb)} kernels"})
+                continue
+            i = next(i for i in range(max(len(ka), len(kb)) + 1) if ka[i:i + 1] != kb[i:i + 1])
+            items.append({"name": key, "rank_a": a.rank, "rank_b": b.rank, "first_difference": i,
+                          "a": ka[i] if i < len(ka) else "(end)", "b": kb[i] if i < len(kb) else "(end)",
+                          "counts": [len(ka), len(kb)]})
+    return _capped(Category.KERNELS, items)
+
+
+def _versions(a: RankFile, b: RankFile, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
+    items = _dict_diff(a.attrs.get("versions") or {}, b.attrs.get("versions") or {})
+    items += _dict_diff({"manifest": ma.get("versions") or {}}, {"manifest": mb.get("versions") or {}})
+    return _capped(Category.VERSIONS, items)
+
+
+def _environment(a: RankFile, b: RankFile, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
+    items = []
+    for k in ("command", "exit_code", "host"):
+        if ma.get(k) != mb.get(k):
+            items.append({"name": f"manifest.{k}", "a": _short(ma.get(k)), "b": _short(mb.get(k))})
+    for k in ("world_size", "host", "gpus"):
+        if a.attrs.get(k) != b.attrs.get(k):
+            items.append({"name": k, "a": _short(a.attrs.get(k)), "b": _short(b.attrs.get(k))})
+    return _capped(Category.ENVIRONMENT, items)
+
+
+def context_differences(
+    pairs: list[tuple[RankFile, RankFile]], manifest_a: Mapping[str, Any], manifest_b: Mapping[str, Any], *, same_layout: bool
+) -> list[ContextDiff]:
+    """Every category, most likely cause first. ``pairs`` are the rank files compared."""
+    a0, b0 = pairs[0]
+    return [
+        _weights(pairs, same_layout),
+        _config(a0, b0),
+        _numerics(a0, b0),
+        _tuner(pairs),
+        _kernels(pairs),
+        _versions(a0, b0, manifest_a, manifest_b),
+        _environment(a0, b0, manifest_a, manifest_b),
+    ]
