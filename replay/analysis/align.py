@@ -96,7 +96,7 @@ def _token_rows(rf: RankFile, steps: np.ndarray, req: str, pos: str) -> tuple[di
             if v.dim() == 0 or v.shape[0] != len(keys):
                 continue  # not one row per request: nothing to align
             for k, row in zip(keys, v):
-                out.setdefault(k, {"step": s})[name] = row.contiguous().view(torch.uint8).numpy().tobytes()
+                out.setdefault(k, {"step": s})[name] = row.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
     return out, ""
 
 

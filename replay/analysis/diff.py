@@ -137,10 +137,13 @@ class StreamDiff:
     first_beyond_tolerance: FirstDifference | None = None
     tolerance: dict[str, int] | None = None
     reasons: list[str] = field(default_factory=list)
+    same_layout: bool = True  # both runs have as many ranks: rank r is named once
 
     @property
     def name(self) -> str:
-        return f"rank {self.rank_a}" if self.rank_a == self.rank_b else f"A rank {self.rank_a} / B rank {self.rank_b}"
+        if self.rank_a == self.rank_b and self.same_layout:
+            return f"rank {self.rank_a}"
+        return f"A rank {self.rank_a} / B rank {self.rank_b}"
 
     def to_json(self) -> dict[str, Any]:
         return {"stream": self.name, "rank_a": self.rank_a, "rank_b": self.rank_b, "verdict": str(self.verdict),
@@ -265,7 +268,7 @@ def _first(rd: RowDiff, i: int, names: Names, ra: RankFile, rb: RankFile, opts: 
     return fd
 
 
-def _stream(ra: RankFile, rb: RankFile, names: Names, keep: Any, opts: DiffOptions) -> StreamDiff:
+def _stream(ra: RankFile, rb: RankFile, names: Names, keep: Any, opts: DiffOptions, same_layout: bool) -> StreamDiff:
     facts = step_facts(ra, rb)
     rd = diff_rows(field_rows(ra, names, keep), field_rows(rb, names, keep), facts.common)
     is_token = np.array([n.startswith("tokens.") for n in names.names] + [False], dtype=bool)
@@ -273,7 +276,8 @@ def _stream(ra: RankFile, rb: RankFile, names: Names, keep: Any, opts: DiffOptio
     tok_idx = np.flatnonzero(is_token[rd.gid]) if rd.size else np.zeros(0, dtype=np.int64)
     first_token = _first(rd, int(tok_idx[0]), names, ra, rb, opts) if tok_idx.size else None
     s = StreamDiff(rank_a=ra.rank, rank_b=rb.rank, verdict=DiffVerdict.SAME, facts=facts, compared_rows=rd.compared,
-                   differing_rows=rd.size, differing_steps=int(np.unique(rd.step).size), first=first, first_token=first_token)
+                   differing_rows=rd.size, differing_steps=int(np.unique(rd.step).size), first=first, first_token=first_token,
+                   same_layout=same_layout)
     beyond = rd.size
     if opts.tolerant and rd.size:
         beyond = _apply_tolerance(s, rd, names, ra, rb, opts)
@@ -407,7 +411,7 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
         notes += _shape_notes(files[0], excluded)
     elif opts.shards:
         notes.append("--shard ignored: A and B have the same layout, so shards are compared shard against shard")
-    streams = [_stream(ra, rb, names, lambda n: n not in excluded, opts) for ra, rb in files]
+    streams = [_stream(ra, rb, names, lambda n: n not in excluded, opts, wa == wb) for ra, rb in files]
     batching = align_batches(files[0][0], files[0][1], files[0][0].tables.steps["step"], files[0][1].tables.steps["step"])
     context = context_differences(files, a.recording.manifest, b.recording.manifest, same_layout=wa == wb)
     weights = next(c for c in context if c.category is Category.WEIGHTS)
@@ -462,6 +466,8 @@ def _headline(rd: RunDiff) -> str:
                 text += f"; first token divergence step {t.step} ({t.field}, margin A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
             else:
                 text += "; no token divergence"
+            if rd.batching is not None:
+                text += "; the runs batched differently" + (" (rows aligned below)" if rd.batching.aligned else "")
             return text
         bad = [u for u in rd.unsharded if u.verdict is DiffVerdict.DIFFERENT]
         if bad:

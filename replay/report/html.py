@@ -425,6 +425,11 @@ def render_html(rep: Report) -> str:
     body = "".join(
         [_summary(rep), _agreement(rep), _accepted(rep), _margins(rep), _timeline(rep), _tuner(rep), _results(rep)]
     )
+    if rep.diff is not None:  # issue 17: `replay report A --against B` leads with the diff
+        from replay.report.diff_section import SECTION_ID, SECTION_TITLE, render_diff_section
+
+        nav = f'<a href="#{SECTION_ID}">{SECTION_TITLE}</a>' + nav
+        body = render_diff_section(rep.diff) + body
     made = time.strftime("%Y-%m-%d %H:%M:%S")
     return (
         "<!DOCTYPE html>\n"

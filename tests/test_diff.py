@@ -1,0 +1,345 @@
+"""``replay diff A B``: verdicts, first differences, layouts, batching, tolerance, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay import Recorder, RecorderConfig
+from replay.analysis.diff import DiffOptions, DiffVerdict, diff
+from tests.factories import VOCAB, make_recording, step_inputs, step_logits
+
+# -- recordings built for these tests ---------------------------------------------------------
+
+WEIGHT = "layers.1.attention.wo.weight"
+
+
+def _weights(changed: bool) -> dict:
+    w = torch.zeros(8, 8)
+    if changed:
+        w[3, 5] += 1e-2
+    from replay.digest import digest, format_digest
+
+    return {
+        "layers.0.attention.wo.weight": {"digest": format_digest(digest(torch.ones(8, 8))), "shape": [8, 8], "dtype": "float32"},
+        WEIGHT: {"digest": format_digest(digest(w)), "shape": [8, 8], "dtype": "float32"},
+    }
+
+
+def _hidden(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(4, 8, generator=g)  # hidden: [B, D], D sharded over the TP ranks
+
+
+def record_run(
+    out: Path,
+    *,
+    tp: int = 1,
+    steps: int = 5,
+    outputs: str = "full",
+    placements: bool = True,
+    weights: dict | None = None,
+    bump_hidden_at: int | None = None,
+    scale_logits: float = 1.0,
+    target_extra: dict | None = None,
+    batch: int = 4,
+    request_order: list[int] | None = None,
+) -> Path:
+    """A decode loop at tensor-parallel degree ``tp``: logits and tokens replicated on every rank,
+    ``hidden`` split along dim 1 in rank order (recorded with its layout when ``placements``)."""
+    for r in range(tp):
+        target: dict = {"factory": "tests.toy:build", "config": {"layers": 2, "tp": tp}}
+        if placements and tp > 1:
+            target["layout"] = {"fields": {"output.hidden": {"placements": ["Shard(1)"]}}}
+        if weights is not None:
+            target["weights"] = weights
+        target.update(target_extra or {})
+        rec = Recorder(RecorderConfig(out=out, rank=r, world_size=tp, outputs=outputs))
+        rec.set_target(target)
+        for s in range(steps):
+            rec.begin_step()
+            inputs = step_inputs(s, batch)
+            if request_order is not None:
+                inputs["request_ids"] = torch.tensor(request_order[:batch])
+            rec.record_inputs(**inputs)
+            logits = step_logits(s, batch) * scale_logits
+            hidden = _hidden(s)[:batch]
+            if bump_hidden_at is not None and s >= bump_hidden_at and r == tp - 1:
+                hidden = hidden.clone()
+                hidden[0, -1] += 1.0
+            width = hidden.shape[1] // tp
+            rec.record_outputs(logits=logits, hidden=hidden[:, r * width:(r + 1) * width].contiguous(),
+                               tokens=logits.argmax(-1))
+            rec.set_run("eager", reason="test")
+            rec.end_step()
+        rec.close()
+        assert rec.error is None, rec.error
+    return out
+
+
+# -- same, different ----------------------------------------------------------------------------
+
+
+def test_same_recordings_are_the_same(tmp_path, run_cli):
+    a = make_recording(tmp_path, ranks=2, steps=4, name="a")
+    b = make_recording(tmp_path, ranks=2, steps=4, name="b")
+    res = run_cli("diff", a, b)
+    assert res.code == 0, res.err
+    first = res.out.splitlines()[0]
+    assert first.startswith("the same:") and "2 streams x 4 steps" in first
+    assert "weights not recorded in either run" in res.out
+
+
+def test_one_changed_field_names_the_first_step_and_field(tmp_path, run_cli):
+    a = make_recording(tmp_path, ranks=4, steps=8, name="a")
+    b = make_recording(tmp_path, ranks=4, steps=8, name="b", diverge_at=5, diverge_rank=2, field="tokens")
+    res = run_cli("diff", a, b)
+    assert res.code == 1, res.err
+    first = res.out.splitlines()[0]
+    assert first.startswith("different: rank 2 step 5: output.logits first differs; 3 of 8 steps differ")
+    assert "first token divergence step 5 (tokens.tokens" in first
+    r = diff(str(a), str(b))
+    streams = {s.rank_a: s for s in r.streams}
+    assert [streams[k].verdict for k in range(4)] == [DiffVerdict.SAME] * 2 + [DiffVerdict.DIFFERENT, DiffVerdict.SAME]
+    assert streams[2].differing_steps == 3 and streams[2].first_token.step == 5
+    assert streams[2].first_token.margin_a is not None
+
+
+def test_an_input_difference_comes_first_in_program_order(tmp_path):
+    a = make_recording(tmp_path, ranks=1, steps=4, name="a")
+    b = make_recording(tmp_path, ranks=1, steps=4, name="b", diverge_at=2, diverge_rank=0, field="input")
+    r = diff(str(a), str(b))
+    assert r.verdict is DiffVerdict.DIFFERENT
+    f = r.first[1]
+    assert (f.step, f.field) == (2, "input.input_ids")
+    # Inputs are kept in full: the first difference says by how much.
+    assert f.comparison is not None and f.comparison["verdict"] == "different"
+
+
+def test_one_changed_weight_is_named(tmp_path, run_cli):
+    a = record_run(tmp_path / "a", weights=_weights(False))
+    b = record_run(tmp_path / "b", weights=_weights(True), scale_logits=1.0 + 2**-20)
+    res = run_cli("diff", a, b)
+    assert res.code == 1, res.err
+    assert res.out.splitlines()[0].startswith("different: rank 0 step 0: output.logits first differs")
+    weights_line = next(l for l in res.out.splitlines() if l.strip().startswith("weights"))
+    assert f"1 differ: {WEIGHT}" in weights_line and "layers.0" not in weights_line
+    out = run_cli("diff", a, b, "--json").json()
+    assert [c["category"] for c in out["other_differences"]][0] == "weights"
+    assert out["other_differences"][0]["items"][0]["name"] == WEIGHT
+
+
+def test_weights_alone_make_runs_different(tmp_path):
+    a = record_run(tmp_path / "a", weights=_weights(False))
+    b = record_run(tmp_path / "b", weights=_weights(True))
+    r = diff(str(a), str(b))
+    assert r.verdict is DiffVerdict.DIFFERENT and r.exit_code == 1
+    assert r.headline.startswith(f"different: weights differ ({WEIGHT})")
+
+
+def test_config_and_numerics_differences_are_listed(tmp_path):
+    a = record_run(tmp_path / "a", target_extra={"launch": {"env_numerics": {"NVIDIA_TF32_OVERRIDE": None}},
+                                                 "numerics": {"first": "x", "contexts": {"x": {"backends.cuda.matmul.allow_tf32": False}}}})
+    b = record_run(tmp_path / "b", target_extra={"config": {"layers": 3, "tp": 1},
+                                                 "launch": {"env_numerics": {"NVIDIA_TF32_OVERRIDE": "0"}},
+                                                 "numerics": {"first": "y", "contexts": {"y": {"backends.cuda.matmul.allow_tf32": True}}}})
+    r = diff(str(a), str(b))
+    assert r.verdict is DiffVerdict.SAME  # the steps computed the same bits; the settings differ
+    by = {c.category.value: c for c in r.context}
+    assert [i["name"] for i in by["config"].items] == ["layers"]
+    names = {i["name"] for i in by["numerics"].items}
+    assert "launch_env.NVIDIA_TF32_OVERRIDE" in names and "step_context.backends.cuda.matmul.allow_tf32" in names
+
+
+# -- ranks and layouts ------------------------------------------------------------------------
+
+
+def test_one_rank_against_another(tmp_path, run_cli):
+    a = make_recording(tmp_path, ranks=4, steps=4, name="a", diverge_at=1, diverge_rank=3)
+    res = run_cli("diff", f"{a}:run-000/0", f"{a}:run-000/1")
+    assert res.code == 0 and res.out.startswith("the same:")
+    res = run_cli("diff", f"{a}:run-000/0", f"{a}/run-000/rank-00003.h5")
+    assert res.code == 1 and res.out.startswith("different: A rank 0 / B rank 3 step 1: output.logits")
+
+
+def test_tp2_against_tp1_unshards_the_sharded_field(tmp_path, run_cli):
+    tp2 = record_run(tmp_path / "tp2", tp=2)
+    tp1 = record_run(tmp_path / "tp1", tp=1)
+    res = run_cli("diff", tp2, tp1)
+    assert res.code == 0, res.out + res.err
+    assert res.out.startswith("the same:") and "1 field(s) compared unsharded" in res.out.splitlines()[0]
+    assert "output.hidden: the same at 5 step(s); A sharded on dim 1 (recorded placements), B replicated" in res.out
+    # One shard element changed from step 3 on: found whole, at step 3.
+    bad = record_run(tmp_path / "bad", tp=2, bump_hidden_at=3)
+    r = diff(str(bad), str(tp1))
+    assert r.verdict is DiffVerdict.DIFFERENT
+    u = r.unsharded[0]
+    assert (u.field, u.first_step, u.differing_steps) == ("output.hidden", 3, 2)
+    assert u.comparison["mismatched"] == 1
+    assert r.headline == "different: output.hidden (compared unsharded) first differs at step 3"
+
+
+def test_declared_shard_dim_when_no_layout_is_recorded(tmp_path, run_cli):
+    tp2 = record_run(tmp_path / "tp2", tp=2, placements=False)
+    tp1 = record_run(tmp_path / "tp1", tp=1)
+    res = run_cli("diff", tp2, tp1)
+    assert res.code == 1
+    assert "output.hidden has shape (4, 4) in A and (4, 8) in B and no layout is recorded: it cannot be unsharded" in res.out
+    res = run_cli("diff", tp2, tp1, "--shard", "output.hidden=1")
+    assert res.code == 0, res.out
+    assert "A sharded on dim 1 (--shard)" in res.out
+
+
+def test_digest_only_field_cannot_be_unsharded(tmp_path, run_cli):
+    tp2 = record_run(tmp_path / "tp2", tp=2, outputs="digest")
+    tp1 = record_run(tmp_path / "tp1", tp=1, outputs="digest")
+    res = run_cli("diff", tp2, tp1)
+    assert res.code == 1
+    first = res.out.splitlines()[0]
+    assert first.startswith("not shown to be the same: output.hidden: A: sharded on dim 1 and recorded as a digest only on rank 0")
+    assert "cannot be unsharded" in first
+    out = run_cli("diff", tp2, tp1, "--json").json()
+    assert out["unsharded"][0]["verdict"] == "not shown to be the same" and out["unsharded"][0]["compared_steps"] == 0
+
+
+# -- batching ---------------------------------------------------------------------------------
+
+
+def test_different_batching_without_request_ids_says_it_cannot_align(tmp_path):
+    a = record_run(tmp_path / "a", batch=4)
+    b = record_run(tmp_path / "b", batch=2)
+    r = diff(str(a), str(b))
+    assert r.verdict is DiffVerdict.DIFFERENT
+    assert r.batching is not None and not r.batching.aligned
+    assert "input.hidden has shape (4, 8) in A and (2, 8) in B at step 0" in r.batching.evidence
+    assert "rows cannot be aligned: the recordings have no request ids" in r.batching.note
+
+
+def test_different_batching_aligned_by_request_and_position(tmp_path):
+    a = record_run(tmp_path / "a", batch=4, request_order=[10, 11, 12, 13])
+    b = record_run(tmp_path / "b", batch=2, request_order=[10, 11])
+    r = diff(str(a), str(b))
+    bt = r.batching
+    assert bt is not None and bt.aligned
+    # Requests 10 and 11 ran in both: 2 rows x 5 positions, same tokens (same logits rows).
+    assert (bt.rows_compared, bt.rows_differ, bt.fields) == (10, 0, ["tokens.tokens"])
+
+
+# -- tolerance --------------------------------------------------------------------------------
+
+
+def test_tolerance_and_logit_agreement(tmp_path, run_cli):
+    a = record_run(tmp_path / "a")
+    b = record_run(tmp_path / "b", scale_logits=1.0 + 1e-6)
+    res = run_cli("diff", a, b)
+    assert res.code == 1 and res.out.startswith("different: rank 0 step 0: output.logits first differs")
+    assert "argmax agrees on 100.0% of rows" in res.out and "top-k overlap 1.00" in res.out
+    res = run_cli("diff", a, b, "--rtol", "1e-4")
+    assert res.code == 0, res.out
+    assert res.out.startswith("the same within tolerance (rtol=0.0001): 5 field(s) differ in bits")
+    res = run_cli("diff", a, b, "--ulp", "0")
+    assert res.code == 1 and "first beyond tolerance at step 0 output.logits" in res.out
+    res = run_cli("diff", a, b, "--ulp", "64")
+    assert res.code == 0, res.out
+
+
+def test_tolerance_cannot_be_applied_to_digests(tmp_path):
+    a = make_recording(tmp_path, ranks=1, steps=3, name="a")
+    b = make_recording(tmp_path, ranks=1, steps=3, name="b", diverge_at=0, diverge_rank=0)
+    r = diff(str(a), str(b), DiffOptions(rtol=1.0))
+    assert r.verdict is DiffVerdict.DIFFERENT
+    assert "3 differing field(s) recorded as digests only: tolerance cannot be applied" in r.streams[0].reasons
+
+
+# -- steps that raised or were not run --------------------------------------------------------
+
+
+def test_a_missing_step_is_a_difference(tmp_path):
+    a = make_recording(tmp_path, ranks=1, steps=5, name="a")
+    b = make_recording(tmp_path, ranks=1, steps=3, name="b")
+    r = diff(str(a), str(b))
+    assert r.verdict is DiffVerdict.DIFFERENT
+    assert r.headline == "different: rank 0: 2 steps recorded in A only (first: 3)"
+
+
+def test_a_step_that_raised_in_both_is_not_called_the_same(tmp_path):
+    for name in ("a", "b"):
+        rec = Recorder(RecorderConfig(out=tmp_path / name))
+        rec.begin_step()
+        rec.record_inputs(**step_inputs(0))
+        rec.end_step(error="RuntimeError: boom")
+        rec.close()
+    r = diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert r.verdict is DiffVerdict.INCOMPLETE and r.exit_code == 1
+    assert r.headline.startswith("not shown to be the same: rank 0: 1 step raised in A (first: step 0: RuntimeError: boom)")
+
+
+# -- output, errors ---------------------------------------------------------------------------
+
+
+def test_json_output(tmp_path, run_cli):
+    a = make_recording(tmp_path, ranks=2, steps=4, name="a")
+    b = make_recording(tmp_path, ranks=2, steps=4, name="b", diverge_at=2, diverge_rank=1)
+    res = run_cli("diff", a, b, "--json")
+    assert res.code == 1
+    out = res.json()
+    assert out["verdict"] == "different" and out["same"] is False
+    assert out["first_difference"]["stream"] == "rank 1" and out["first_difference"]["step"] == 2
+    assert out["first_difference"]["field"] == "output.logits"
+    assert out["first_token_divergence"] is None
+    assert [s["differing_steps"] for s in out["streams"]] == [0, 2]
+    assert [c["category"] for c in out["other_differences"]] == [
+        "weights", "config", "numerics", "tuner choices", "graph kernels", "versions", "environment"]
+
+
+@pytest.mark.parametrize(
+    "args,code,message",
+    [
+        (["{a}", "{tmp}/nowhere"], 3, "no recording at"),
+        (["{a}:run-009", "{a}"], 2, "has no part 'run-009'"),
+        (["{a}:run-000/7", "{a}"], 2, "has no rank 7"),
+        (["{a}:run 000", "{a}"], 2, "is not PATH, PATH:PART or PATH:PART/RANK"),
+        (["{a}", "{a}", "--rtol", "-1"], 2, "--rtol must be a finite number >= 0"),
+        (["{a}", "{a}", "--shard", "hidden"], 2, "write FIELD=DIM"),
+        (["{a}"], 2, "Missing argument"),
+        (["{a}", "{tmp}/file.txt"], 2, "is a file, not a recording"),
+        (["{a}", "{tmp}/damaged"], 4, "cannot be read"),
+    ],
+    ids=["not-found", "no-part", "no-rank", "bad-spec", "bad-rtol", "bad-shard", "one-side", "a-file", "damaged"],
+)
+def test_bad_input_is_one_line_and_an_exit_code(tmp_path, run_cli, args, code, message):
+    a = make_recording(tmp_path, ranks=2, steps=2, name="a")
+    (tmp_path / "file.txt").write_text("x")
+    bad = shutil.copytree(a, tmp_path / "damaged")
+    (bad / "run-000" / "rank-00000.h5").write_bytes(b"not hdf5")
+    (bad / "run-000" / "rank-00001.h5").write_bytes(b"not hdf5")
+    res = run_cli("diff", *[x.format(a=a, tmp=tmp_path) for x in args])
+    assert res.code == code, (res.code, res.out, res.err)
+    assert res.err.count("\n") == 1 and message in res.err and "Traceback" not in res.err
+
+
+def test_newer_format_exit_code(tmp_path, run_cli):
+    a = make_recording(tmp_path, ranks=1, steps=2, name="a")
+    b = shutil.copytree(a, tmp_path / "b")
+    m = json.loads((b / "manifest.json").read_text())
+    m["format_version"] = 99
+    (b / "manifest.json").write_text(json.dumps(m))
+    res = run_cli("diff", a, b)
+    assert res.code == 5 and "upgrade replay" in res.err
+
+
+def test_recording_text_is_escaped(tmp_path, run_cli):
+    a = record_run(tmp_path / "a", target_extra={"config": {"name": "ok"}})
+    b = record_run(tmp_path / "b", target_extra={"config": {"name": "\x1b]0;pwned\x07evil"}})
+    res = run_cli("diff", a, b)
+    assert "\x1b" not in res.out and "\\x1b]0;pwned\\x07evil" in res.out
+
+
+def test_help_has_examples(run_cli):
+    res = run_cli("diff", "--help")
+    assert res.code == 0 and "replay diff recA:run-000/3 recB:run-000/0" in res.out and "Exit status" in res.out
