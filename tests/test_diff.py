@@ -343,3 +343,53 @@ def test_recording_text_is_escaped(tmp_path, run_cli):
 def test_help_has_examples(run_cli):
     res = run_cli("diff", "--help")
     assert res.code == 0 and "replay diff recA:run-000/3 recB:run-000/0" in res.out and "Exit status" in res.out
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def test_report_against_another_run(tmp_path, run_cli):
+    a = make_recording(tmp_path, ranks=2, steps=4, name="a")
+    b = make_recording(tmp_path, ranks=2, steps=4, name="b", diverge_at=2, diverge_rank=1, field="tokens")
+    page = tmp_path / "r.html"
+    res = run_cli("report", a, "--against", b, "-o", page)
+    assert res.code == 0, res.err
+    lines = res.out.splitlines()
+    assert lines[0].startswith("different: rank 1 step 2: output.logits first differs") and lines[1] == str(page)
+    text = page.read_text()
+    assert '<section id="diff"><h2>Against another run</h2>' in text and '<a href="#diff">' in text
+    assert "step 2 <code>tokens.tokens</code>" in text and "weights not recorded in either run" in text
+    data = run_cli("report", a, "--against", b, "-o", page, "--json").json()
+    assert data["diff"]["verdict"] == "different" and data["diff"]["first_token_divergence"]["step"] == 2
+    # Without --against the page has no diff section.
+    assert run_cli("report", a, "-o", page).code == 0 and 'id="diff"' not in page.read_text()
+
+
+def test_report_against_a_missing_run_is_one_line(tmp_path, run_cli):
+    a = make_recording(tmp_path, ranks=1, steps=2, name="a")
+    res = run_cli("report", a, "--against", tmp_path / "nowhere", "-o", tmp_path / "r.html")
+    assert res.code == 3 and res.err.count("\n") == 1 and not (tmp_path / "r.html").exists()
+
+
+def _browser_or_skip() -> str:
+    from scripts.report_check import find_chromium
+
+    exe = find_chromium()
+    if exe is None:
+        why = Path(__file__).resolve().parents[1] / ".make" / "browser-unavailable"
+        reason = why.read_text().strip() if why.exists() else "no chromium on PATH (scripts/install_browser.sh installs it)"
+        pytest.skip(f"no headless browser: {reason}")
+    return exe
+
+
+def test_diff_section_renders_in_headless_chromium(tmp_path, run_cli):
+    _browser_or_skip()
+    from scripts.report_check import screenshot
+
+    a = make_recording(tmp_path, ranks=2, steps=4, name="a")
+    b = make_recording(tmp_path, ranks=2, steps=4, name="b", diverge_at=2, diverge_rank=1)
+    page = tmp_path / "r.html"
+    assert run_cli("report", a, "--against", b, "-o", page).code == 0
+    png = tmp_path / "r.png"
+    screenshot(page, png, width=1200, height=1400)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
