@@ -393,3 +393,19 @@ def test_diff_section_renders_in_headless_chromium(tmp_path, run_cli):
     png = tmp_path / "r.png"
     screenshot(page, png, width=1200, height=1400)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_parallel_streams_give_the_serial_answer(tmp_path, monkeypatch):
+    import replay.analysis.diff as d
+
+    a = make_recording(tmp_path, ranks=3, steps=6, name="a")
+    b = make_recording(tmp_path, ranks=3, steps=6, name="b", diverge_at=4, diverge_rank=1, field="tokens")
+    serial = diff(str(a), str(b)).to_json()
+    monkeypatch.setattr(d, "_PARALLEL_BYTES", 0)
+    calls = []
+    real = d.ProcessPoolExecutor
+    monkeypatch.setattr(d, "ProcessPoolExecutor", lambda **kw: calls.append(kw) or real(**kw))
+    parallel = diff(str(a), str(b)).to_json()
+    if len(os.sched_getaffinity(0)) > 1:
+        assert calls, "the pool was not used"
+    assert parallel == serial

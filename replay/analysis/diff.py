@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import enum
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from replay.analysis.align import BatchAlignment, align_batches
-from replay.analysis.diff_context import Category, ContextDiff, context_differences
+from replay.analysis.diff_context import Category, ContextDiff, RankMeta, context_differences, rank_meta
 from replay.analysis.diff_sides import Side, open_side
-from replay.analysis.diff_streams import Names, RowDiff, StreamFacts, diff_rows, field_rows, margin_at, step_facts
-from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_shape, field_tensor, whole_tensor
+from replay.analysis.diff_streams import Names, RowDiff, StreamFacts, diff_rows, field_rows, margin_at, step_facts, used_ids
+from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_row, field_shape, whole_tensor
 from replay.errors import UsageError
 from replay.format.reader import RankFile
 
@@ -230,14 +234,15 @@ class RunDiff:
 
 def _tensor_comparison(ra: RankFile, rb: RankFile, step: int, name: str, opts: DiffOptions) -> tuple[dict[str, Any] | None, str, Any]:
     """(comparison json, note, Comparison) for one field at one step, when both tensors are kept."""
-    from replay.analysis.compare import compare_tensors
-
-    ta = field_tensor(ra, step, name)
-    tb = field_tensor(rb, step, name)
+    # The rows first: a digest-only field is known as such without importing torch (seconds).
+    ta, tb = field_row(ra, step, name), field_row(rb, step, name)
     if isinstance(ta, Missing) or isinstance(tb, Missing):
         why = ta if isinstance(ta, Missing) else tb
         where = "both" if isinstance(ta, Missing) and isinstance(tb, Missing) else ("A" if isinstance(ta, Missing) else "B")
         return None, f"{why} in {where}: the bits differ, by how much is not known", None
+    from replay.analysis.compare import compare_tensors
+
+    ta, tb = ra.read_tensor(ta), rb.read_tensor(tb)
     c = compare_tensors(ta, tb, name_a="A", name_b="B", rtol=opts.rtol, atol=opts.atol, k=opts.topk)
     return c.to_json(), "", c
 
@@ -340,8 +345,7 @@ def _apply_tolerance(s: StreamDiff, rd: RowDiff, names: Names, ra: RankFile, rb:
 
 def _field_names(rf: RankFile) -> list[str]:
     t = rf.tables
-    ids = np.unique(t.fields["field"])
-    return [t.string(int(i)) for i in ids]
+    return [t.string(int(i)) for i in used_ids(t.fields["field"])]
 
 
 def _unsharded(name: str, a: Side, b: Side, la: Layout, lb: Layout, opts: DiffOptions) -> UnshardedField:
@@ -378,6 +382,48 @@ def _unsharded(name: str, a: Side, b: Side, la: Layout, lb: Layout, opts: DiffOp
 # -- the whole diff -----------------------------------------------------------------------------
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _PairJob:
+    """One stream to compare, by paths: a worker process opens the two rank files itself."""
+
+    dir_a: Path
+    rank_a: int
+    dir_b: Path
+    rank_b: int
+    excluded: frozenset[str]
+    opts: DiffOptions
+    same_layout: bool
+
+
+def _run_pair(job: _PairJob) -> tuple[StreamDiff, RankMeta, RankMeta]:
+    ra, rb = RankFile(job.dir_a, job.rank_a), RankFile(job.dir_b, job.rank_b)
+    s = _stream(ra, rb, Names(), lambda n: n not in job.excluded, job.opts, job.same_layout)
+    return s, rank_meta(ra), rank_meta(rb)
+
+
+# Rank files larger than this in all (bytes of .h5/.journal) are compared in parallel processes:
+# reading the tables is most of the time, and one process reads one file at a time.
+_PARALLEL_BYTES = 32 << 20
+
+
+def _compare_pairs(jobs: list[_PairJob]) -> list[tuple[StreamDiff, RankMeta, RankMeta]]:
+    def size(d: Path, r: int) -> int:
+        for suffix in (".h5", ".journal"):
+            p = d / f"rank-{r:05d}{suffix}"
+            if p.exists():
+                return p.stat().st_size
+        return 0
+
+    total = sum(size(j.dir_a, j.rank_a) + size(j.dir_b, j.rank_b) for j in jobs)
+    workers = min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    if total < _PARALLEL_BYTES or workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_run_pair(j) for j in jobs]
+    # fork: the workers start in milliseconds and need nothing from the parent but the job (the
+    # parent has read no rank file yet, so no HDF5 state is shared).
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_run_pair, jobs))
+
+
 def _pairs(a: Side, b: Side) -> list[tuple[int, int]]:
     if len(a.ranks) == len(b.ranks):
         return list(zip(a.ranks, b.ranks))
@@ -391,9 +437,10 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     opts = options or DiffOptions()
     pairs = _pairs(a, b)
     files = [(a.part[x], b.part[y]) for x, y in pairs]
-    wa, wb = a.part.world_size, b.part.world_size
+    # The ranks present, not the declared world size: reading that would read every rank's
+    # tables here, before the workers do.
+    wa, wb = len(a.part), len(b.part)
     notes: list[str] = []
-    names = Names()
     unsharded: list[UnshardedField] = []
     excluded: set[str] = set()
     a0, b0 = a.part[next(iter(a.part))], b.part[next(iter(b.part))]
@@ -411,9 +458,13 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
         notes += _shape_notes(files[0], excluded)
     elif opts.shards:
         notes.append("--shard ignored: A and B have the same layout, so shards are compared shard against shard")
-    streams = [_stream(ra, rb, names, lambda n: n not in excluded, opts, wa == wb) for ra, rb in files]
-    batching = align_batches(files[0][0], files[0][1], files[0][0].tables.steps["step"], files[0][1].tables.steps["step"])
-    context = context_differences(files, a.recording.manifest, b.recording.manifest, same_layout=wa == wb)
+    jobs = [_PairJob(dir_a=a.part.path, rank_a=x, dir_b=b.part.path, rank_b=y, excluded=frozenset(excluded),
+                     opts=opts, same_layout=wa == wb) for x, y in pairs]
+    done = _compare_pairs(jobs)
+    streams = [s for s, _, _ in done]
+    batching = _batching(streams[0], files[0])
+    context = context_differences([(ma, mb) for _, ma, mb in done], a.recording.manifest, b.recording.manifest,
+                                  same_layout=wa == wb)
     weights = next(c for c in context if c.category is Category.WEIGHTS)
     verdict = _worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
                      + ([DiffVerdict.DIFFERENT] if weights.differs else []))
@@ -422,6 +473,16 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
                  batching=batching if batching.batched_differently else None, context=context, notes=notes)
     rd.headline = _headline(rd)
     return rd
+
+
+def _batching(s: StreamDiff, pair: tuple[RankFile, RankFile]) -> BatchAlignment:
+    """Another batching changes the inputs' shapes, so their digests at the first common step:
+    only then are the /tensors tables read to look."""
+    f = s.first
+    if f is None or not s.facts.common.size or f.step != int(s.facts.common[0]) or not f.field.startswith("input."):
+        return BatchAlignment(batched_differently=False)
+    ra, rb = pair
+    return align_batches(ra, rb, ra.tables.steps["step"], rb.tables.steps["step"])
 
 
 def _shape_notes(pair: tuple[RankFile, RankFile], excluded: set[str]) -> list[str]:

@@ -20,7 +20,22 @@ import numpy as np
 from replay.analysis.summary import short_kernel_name
 from replay.format.reader import RankFile
 
-__all__ = ["Category", "ContextDiff", "context_differences"]
+__all__ = ["Category", "ContextDiff", "RankMeta", "rank_meta", "context_differences"]
+
+
+@dataclass(slots=True)
+class RankMeta:
+    """What the comparison of settings needs from one rank file: small, and cheap to pass between
+    processes (the streams of a large diff are compared in worker processes)."""
+
+    rank: int
+    attrs: dict[str, Any]
+    tuner: dict[str, str]
+    kernels: dict[str, list[str]]
+
+
+def rank_meta(rf: RankFile) -> RankMeta:
+    return RankMeta(rank=rf.rank, attrs=dict(rf.attrs), tuner=rf.tuner_choices(), kernels=_graph_kernels(rf))
 
 _CAP = 20  # items listed per category; the count says how many there are
 
@@ -83,7 +98,7 @@ def _short(v: Any) -> Any:
     return s if len(s) <= 120 else s[:117] + "..."
 
 
-def _target(rf: RankFile) -> dict[str, Any]:
+def _target(rf: RankMeta) -> dict[str, Any]:
     t = rf.attrs.get("target")
     return t if isinstance(t, dict) else {}
 
@@ -92,7 +107,7 @@ def _capped(cat: Category, items: list[dict[str, Any]], note: str = "") -> Conte
     return ContextDiff(category=cat, items=items[:_CAP], count=len(items), note=note)
 
 
-def _weights(pairs: list[tuple[RankFile, RankFile]], same_layout: bool) -> ContextDiff:
+def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> ContextDiff:
     wa = [_target(a).get("weights") for a, _ in pairs]
     wb = [_target(b).get("weights") for _, b in pairs]
     have_a = all(isinstance(w, dict) and w for w in wa)
@@ -129,7 +144,7 @@ def _weights(pairs: list[tuple[RankFile, RankFile]], same_layout: bool) -> Conte
     return _capped(Category.WEIGHTS, list(merged.values()), note)
 
 
-def _config(a: RankFile, b: RankFile) -> ContextDiff:
+def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
     ta, tb = _target(a), _target(b)
     ca, cb = ta.get("config"), tb.get("config")
     if ca is None and cb is None:
@@ -143,7 +158,7 @@ def _config(a: RankFile, b: RankFile) -> ContextDiff:
     return _capped(Category.CONFIG, items)
 
 
-def _numerics(a: RankFile, b: RankFile) -> ContextDiff:
+def _numerics(a: RankMeta, b: RankMeta) -> ContextDiff:
     items = _dict_diff({"flags": a.attrs.get("numerics") or {}, "env": a.attrs.get("env") or {}},
                        {"flags": b.attrs.get("numerics") or {}, "env": b.attrs.get("env") or {}})
     la, lb = (_target(a).get("launch") or {}), (_target(b).get("launch") or {})
@@ -175,10 +190,10 @@ def _contexts(n: dict[str, Any]) -> list[str]:
     return sorted(json.dumps(v, sort_keys=True, default=str) for v in c.values())
 
 
-def _tuner(pairs: list[tuple[RankFile, RankFile]]) -> ContextDiff:
+def _tuner(pairs: list[tuple[RankMeta, RankMeta]]) -> ContextDiff:
     items = []
     for a, b in pairs:
-        ca, cb = a.tuner_choices(), b.tuner_choices()
+        ca, cb = a.tuner, b.tuner
         for op in sorted(set(ca) | set(cb)):
             if ca.get(op) != cb.get(op):
                 items.append({"name": op, "rank_a": a.rank, "rank_b": b.rank,
@@ -195,10 +210,10 @@ def _graph_kernels(rf: RankFile) -> dict[str, list[str]]:
     return out
 
 
-def _kernels(pairs: list[tuple[RankFile, RankFile]]) -> ContextDiff:
+def _kernels(pairs: list[tuple[RankMeta, RankMeta]]) -> ContextDiff:
     items = []
     for a, b in pairs:
-        ga, gb = _graph_kernels(a), _graph_kernels(b)
+        ga, gb = a.kernels, b.kernels
         for key in sorted(set(ga) | set(gb)):
             ka, kb = ga.get(key), gb.get(key)
             if ka == kb:
@@ -215,13 +230,13 @@ def _kernels(pairs: list[tuple[RankFile, RankFile]]) -> ContextDiff:
     return _capped(Category.KERNELS, items)
 
 
-def _versions(a: RankFile, b: RankFile, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
+def _versions(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
     items = _dict_diff(a.attrs.get("versions") or {}, b.attrs.get("versions") or {})
     items += _dict_diff({"manifest": ma.get("versions") or {}}, {"manifest": mb.get("versions") or {}})
     return _capped(Category.VERSIONS, items)
 
 
-def _environment(a: RankFile, b: RankFile, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
+def _environment(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
     items = []
     for k in ("command", "exit_code", "host"):
         if ma.get(k) != mb.get(k):
@@ -233,7 +248,7 @@ def _environment(a: RankFile, b: RankFile, ma: Mapping[str, Any], mb: Mapping[st
 
 
 def context_differences(
-    pairs: list[tuple[RankFile, RankFile]], manifest_a: Mapping[str, Any], manifest_b: Mapping[str, Any], *, same_layout: bool
+    pairs: list[tuple[RankMeta, RankMeta]], manifest_a: Mapping[str, Any], manifest_b: Mapping[str, Any], *, same_layout: bool
 ) -> list[ContextDiff]:
     """Every category, most likely cause first. ``pairs`` are the rank files compared."""
     a0, b0 = pairs[0]

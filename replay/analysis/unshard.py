@@ -29,7 +29,7 @@ from replay.errors import RecordingDamaged
 from replay.format.reader import RankFile
 from replay.format.schema import TensorKind
 
-__all__ = ["Layout", "LayoutKind", "field_layout", "field_tensor", "whole_tensor", "Missing"]
+__all__ = ["Layout", "LayoutKind", "Missing", "field_layout", "field_row", "field_shape", "field_tensor", "whole_tensor"]
 
 _SHARD = re.compile(r"^\s*Shard\(\s*(?:dim\s*=\s*)?(-?\d+)\s*\)\s*$")
 _REPLICATE = re.compile(r"^\s*Replicate\(\s*\)\s*$")
@@ -108,7 +108,7 @@ class Missing(str):
 _KIND = {"input.": TensorKind.INPUT, "output.": TensorKind.OUTPUT, "tokens.": TensorKind.TOKENS}
 
 
-def _row_for(rf: RankFile, step: int, field: str) -> np.void | Missing:
+def field_row(rf: RankFile, step: int, field: str) -> np.void | Missing:
     """The /tensors row behind ``field`` at ``step``, or why there is none."""
     t = rf.full()
     if field.startswith("collective."):
@@ -146,7 +146,7 @@ def _row_for(rf: RankFile, step: int, field: str) -> np.void | Missing:
 
 def field_tensor(rf: RankFile, step: int, field: str) -> torch.Tensor | Missing:
     """The tensor of ``field`` at ``step`` on this rank, bit for bit, or why it cannot be had."""
-    row = _row_for(rf, step, field)
+    row = field_row(rf, step, field)
     if isinstance(row, Missing):
         return row
     return rf.read_tensor(row)
