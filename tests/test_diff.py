@@ -409,3 +409,14 @@ def test_parallel_streams_give_the_serial_answer(tmp_path, monkeypatch):
     if len(os.sched_getaffinity(0)) > 1:
         assert calls, "the pool was not used"
     assert parallel == serial
+
+
+def test_a_rank_file_missing_from_one_run_is_not_called_the_same(tmp_path):
+    a = make_recording(tmp_path, ranks=3, steps=3, name="a")
+    b = make_recording(tmp_path, ranks=3, steps=3, name="b")
+    for f in (b / "run-000").glob("rank-00002.*"):
+        f.unlink()
+    r = diff(str(a), str(b))
+    assert [s.name for s in r.streams] == ["rank 0", "rank 1"]
+    assert r.verdict is DiffVerdict.INCOMPLETE and r.exit_code == 1
+    assert r.headline == "not shown to be the same: rank 2: no rank file in B, not compared"

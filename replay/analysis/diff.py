@@ -348,10 +348,16 @@ def _field_names(rf: RankFile) -> list[str]:
     return [t.string(int(i)) for i in used_ids(t.fields["field"])]
 
 
-def _unsharded(name: str, a: Side, b: Side, la: Layout, lb: Layout, opts: DiffOptions) -> UnshardedField:
+def _unsharded(name: str, a: Side, b: Side, la: Layout, lb: Layout, opts: DiffOptions, worlds: tuple[int, int]) -> UnshardedField:
     fa, fb = [a.part[r] for r in a.part], [b.part[r] for r in b.part]
     common = np.intersect1d(fa[0].tables.steps["step"], fb[0].tables.steps["step"])
     u = UnshardedField(field=name, layout_a=la.describe(), layout_b=lb.describe(), verdict=DiffVerdict.SAME)
+    for w, files, lay, world in (("A", fa, la, worlds[0]), ("B", fb, lb, worlds[1])):
+        if lay.kind is LayoutKind.SHARDED and [rf.rank for rf in files] != list(range(world)):
+            u.verdict = DiffVerdict.INCOMPLETE
+            u.note = (f"{w}: sharded over {world} ranks but rank files {', '.join(str(rf.rank) for rf in files)} are "
+                      "all there is: it cannot be unsharded; not compared")
+            return u
     from replay.analysis.compare import Verdict, compare_tensors
 
     for step in common[: opts.max_tensor_compares]:
@@ -424,7 +430,24 @@ def _compare_pairs(jobs: list[_PairJob]) -> list[tuple[StreamDiff, RankMeta, Ran
         return list(pool.map(_run_pair, jobs))
 
 
-def _pairs(a: Side, b: Side) -> list[tuple[int, int]]:
+def _world(side: Side) -> int:
+    """The part's declared world size (one rank's attribute), else the number of its rank files."""
+    ws = side.part[next(iter(side.part))].attrs.get("world_size")
+    return ws if isinstance(ws, int) and not isinstance(ws, bool) and 0 < ws <= 1 << 16 else len(side.part)
+
+
+def _pairs(a: Side, b: Side, same_world: bool) -> tuple[list[tuple[int, int]], list[str]]:
+    """The rank pairs compared, and a note per rank that only one run has a file for."""
+    if same_world and not a.rank_given and not b.rank_given:
+        both = sorted(set(a.ranks) & set(b.ranks))
+        notes = [f"rank {r}: no rank file in {w}, not compared" for w, mine, other in (("B", a.ranks, b.ranks), ("A", b.ranks, a.ranks))
+                 for r in sorted(set(mine) - set(other))]
+        if both:
+            return [(r, r) for r in both], notes
+    return _spread(a, b), []
+
+
+def _spread(a: Side, b: Side) -> list[tuple[int, int]]:
     if len(a.ranks) == len(b.ranks):
         return list(zip(a.ranks, b.ranks))
     if len(a.ranks) > len(b.ranks):
@@ -435,12 +458,10 @@ def _pairs(a: Side, b: Side) -> list[tuple[int, int]]:
 def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     """Compare two opened sides (see ``replay.analysis.diff_sides.open_side``)."""
     opts = options or DiffOptions()
-    pairs = _pairs(a, b)
+    wa, wb = _world(a), _world(b)
+    pairs, missing = _pairs(a, b, wa == wb)
     files = [(a.part[x], b.part[y]) for x, y in pairs]
-    # The ranks present, not the declared world size: reading that would read every rank's
-    # tables here, before the workers do.
-    wa, wb = len(a.part), len(b.part)
-    notes: list[str] = []
+    notes: list[str] = list(missing)
     unsharded: list[UnshardedField] = []
     excluded: set[str] = set()
     a0, b0 = a.part[next(iter(a.part))], b.part[next(iter(b.part))]
@@ -452,7 +473,7 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
             if la.kind is LayoutKind.REPLICATED and lb.kind is LayoutKind.REPLICATED:
                 continue
             excluded.add(name)
-            unsharded.append(_unsharded(name, a, b, la, lb, opts))
+            unsharded.append(_unsharded(name, a, b, la, lb, opts, (wa, wb)))
         notes.append(f"A has {wa} rank(s) and B {wb}: replicated fields are compared rank against rank, "
                      "sharded fields whole" + ("" if unsharded else " (no field has a recorded or declared shard layout)"))
         notes += _shape_notes(files[0], excluded)
@@ -467,7 +488,8 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
                                   same_layout=wa == wb)
     weights = next(c for c in context if c.category is Category.WEIGHTS)
     verdict = _worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
-                     + ([DiffVerdict.DIFFERENT] if weights.differs else []))
+                     + ([DiffVerdict.DIFFERENT] if weights.differs else [])
+                     + ([DiffVerdict.INCOMPLETE] if missing else []))
     rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
                  layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
                  batching=batching if batching.batched_differently else None, context=context, notes=notes)
@@ -539,7 +561,8 @@ def _headline(rd: RunDiff) -> str:
             return f"different: weights differ ({names}{', ...' if weights.count > 3 else ''}); every step's fields have the same bits"
         s = next(x for x in rd.streams if x.verdict is DiffVerdict.DIFFERENT)
         return f"different: {s.name}: {'; '.join(s.reasons) or 'fields differ'}"
-    reasons = [f"{s.name}: {r}" for s in rd.streams for r in s.reasons] + [f"{u.field}: {u.note}" for u in rd.unsharded if u.note]
+    reasons = ([f"{s.name}: {r}" for s in rd.streams for r in s.reasons] + [f"{u.field}: {u.note}" for u in rd.unsharded if u.note]
+               + [n for n in rd.notes if n.endswith("not compared")])
     return f"not shown to be the same: {reasons[0] if reasons else 'nothing was compared'}"
 
 
