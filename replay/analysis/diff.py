@@ -142,6 +142,7 @@ class StreamDiff:
     tolerance: dict[str, int] | None = None
     reasons: list[str] = field(default_factory=list)
     same_layout: bool = True  # both runs have as many ranks: rank r is named once
+    by_field: dict[str, int] = field(default_factory=dict)  # field -> steps at which it differs (the most first)
 
     @property
     def name(self) -> str:
@@ -152,7 +153,7 @@ class StreamDiff:
     def to_json(self) -> dict[str, Any]:
         return {"stream": self.name, "rank_a": self.rank_a, "rank_b": self.rank_b, "verdict": str(self.verdict),
                 **self.facts.to_json(), "compared_fields": self.compared_rows, "differing_fields": self.differing_rows,
-                "differing_steps": self.differing_steps,
+                "differing_steps": self.differing_steps, "differing_by_field": self.by_field,
                 "first_difference": self.first.to_json() if self.first else None,
                 "first_token_divergence": self.first_token.to_json() if self.first_token else None,
                 "first_beyond_tolerance": self.first_beyond_tolerance.to_json() if self.first_beyond_tolerance else None,
@@ -260,6 +261,15 @@ def _within(c: Any, opts: DiffOptions) -> bool:
     return c.verdict is Verdict.WITHIN_TOLERANCE
 
 
+def _ran(rf: RankFile, step: int) -> str:
+    """How a step ran: ``eager (why)`` or ``graph bucket=4 (padded to 4)``."""
+    s = rf.step(step)
+    if s.mode == "graph":
+        pad = int(s.row["padded_size"])
+        return f"graph {s.graph_key}" + (f" (padded to {pad})" if pad >= 0 else "")
+    return s.mode + (f" ({s.reason})" if s.reason else "")
+
+
 def _first(rd: RowDiff, i: int, names: Names, ra: RankFile, rb: RankFile, opts: DiffOptions) -> FirstDifference:
     step, name = int(rd.step[i]), names.names[int(rd.gid[i])]
     fd = FirstDifference(step=step, field=name,
@@ -269,7 +279,10 @@ def _first(rd: RowDiff, i: int, names: Names, ra: RankFile, rb: RankFile, opts: 
     if not (rd.has_a[i] and rd.has_b[i]):
         fd.note = f"recorded in {'A' if rd.has_a[i] else 'B'} only at this step"
     else:
-        fd.comparison, fd.note, _ = _tensor_comparison(ra, rb, step, name, opts)
+        if name == "graph":
+            fd.note = f"A ran {_ran(ra, step)}, B ran {_ran(rb, step)}"
+        else:
+            fd.comparison, fd.note, _ = _tensor_comparison(ra, rb, step, name, opts)
     return fd
 
 
@@ -283,6 +296,10 @@ def _stream(ra: RankFile, rb: RankFile, names: Names, keep: Any, opts: DiffOptio
     s = StreamDiff(rank_a=ra.rank, rank_b=rb.rank, verdict=DiffVerdict.SAME, facts=facts, compared_rows=rd.compared,
                    differing_rows=rd.size, differing_steps=int(np.unique(rd.step).size), first=first, first_token=first_token,
                    same_layout=same_layout)
+    if rd.size:
+        ids, n = np.unique(rd.gid, return_counts=True)  # one row per (step, field): a count of steps
+        top = np.argsort(-n, kind="stable")[:8]
+        s.by_field = {names.names[int(ids[i])]: int(n[i]) for i in top}
     beyond = rd.size
     if opts.tolerant and rd.size:
         beyond = _apply_tolerance(s, rd, names, ra, rb, opts)
@@ -467,8 +484,14 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     a0, b0 = a.part[next(iter(a.part))], b.part[next(iter(b.part))]
     if wa != wb:
         # Laid out differently: a sharded field's per-rank digests differ by design, so such a
-        # field is compared whole instead of rank by rank.
-        for name in sorted(set(_field_names(a0)) | set(_field_names(b0))):
+        # field is compared whole instead of rank by rank; and collectives belong to a layout (a
+        # TP=1 run has no all-reduce), so they are not compared at all.
+        names_ab = sorted(set(_field_names(a0)) | set(_field_names(b0)))
+        coll = [n for n in names_ab if n.startswith("collective.")]
+        excluded.update(coll)
+        if coll:
+            notes.append(f"{len(coll)} collective field(s) not compared: collectives differ with the layout")
+        for name in (n for n in names_ab if not n.startswith("collective.")):
             la, lb = field_layout(a0.attrs, name, opts.shards), field_layout(b0.attrs, name, opts.shards)
             if la.kind is LayoutKind.REPLICATED and lb.kind is LayoutKind.REPLICATED:
                 continue

@@ -127,6 +127,10 @@ def render_diff(r: RunDiff) -> str:
         detail = _comparison_line(f)
         if detail:
             lines.append(f"at the first difference ({s.name}, step {f.step}, {_e(f.field)}): {detail}")
+    differing = [s for s in r.streams if s.by_field][:_MAX_STREAM_ROWS]
+    for s in differing:
+        fields = ", ".join(f"{_e(k)} ({v} step{'s' if v != 1 else ''})" for k, v in s.by_field.items())
+        lines.append(f"{s.name}: fields that differ: {fields}")
     for s in r.streams:
         if s.first_beyond_tolerance is not None:
             f = s.first_beyond_tolerance
