@@ -49,6 +49,7 @@ def record_run(
     target_extra: dict | None = None,
     batch: int = 4,
     request_order: list[int] | None = None,
+    mode: str = "eager",
 ) -> Path:
     """A decode loop at tensor-parallel degree ``tp``: logits and tokens replicated on every rank,
     ``hidden`` split along dim 1 in rank order (recorded with its layout when ``placements``)."""
@@ -67,6 +68,8 @@ def record_run(
             if request_order is not None:
                 inputs["request_ids"] = torch.tensor(request_order[:batch])
             rec.record_inputs(**inputs)
+            if tp > 1:  # the all-gather of a TP run: a field a TP=1 run does not have
+                rec.record_collective("all_gather_into_tensor", group_size=tp, outputs=[_hidden(s)[:batch]])
             logits = step_logits(s, batch) * scale_logits
             hidden = _hidden(s)[:batch]
             if bump_hidden_at is not None and s >= bump_hidden_at and r == tp - 1:
@@ -75,7 +78,8 @@ def record_run(
             width = hidden.shape[1] // tp
             rec.record_outputs(logits=logits, hidden=hidden[:, r * width:(r + 1) * width].contiguous(),
                                tokens=logits.argmax(-1))
-            rec.set_run("eager", reason="test")
+            rec.set_run(mode, key="bs4" if mode == "graph" else "", padded_size=4 if mode == "graph" else -1,
+                        reason="test" if mode == "eager" else "")
             rec.end_step()
         rec.close()
         assert rec.error is None, rec.error
@@ -173,6 +177,7 @@ def test_tp2_against_tp1_unshards_the_sharded_field(tmp_path, run_cli):
     res = run_cli("diff", tp2, tp1)
     assert res.code == 0, res.out + res.err
     assert res.out.startswith("the same:") and "1 field(s) compared unsharded" in res.out.splitlines()[0]
+    assert "1 collective field(s) not compared: collectives differ with the layout" in res.out
     assert "output.hidden: the same at 5 step(s); A sharded on dim 1 (recorded placements), B replicated" in res.out
     # One shard element changed from step 3 on: found whole, at step 3.
     bad = record_run(tmp_path / "bad", tp=2, bump_hidden_at=3)
@@ -420,3 +425,14 @@ def test_a_rank_file_missing_from_one_run_is_not_called_the_same(tmp_path):
     assert [s.name for s in r.streams] == ["rank 0", "rank 1"]
     assert r.verdict is DiffVerdict.INCOMPLETE and r.exit_code == 1
     assert r.headline == "not shown to be the same: rank 2: no rank file in B, not compared"
+
+
+def test_a_graph_difference_says_how_each_run_ran_the_step(tmp_path, run_cli):
+    a = record_run(tmp_path / "a", mode="eager")
+    b = record_run(tmp_path / "b", mode="graph")
+    res = run_cli("diff", a, b)
+    assert res.code == 1
+    assert res.out.startswith("different: rank 0 step 0: graph first differs; 5 of 5 steps differ; no token divergence")
+    assert "A ran eager (test), B ran graph bs4 (padded to 4)" in res.out
+    # Only the graph differs: the outputs have the same bits, and the diff says so by naming no other field.
+    assert "rank 0: fields that differ: graph (5 steps)" in res.out
