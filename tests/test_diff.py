@@ -50,6 +50,7 @@ def record_run(
     batch: int = 4,
     request_order: list[int] | None = None,
     mode: str = "eager",
+    numerics: list[str] | None = None,
 ) -> Path:
     """A decode loop at tensor-parallel degree ``tp``: logits and tokens replicated on every rank,
     ``hidden`` split along dim 1 in rank order (recorded with its layout when ``placements``)."""
@@ -64,6 +65,8 @@ def record_run(
         rec.set_target(target)
         for s in range(steps):
             rec.begin_step()
+            if numerics is not None:
+                rec.record_args(**{"__numerics__": numerics[s]})
             inputs = step_inputs(s, batch)
             if request_order is not None:
                 inputs["request_ids"] = torch.tensor(request_order[:batch])
@@ -436,3 +439,14 @@ def test_a_graph_difference_says_how_each_run_ran_the_step(tmp_path, run_cli):
     assert "A ran eager (test), B ran graph bs4 (padded to 4)" in res.out
     # Only the graph differs: the outputs have the same bits, and the diff says so by naming no other field.
     assert "rank 0: fields that differ: graph (5 steps)" in res.out
+
+
+def test_the_step_whose_numerics_context_first_differs(tmp_path):
+    contexts = {"c0": {"backends.cuda.matmul.allow_tf32": False}, "c1": {"backends.cuda.matmul.allow_tf32": True}}
+    a = record_run(tmp_path / "a", numerics=["c0"] * 5, target_extra={"numerics": {"first": "c0", "contexts": contexts}})
+    b = record_run(tmp_path / "b", numerics=["c0"] * 3 + ["c1"] * 2,
+                   target_extra={"numerics": {"first": "c0", "contexts": contexts}})
+    r = diff(str(a), str(b))
+    num = next(c for c in r.context if c.category.value == "numerics")
+    assert num.note == "the step contexts first differ at step 3 (2 steps differ)"
+    assert [(i["name"], i["a"], i["b"]) for i in num.items] == [("step 3: backends.cuda.matmul.allow_tf32", False, True)]

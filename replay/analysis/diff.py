@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from replay.analysis.align import BatchAlignment, align_batches
-from replay.analysis.diff_context import Category, ContextDiff, RankMeta, context_differences, rank_meta
+from replay.analysis.diff_context import Category, ContextDiff, RankMeta, context_differences, first_numerics_difference, rank_meta
 from replay.analysis.diff_sides import Side, open_side
 from replay.analysis.diff_streams import Names, RowDiff, StreamFacts, diff_rows, field_rows, margin_at, step_facts, used_ids
 from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_row, field_shape, whole_tensor
@@ -418,10 +418,10 @@ class _PairJob:
     same_layout: bool
 
 
-def _run_pair(job: _PairJob) -> tuple[StreamDiff, RankMeta, RankMeta]:
+def _run_pair(job: _PairJob) -> tuple[StreamDiff, RankMeta, RankMeta, dict[str, Any] | None]:
     ra, rb = RankFile(job.dir_a, job.rank_a), RankFile(job.dir_b, job.rank_b)
     s = _stream(ra, rb, Names(), lambda n: n not in job.excluded, job.opts, job.same_layout)
-    return s, rank_meta(ra), rank_meta(rb)
+    return s, rank_meta(ra), rank_meta(rb), first_numerics_difference(ra, rb)
 
 
 # Rank files larger than this in all (bytes of .h5/.journal) are compared in parallel processes:
@@ -429,7 +429,7 @@ def _run_pair(job: _PairJob) -> tuple[StreamDiff, RankMeta, RankMeta]:
 _PARALLEL_BYTES = 32 << 20
 
 
-def _compare_pairs(jobs: list[_PairJob]) -> list[tuple[StreamDiff, RankMeta, RankMeta]]:
+def _compare_pairs(jobs: list[_PairJob]) -> list[tuple[StreamDiff, RankMeta, RankMeta, dict[str, Any] | None]]:
     def size(d: Path, r: int) -> int:
         for suffix in (".h5", ".journal"):
             p = d / f"rank-{r:05d}{suffix}"
@@ -505,10 +505,10 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     jobs = [_PairJob(dir_a=a.part.path, rank_a=x, dir_b=b.part.path, rank_b=y, excluded=frozenset(excluded),
                      opts=opts, same_layout=wa == wb) for x, y in pairs]
     done = _compare_pairs(jobs)
-    streams = [s for s, _, _ in done]
+    streams = [s for s, _, _, _ in done]
     batching = _batching(streams[0], files[0])
-    context = context_differences([(ma, mb) for _, ma, mb in done], a.recording.manifest, b.recording.manifest,
-                                  same_layout=wa == wb)
+    context = context_differences([(ma, mb) for _, ma, mb, _ in done], a.recording.manifest, b.recording.manifest,
+                                  same_layout=wa == wb, numerics_per_step=next((n for *_, n in done if n), None))
     weights = next(c for c in context if c.category is Category.WEIGHTS)
     verdict = _worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
                      + ([DiffVerdict.DIFFERENT] if weights.differs else [])

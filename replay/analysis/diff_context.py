@@ -20,7 +20,9 @@ import numpy as np
 from replay.analysis.summary import short_kernel_name
 from replay.format.reader import RankFile
 
-__all__ = ["Category", "ContextDiff", "RankMeta", "rank_meta", "context_differences"]
+__all__ = ["Category", "ContextDiff", "RankMeta", "rank_meta", "context_differences", "first_numerics_difference"]
+
+NUMERICS_ARG = "__numerics__"  # the step argument holding the digest of the step's numerics context
 
 
 @dataclass(slots=True)
@@ -158,7 +160,7 @@ def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
     return _capped(Category.CONFIG, items)
 
 
-def _numerics(a: RankMeta, b: RankMeta) -> ContextDiff:
+def _numerics(a: RankMeta, b: RankMeta, per_step: dict[str, Any] | None) -> ContextDiff:
     items = _dict_diff({"flags": a.attrs.get("numerics") or {}, "env": a.attrs.get("env") or {}},
                        {"flags": b.attrs.get("numerics") or {}, "env": b.attrs.get("env") or {}})
     la, lb = (_target(a).get("launch") or {}), (_target(b).get("launch") or {})
@@ -170,7 +172,12 @@ def _numerics(a: RankMeta, b: RankMeta) -> ContextDiff:
     if isinstance(na, dict) and isinstance(nb, dict):
         ctx_a = _contexts(na)
         ctx_b = _contexts(nb)
-        if ctx_a != ctx_b:
+        if per_step is not None:
+            changes = per_step["changes"] or [{"name": "step_context", "a": "?", "b": "?"}]
+            for c in changes:
+                items.append({**c, "name": f"step {per_step['step']}: {c['name']}", "steps": per_step["steps_differ"]})
+            note = f"the step contexts first differ at step {per_step['step']} ({per_step['steps_differ']} steps differ)"
+        elif ctx_a != ctx_b:
             first_a, first_b = na.get("first"), nb.get("first")
             items += _dict_diff({"step_context": (na.get("contexts") or {}).get(first_a) or {}},
                                 {"step_context": (nb.get("contexts") or {}).get(first_b) or {}})
@@ -188,6 +195,57 @@ def _contexts(n: dict[str, Any]) -> list[str]:
     if not isinstance(c, dict):
         return []
     return sorted(json.dumps(v, sort_keys=True, default=str) for v in c.values())
+
+
+def _step_contexts(rf: RankFile) -> tuple[np.ndarray, np.ndarray, list[str]] | None:
+    """(steps, index into names, names): the numerics context digest each step ran under."""
+    t = rf.tables
+    s = t.steps
+    ids = s["args"].astype(np.int64)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    names = []
+    for i in uniq:
+        d = None
+        if i >= 0:
+            try:
+                args = json.loads(t.string(int(i)))
+                d = args.get(NUMERICS_ARG) if isinstance(args, dict) else None
+            except ValueError:
+                d = None
+        names.append(d if isinstance(d, str) else "")
+    return s["step"].astype(np.int64), inv.reshape(-1), names
+
+
+def first_numerics_difference(a: RankFile, b: RankFile) -> dict[str, Any] | None:
+    """The first common step whose recorded numerics contexts differ, and what differs there.
+
+    Contexts are named by a hash of their canonical JSON, so two runs' steps ran under the same
+    context exactly when their digests are equal."""
+    na, nb = _target_of(a).get("numerics"), _target_of(b).get("numerics")
+    if not isinstance(na, dict) or not isinstance(nb, dict):
+        return None
+    ca, cb = _step_contexts(a), _step_contexts(b)
+    if ca is None or cb is None:
+        return None
+    sa, ia, names_a = ca
+    sb, ib, names_b = cb
+    common, xa, xb = np.intersect1d(sa, sb, return_indices=True)
+    da = np.array(names_a, dtype=object)[ia[xa]] if common.size else np.zeros(0, dtype=object)
+    db = np.array(names_b, dtype=object)[ib[xb]] if common.size else np.zeros(0, dtype=object)
+    known = (da != "") & (db != "")
+    differ = np.flatnonzero(known & (da != db))
+    if not differ.size:
+        return None
+    i = int(differ[0])
+    ctx_a = (na.get("contexts") or {}).get(da[i]) or {}
+    ctx_b = (nb.get("contexts") or {}).get(db[i]) or {}
+    return {"step": int(common[i]), "steps_differ": int(differ.size),
+            "changes": _dict_diff(ctx_a if isinstance(ctx_a, dict) else {}, ctx_b if isinstance(ctx_b, dict) else {})}
+
+
+def _target_of(rf: RankFile) -> dict[str, Any]:
+    t = rf.attrs.get("target")
+    return t if isinstance(t, dict) else {}
 
 
 def _tuner(pairs: list[tuple[RankMeta, RankMeta]]) -> ContextDiff:
@@ -248,14 +306,15 @@ def _environment(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[st
 
 
 def context_differences(
-    pairs: list[tuple[RankMeta, RankMeta]], manifest_a: Mapping[str, Any], manifest_b: Mapping[str, Any], *, same_layout: bool
+    pairs: list[tuple[RankMeta, RankMeta]], manifest_a: Mapping[str, Any], manifest_b: Mapping[str, Any], *, same_layout: bool,
+    numerics_per_step: dict[str, Any] | None = None,
 ) -> list[ContextDiff]:
     """Every category, most likely cause first. ``pairs`` are the rank files compared."""
     a0, b0 = pairs[0]
     return [
         _weights(pairs, same_layout),
         _config(a0, b0),
-        _numerics(a0, b0),
+        _numerics(a0, b0, numerics_per_step),
         _tuner(pairs),
         _kernels(pairs),
         _versions(a0, b0, manifest_a, manifest_b),
