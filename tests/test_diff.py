@@ -12,7 +12,7 @@ import torch
 
 from replay import Recorder, RecorderConfig
 from replay.analysis.diff import DiffOptions, DiffVerdict, diff
-from tests.factories import VOCAB, make_recording, step_inputs, step_logits
+from tests.factories import make_recording, step_inputs, step_logits
 
 # -- recordings built for these tests ---------------------------------------------------------
 
@@ -450,3 +450,12 @@ def test_the_step_whose_numerics_context_first_differs(tmp_path):
     num = next(c for c in r.context if c.category.value == "numerics")
     assert num.note == "the step contexts first differ at step 3 (2 steps differ)"
     assert [(i["name"], i["a"], i["b"]) for i in num.items] == [("step 3: backends.cuda.matmul.allow_tf32", False, True)]
+
+
+def test_atol_alone_means_rtol_zero(tmp_path):
+    a = record_run(tmp_path / "a")
+    b = record_run(tmp_path / "b", scale_logits=1.0 + 1e-6)
+    # Logits are ~N(0, 1): a relative change of 1e-6 moves them by well under 1e-5 ...
+    assert diff(str(a), str(b), DiffOptions(atol=1e-5)).verdict is DiffVerdict.WITHIN_TOLERANCE
+    # ... and by more than 1e-9: with rtol 0, not within.
+    assert diff(str(a), str(b), DiffOptions(atol=1e-9)).verdict is DiffVerdict.DIFFERENT

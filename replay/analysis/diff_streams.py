@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from replay.analysis.unshard import Missing, field_row
 from replay.format.reader import RankFile
 from replay.format.schema import StepStatus
 
-__all__ = ["FieldRows", "Names", "RowDiff", "StreamFacts", "field_rows", "diff_rows", "step_facts"]
+if TYPE_CHECKING:
+    from replay.analysis.compare import Comparison
+    from replay.analysis.diff_records import DiffOptions, FirstDifference, StreamDiff
+
+__all__ = ["FieldRows", "Names", "RowDiff", "StreamFacts", "field_rows", "diff_rows", "step_facts", "margin_at", "used_ids", "compare_stream", "within_tolerance"]
 
 _SHIFT = 24  # (step << _SHIFT) | field id: one int64 key per row
 
@@ -175,3 +180,140 @@ def margin_at(rf: RankFile, step: int) -> float | None:
         return None
     m = float(s["margin"][i])
     return None if math.isnan(m) else m
+
+
+# -- one stream, compared -------------------------------------------------------------------------------
+
+
+def _tensor_comparison(ra: RankFile, rb: RankFile, step: int, name: str, opts: DiffOptions) -> tuple[dict[str, Any] | None, str, Comparison | None]:
+    """(comparison json, note, Comparison) for one field at one step, when both tensors are kept."""
+    # The rows first: a digest-only field is known as such without importing torch (seconds).
+    ta, tb = field_row(ra, step, name), field_row(rb, step, name)
+    if isinstance(ta, Missing) or isinstance(tb, Missing):
+        why = ta if isinstance(ta, Missing) else tb
+        where = "both" if isinstance(ta, Missing) and isinstance(tb, Missing) else ("A" if isinstance(ta, Missing) else "B")
+        return None, f"{why} in {where}: the bits differ, by how much is not known", None
+    from replay.analysis.compare import compare_tensors
+
+    ta, tb = ra.read_tensor(ta), rb.read_tensor(tb)
+    rtol, atol = opts.tolerances()
+    c = compare_tensors(ta, tb, name_a="A", name_b="B", rtol=rtol, atol=atol, k=opts.topk)
+    return c.to_json(), "", c
+
+
+def within_tolerance(c: Comparison, opts: DiffOptions) -> bool:
+    from replay.analysis.compare import Verdict
+
+    if c.verdict is Verdict.BITWISE_EQUAL:
+        return True
+    if opts.ulp is not None:
+        ok_ulp = c.ulp is not None and c.ulp <= opts.ulp
+        if opts.rtol is None and opts.atol is None:
+            return ok_ulp
+        return ok_ulp and c.verdict is Verdict.WITHIN_TOLERANCE
+    return c.verdict is Verdict.WITHIN_TOLERANCE
+
+
+def _ran(rf: RankFile, step: int) -> str:
+    """How a step ran: ``eager (why)`` or ``graph bucket=4 (padded to 4)``."""
+    s = rf.step(step)
+    if s.mode == "graph":
+        pad = int(s.row["padded_size"])
+        return f"graph {s.graph_key}" + (f" (padded to {pad})" if pad >= 0 else "")
+    return s.mode + (f" ({s.reason})" if s.reason else "")
+
+
+def _first(rd: RowDiff, i: int, names: Names, ra: RankFile, rb: RankFile, opts: DiffOptions) -> FirstDifference:
+    from replay.analysis.diff_records import FirstDifference
+
+    step, name = int(rd.step[i]), names.names[int(rd.gid[i])]
+    fd = FirstDifference(step=step, field=name,
+                         digest_a=_hex(rd.digest_a[i]) if rd.has_a[i] else None,
+                         digest_b=_hex(rd.digest_b[i]) if rd.has_b[i] else None,
+                         margin_a=margin_at(ra, step), margin_b=margin_at(rb, step))
+    if not (rd.has_a[i] and rd.has_b[i]):
+        fd.note = f"recorded in {'A' if rd.has_a[i] else 'B'} only at this step"
+    else:
+        if name == "graph":
+            fd.note = f"A ran {_ran(ra, step)}, B ran {_ran(rb, step)}"
+        else:
+            fd.comparison, fd.note, _ = _tensor_comparison(ra, rb, step, name, opts)
+    return fd
+
+
+def compare_stream(ra: RankFile, rb: RankFile, names: Names, keep: Callable[[str], bool], opts: DiffOptions, same_layout: bool) -> StreamDiff:
+    """Rank ``ra`` of A against rank ``rb`` of B: every (step, field) row, and what the steps say."""
+    from replay.analysis.diff_records import DiffVerdict, StreamDiff
+
+    facts = step_facts(ra, rb)
+    rd = diff_rows(field_rows(ra, names, keep), field_rows(rb, names, keep), facts.common)
+    is_token = np.array([n.startswith("tokens.") for n in names.names] + [False], dtype=bool)
+    first = _first(rd, 0, names, ra, rb, opts) if rd.size else None
+    tok_idx = np.flatnonzero(is_token[rd.gid]) if rd.size else np.zeros(0, dtype=np.int64)
+    first_token = _first(rd, int(tok_idx[0]), names, ra, rb, opts) if tok_idx.size else None
+    s = StreamDiff(rank_a=ra.rank, rank_b=rb.rank, verdict=DiffVerdict.SAME, facts=facts, compared_rows=rd.compared,
+                   differing_rows=rd.size, differing_steps=int(np.unique(rd.step).size), first=first, first_token=first_token,
+                   same_layout=same_layout)
+    if rd.size:
+        ids, n = np.unique(rd.gid, return_counts=True)  # one row per (step, field): a count of steps
+        top = np.argsort(-n, kind="stable")[:8]
+        s.by_field = {names.names[int(ids[i])]: int(n[i]) for i in top}
+    beyond = rd.size
+    if opts.tolerant and rd.size:
+        beyond = _apply_tolerance(s, rd, names, ra, rb, opts)
+    reasons = s.reasons
+    if facts.only_a.size or facts.only_b.size:
+        reasons.append(", ".join(f"{n} step{'s' if a.size != 1 else ''} recorded in {w} only (first: {int(a[0])})"
+                                 for w, a, n in (("A", facts.only_a, facts.only_a.size), ("B", facts.only_b, facts.only_b.size)) if a.size))
+    raised_differ = set(facts.raised_a) != set(facts.raised_b) or facts.n_raised_a != facts.n_raised_b
+    for w, n, r in (("A", facts.n_raised_a, facts.raised_a), ("B", facts.n_raised_b, facts.raised_b)):
+        if n:
+            k = next(iter(r))
+            reasons.append(f"{n} step{'s' if n != 1 else ''} raised in {w} (first: step {k}: {r[k][:120]})")
+    if facts.common.size == 0:
+        reasons.append("no step recorded in both")
+    if rd.size and beyond:
+        s.verdict = DiffVerdict.DIFFERENT
+    elif facts.only_a.size or facts.only_b.size or raised_differ:
+        s.verdict = DiffVerdict.DIFFERENT
+    elif facts.n_raised_a or facts.common.size == 0 or rd.compared == 0:
+        s.verdict = DiffVerdict.INCOMPLETE
+        if rd.compared == 0 and facts.common.size:
+            reasons.append("no field recorded in both")
+    elif rd.size:
+        s.verdict = DiffVerdict.WITHIN_TOLERANCE
+    return s
+
+
+def _apply_tolerance(s: StreamDiff, rd: RowDiff, names: Names, ra: RankFile, rb: RankFile, opts: DiffOptions) -> int:
+    """Compare the differing fields' tensors; return how many are not shown within tolerance."""
+    counts = {"within": 0, "beyond": 0, "digest_only": 0, "not_compared": 0, "one_side_only": 0}
+    for i in range(rd.size):
+        if not (rd.has_a[i] and rd.has_b[i]):
+            counts["one_side_only"] += 1
+            continue
+        if counts["within"] + counts["beyond"] + counts["digest_only"] >= opts.max_tensor_compares:
+            counts["not_compared"] = rd.size - i - counts["one_side_only"]
+            break
+        step, name = int(rd.step[i]), names.names[int(rd.gid[i])]
+        js, note, c = _tensor_comparison(ra, rb, step, name, opts)
+        if c is None:
+            counts["digest_only"] += 1
+        elif within_tolerance(c, opts):
+            counts["within"] += 1
+            continue
+        else:
+            counts["beyond"] += 1
+        if s.first_beyond_tolerance is None:
+            fd = _first(rd, i, names, ra, rb, opts)
+            s.first_beyond_tolerance = fd
+    s.tolerance = counts
+    if counts["digest_only"]:
+        s.reasons.append(f"{counts['digest_only']} differing field(s) recorded as digests only: tolerance cannot be applied")
+    if counts["not_compared"]:
+        s.reasons.append(f"{counts['not_compared']} differing field(s) not compared (--max-tensor-compares {opts.max_tensor_compares})")
+    return rd.size - counts["within"]
+
+
+def _hex(d: Any) -> str:
+    return f"{int(d):016x}"
