@@ -290,7 +290,8 @@ def _kernels(pairs: list[tuple[RankMeta, RankMeta]]) -> ContextDiff:
 
 def _versions(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
     items = _dict_diff(a.attrs.get("versions") or {}, b.attrs.get("versions") or {})
-    items += _dict_diff({"manifest": ma.get("versions") or {}}, {"manifest": mb.get("versions") or {}})
+    items += _dict_diff({"manifest": {k: ma.get(k) for k in ("versions", "replay_version") if k in ma}},
+                        {"manifest": {k: mb.get(k) for k in ("versions", "replay_version") if k in mb}})
     return _capped(Category.VERSIONS, items)
 
 
@@ -299,10 +300,15 @@ def _environment(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[st
     for k in ("command", "exit_code", "host"):
         if ma.get(k) != mb.get(k):
             items.append({"name": f"manifest.{k}", "a": _short(ma.get(k)), "b": _short(mb.get(k))})
-    for k in ("world_size", "host", "gpus"):
+    for k in ("world_size", "host", "platform", "gpus"):
         if a.attrs.get(k) != b.attrs.get(k):
             items.append({"name": k, "a": _short(a.attrs.get(k)), "b": _short(b.attrs.get(k))})
-    return _capped(Category.ENVIRONMENT, items)
+    ta, tb = _target(a), _target(b)
+    if ta.get("device") != tb.get("device"):
+        items.append({"name": "target.device", "a": _short(ta.get("device")), "b": _short(tb.get("device"))})
+    # What the recorder kept (digests or full tensors) decides what can be compared, not what ran.
+    items += _dict_diff({"recorder": a.attrs.get("recorder") or {}}, {"recorder": b.attrs.get("recorder") or {}})
+    return _capped(Category.ENVIRONMENT, [i for i in items if not i["name"].startswith(("recorder.out", "recorder.rank", "recorder.part", "recorder.world_size"))])
 
 
 def context_differences(
