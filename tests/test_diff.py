@@ -134,6 +134,7 @@ def test_one_changed_weight_is_named(tmp_path, run_cli):
     res = run_cli("diff", a, b)
     assert res.code == 1, res.err
     assert res.out.splitlines()[0].startswith("different: rank 0 step 0: output.logits first differs")
+    assert res.out.splitlines()[0].endswith(f"; weights differ: {WEIGHT}")
     weights_line = next(l for l in res.out.splitlines() if l.strip().startswith("weights"))
     assert f"1 differ: {WEIGHT}" in weights_line and "layers.0" not in weights_line
     out = run_cli("diff", a, b, "--json").json()

@@ -256,6 +256,9 @@ def _headline(rd: RunDiff) -> str:
                 text += "; no token divergence"
             if rd.batching is not None:
                 text += "; the runs batched differently" + (" (rows aligned below)" if rd.batching.aligned else "")
+            weights = next((c for c in rd.context if c.category is Category.WEIGHTS and c.differs), None)
+            if weights is not None:  # the likeliest cause, named on the first line
+                text += f"; weights differ: {weights.items[0]['name']}" + (f" and {weights.count - 1} more" if weights.count > 1 else "")
             return text
         bad = [u for u in rd.unsharded if u.verdict is DiffVerdict.DIFFERENT]
         if bad:
