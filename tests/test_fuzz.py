@@ -171,6 +171,8 @@ def commands(rec: Path, case: Path, *, report: bool = True) -> list[tuple[str, l
     ]
     if report and importlib.util.find_spec("replay.cli.report") is not None:
         cmds.append(("report --json", ["report", "--json", p, "-o", str(case / "report.html")]))
+    if importlib.util.find_spec("replay.cli.diff") is not None:  # issue 17
+        cmds.append(("diff --json", ["diff", "--json", p, p]))
     if importlib.util.find_spec("replay.cli.bisect") is not None:
         cmds.append(("bisect --steps", ["bisect", p, "--steps", "--no-save"]))
     if importlib.util.find_spec("replay.cli.step") is not None:
