@@ -127,10 +127,17 @@ def render_diff(r: RunDiff) -> str:
         detail = _comparison_line(f)
         if detail:
             lines.append(f"at the first difference ({s.name}, step {f.step}, {_e(f.field)}): {detail}")
-    differing = [s for s in r.streams if s.by_field][:_MAX_STREAM_ROWS]
-    for s in differing:
-        fields = ", ".join(f"{_e(k)} ({v} step{'s' if v != 1 else ''})" for k, v in s.by_field.items())
-        lines.append(f"{s.name}: fields that differ: {fields}")
+    # Streams that differ in the same fields at as many steps are one line (8 drifting ranks: one).
+    groups: dict[str, list[str]] = {}
+    for s in r.streams:
+        if s.by_field:
+            fields = ", ".join(f"{_e(k)} ({v} step{'s' if v != 1 else ''})" for k, v in s.by_field.items())
+            groups.setdefault(fields, []).append(s.name)
+    for fields, names in list(groups.items())[:_MAX_STREAM_ROWS]:
+        who = names[0] if len(names) == 1 else (
+            "ranks " + ", ".join(n.removeprefix("rank ") for n in names) if all(n.startswith("rank ") for n in names)
+            else "; ".join(names))
+        lines.append(f"{who}: fields that differ: {fields}")
     for s in r.streams:
         if s.first_beyond_tolerance is not None:
             f = s.first_beyond_tolerance
