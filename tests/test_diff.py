@@ -460,10 +460,22 @@ def test_atol_alone_means_rtol_zero(tmp_path):
     assert diff(str(a), str(b), DiffOptions(atol=1e-9)).verdict is DiffVerdict.DIFFERENT
 
 
-def test_a_recording_of_several_parts_needs_one_named(tmp_path, run_cli):
+def test_recordings_of_several_parts_are_compared_part_by_part(tmp_path, run_cli):
     a = make_recording(tmp_path, ranks=1, steps=2, name="a", part="run-000")
     make_recording(tmp_path, ranks=1, steps=2, name="a", part="run-001")
+    b = make_recording(tmp_path, ranks=1, steps=2, name="b", part="run-000")
+    make_recording(tmp_path, ranks=1, steps=2, name="b", part="run-001", diverge_at=1, diverge_rank=0)
     res = run_cli("diff", a, a)
+    assert res.code == 0 and res.out.startswith("the same: all 2 parts (run-000, run-001)")
+    res = run_cli("diff", a, b)
+    assert res.code == 1
+    assert res.out.startswith("different: 1 of 2 parts; first run-001: different: rank 0 step 1: output.logits first differs")
+    assert "== part run-000 ==\nthe same:" in res.out
+    out = run_cli("diff", a, b, "--json").json()
+    assert out["parts"]["run-001"]["first_difference"]["step"] == 1 and out["parts"]["run-000"]["same"]
+    # One side with several parts against one part: which part is meant must be said.
+    c = make_recording(tmp_path, ranks=1, steps=2, name="c")
+    res = run_cli("diff", a, c)
     assert res.code == 2 and f"has 2 parts (run-000, run-001): name one, e.g. {a}:run-000" in res.err
     assert run_cli("diff", f"{a}:run-000", f"{a}:run-001").code == 0
     assert run_cli("diff", a / "run-000", a / "run-001").code == 0  # part directories work too
@@ -487,3 +499,14 @@ def test_an_unsealed_journal_is_compared_too(tmp_path):
     r = diff(str(a), str(b))
     rec.close()
     assert r.verdict is DiffVerdict.DIFFERENT and (r.first[1].step, r.first[1].field) == (3, "output.logits")
+
+
+def test_a_part_in_one_recording_only_is_not_called_the_same(tmp_path):
+    a = make_recording(tmp_path, ranks=1, steps=2, name="a", part="run-000")
+    make_recording(tmp_path, ranks=1, steps=2, name="a", part="run-001")
+    b = make_recording(tmp_path, ranks=1, steps=2, name="b", part="run-000")
+    make_recording(tmp_path, ranks=1, steps=2, name="b", part="run-002")
+    r = diff(str(a), str(b))
+    assert r.verdict is DiffVerdict.INCOMPLETE and r.exit_code == 1
+    assert r.headline == ("not shown to be the same: the common part is the same, but not compared: "
+                          "run-001 (in A only), run-002 (in B only)")

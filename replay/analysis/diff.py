@@ -28,14 +28,15 @@ import numpy as np
 from replay.analysis.align import BatchAlignment, align_batches
 from replay.analysis.diff_context import Category, RankMeta, context_differences, first_numerics_difference, rank_meta
 from replay.analysis.diff_records import (
-    DiffOptions, DiffVerdict, FirstDifference, RunDiff, StreamDiff, UnshardedField, worst,
+    DiffOptions, DiffVerdict, FirstDifference, RecordingDiff, RunDiff, StreamDiff, UnshardedField, worst,
 )
-from replay.analysis.diff_sides import Side, open_side
+from replay.analysis.diff_sides import Side, open_sides
 from replay.analysis.diff_streams import Names, compare_stream, used_ids, within_tolerance
 from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_shape, whole_tensor
 from replay.format.reader import RankFile
 
-__all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "diff_runs", "diff"]
+__all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "RecordingDiff",
+           "diff_runs", "diff"]
 
 
 # -- fields laid out differently ----------------------------------------------------------------
@@ -274,12 +275,33 @@ def _headline(rd: RunDiff) -> str:
     return f"not shown to be the same: {reasons[0] if reasons else 'nothing was compared'}"
 
 
-def diff(a: str, b: str, options: DiffOptions | None = None) -> RunDiff:
-    """``replay diff A B`` as a library call: open both sides and compare them."""
-    sa = open_side(a, "A")
-    sb = open_side(b, "B")
+def diff(a: str, b: str, options: DiffOptions | None = None) -> RunDiff | RecordingDiff:
+    """``replay diff A B`` as a library call: open both sides and compare them.
+
+    A ``RunDiff`` for one part against another; a ``RecordingDiff`` when A and B are whole
+    recordings of several parts each (compared part by part, by name)."""
+    pairs, only_a, only_b = open_sides(a, b)
     try:
-        return diff_runs(sa, sb, options)
+        if len(pairs) == 1 and not only_a and not only_b:
+            return diff_runs(pairs[0][0], pairs[0][1], options)
+        parts = {sa.part.name: diff_runs(sa, sb, options) for sa, sb in pairs}
+        return _recording_diff(a, b, parts, only_a, only_b)
     finally:
-        sa.recording.close()
-        sb.recording.close()
+        for sa, sb in pairs:
+            sa.recording.close()
+            sb.recording.close()
+
+
+def _recording_diff(a: str, b: str, parts: dict[str, RunDiff], only_a: list[str], only_b: list[str]) -> RecordingDiff:
+    verdict = worst([d.verdict for d in parts.values()] + ([DiffVerdict.INCOMPLETE] if only_a or only_b else []))
+    bad = [(n, d) for n, d in parts.items() if d.exit_code]
+    if verdict.exit_code == 0:
+        head = f"{verdict}: all {len(parts)} parts ({', '.join(parts)})"
+    elif bad:
+        n, d = bad[0]
+        head = f"{verdict}: {len(bad)} of {len(parts)} parts; first {n}: {d.headline}"
+    else:
+        missing = [f"{n} (in A only)" for n in only_a] + [f"{n} (in B only)" for n in only_b]
+        common = "the common part is" if len(parts) == 1 else f"the {len(parts)} common parts are"
+        head = f"{verdict}: {common} the same, but not compared: {', '.join(missing[:6])}"
+    return RecordingDiff(a=a, b=b, verdict=verdict, headline=head, parts=parts, only_a=only_a, only_b=only_b)

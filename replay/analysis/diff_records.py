@@ -16,7 +16,7 @@ from replay.analysis.diff_context import ContextDiff
 from replay.analysis.diff_streams import StreamFacts
 from replay.errors import UsageError
 
-__all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "worst"]
+__all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "RecordingDiff", "worst"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -212,3 +212,25 @@ class RunDiff:
             "other_differences": [c.to_json() for c in self.context],
             "notes": self.notes,
         }
+
+
+@dataclass(slots=True)
+class RecordingDiff:
+    """Two recordings of several parts each, compared part by part (the parts both have)."""
+
+    a: str
+    b: str
+    verdict: DiffVerdict
+    headline: str
+    parts: dict[str, RunDiff]
+    only_a: list[str]
+    only_b: list[str]
+
+    @property
+    def exit_code(self) -> int:
+        return self.verdict.exit_code
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verdict": str(self.verdict), "same": self.exit_code == 0, "headline": self.headline,
+                "a": self.a, "b": self.b, "parts_only_in_a": self.only_a, "parts_only_in_b": self.only_b,
+                "parts": {name: d.to_json() for name, d in self.parts.items()}}

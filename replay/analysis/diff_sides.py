@@ -15,7 +15,7 @@ from replay.errors import OutOfRange, RecordingNotFound, UsageError
 from replay.format.reader import Part, RankFile, Recording
 from replay.format.schema import parse_rank_stem
 
-__all__ = ["Side", "SideSpec", "parse_side", "open_side"]
+__all__ = ["Side", "SideSpec", "parse_side", "open_side", "open_sides"]
 
 _TAIL = re.compile(r"^(?P<part>[A-Za-z0-9_.-]*)(?:/(?P<rank>\d+))?$")
 
@@ -82,7 +82,27 @@ class Side:
 
 def open_side(text: str, label: str) -> Side:
     spec = parse_side(text)
-    rec = Recording(spec.path)
+    return _side(spec, text, label, Recording(spec.path))
+
+
+def open_sides(a: str, b: str) -> tuple[list[tuple[Side, Side]], list[str], list[str]]:
+    """The pairs of parts to compare: one pair, or, when A and B are both whole recordings of
+    several parts (a pytest session: one part per test), every part name they share.
+    Returns (pairs, parts in A only, parts in B only)."""
+    sa, sb = parse_side(a), parse_side(b)
+    ra, rb = Recording(sa.path), Recording(sb.path)
+    if sa.part is None and sb.part is None and sa.rank is None and sb.rank is None and len(ra) > 1 and len(rb) > 1:
+        common = [n for n in ra if n in rb]
+        if not common:
+            raise UsageError(f"{sa.path} and {sb.path} have no part name in common: name one of each, e.g. "
+                             f"{a}:{next(iter(ra))} {b}:{next(iter(rb))}")
+        pairs = [(_side(SideSpec(path=sa.path, part=n), a, "A", ra), _side(SideSpec(path=sb.path, part=n), b, "B", rb))
+                 for n in common]
+        return pairs, [n for n in ra if n not in rb], [n for n in rb if n not in ra]
+    return [(_side(sa, a, "A", ra), _side(sb, b, "B", rb))], [], []
+
+
+def _side(spec: SideSpec, text: str, label: str, rec: Recording) -> Side:
     if spec.part is not None:
         part = rec[spec.part]
     elif len(rec) == 1:

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from replay.analysis.diff import DiffOptions, RunDiff, diff as diff_recordings
+from replay.analysis.diff import DiffOptions, RecordingDiff, RunDiff, diff as diff_recordings
 from replay.cli.common import emit_json, json_option
 from replay.cli.render import style, table
 from replay.errors import UsageError
@@ -64,7 +64,7 @@ def diff(a: str, b: str, rtol: float | None, atol: float | None, ulp: int | None
     if as_json:
         emit_json(result.to_json())
     else:
-        click.echo(render_diff(result))
+        click.echo(render_recording_diff(result) if isinstance(result, RecordingDiff) else render_diff(result))
     return result.exit_code
 
 
@@ -102,6 +102,18 @@ def _comparison_line(f: Any) -> str:
     if c.get("note"):
         bits.append(_e(c["note"]))
     return f"{c['verdict']}: " + ", ".join(bits)
+
+
+def render_recording_diff(r: RecordingDiff) -> str:
+    """Several parts: the overall verdict, then each part as ``render_diff`` shows it."""
+    colour = {"the same": "green", "the same within tolerance": "yellow"}.get(str(r.verdict), "red")
+    lines = [style(_e(r.headline), fg=colour, bold=True)]
+    for w, names in (("A", r.only_a), ("B", r.only_b)):
+        if names:
+            lines.append(f"parts in {w} only, not compared: {_e(', '.join(names))}")
+    for name, d in r.parts.items():
+        lines += ["", f"== part {_e(name)} ==", render_diff(d)]
+    return "\n".join(lines)
 
 
 def render_diff(r: RunDiff) -> str:
