@@ -51,6 +51,7 @@ def record_run(
     request_order: list[int] | None = None,
     mode: str = "eager",
     numerics: list[str] | None = None,
+    scale_gather: float = 1.0,
 ) -> Path:
     """A decode loop at tensor-parallel degree ``tp``: logits and tokens replicated on every rank,
     ``hidden`` split along dim 1 in rank order (recorded with its layout when ``placements``)."""
@@ -72,7 +73,7 @@ def record_run(
                 inputs["request_ids"] = torch.tensor(request_order[:batch])
             rec.record_inputs(**inputs)
             if tp > 1:  # the all-gather of a TP run: a field a TP=1 run does not have
-                rec.record_collective("all_gather_into_tensor", group_size=tp, outputs=[_hidden(s)[:batch]])
+                rec.record_collective("all_gather_into_tensor", group_size=tp, outputs=[_hidden(s)[:batch] * scale_gather])
             logits = step_logits(s, batch) * scale_logits
             hidden = _hidden(s)[:batch]
             if bump_hidden_at is not None and s >= bump_hidden_at and r == tp - 1:
@@ -510,3 +511,13 @@ def test_a_part_in_one_recording_only_is_not_called_the_same(tmp_path):
     assert r.verdict is DiffVerdict.INCOMPLETE and r.exit_code == 1
     assert r.headline == ("not shown to be the same: the common part is the same, but not compared: "
                           "run-001 (in A only), run-002 (in B only)")
+
+
+def test_collective_outputs_kept_in_full_take_a_tolerance(tmp_path):
+    a = record_run(tmp_path / "a", tp=2)
+    b = record_run(tmp_path / "b", tp=2, scale_gather=1.0 + 1e-6)
+    r = diff(str(a), str(b))
+    assert r.verdict is DiffVerdict.DIFFERENT and r.first[1].field == "collective.0.all_gather_into_tensor"
+    c = r.first[1].comparison
+    assert c["mismatched"] > 0 and 0 < c["max_abs"] < 1e-4
+    assert diff(str(a), str(b), DiffOptions(rtol=1e-4)).verdict is DiffVerdict.WITHIN_TOLERANCE

@@ -84,7 +84,7 @@ def _where(f: Any) -> str:
     return "-" if f is None else f"step {f.step} {_e(f.field)}"
 
 
-def _comparison_line(f: Any) -> str:
+def _comparison_line(f: Any, bitwise: bool = False) -> str:
     c = f.comparison
     if c is None:
         return _e(f.note) if f.note else ""
@@ -101,7 +101,11 @@ def _comparison_line(f: Any) -> str:
         bits.append(f"top-k overlap {c['topk_overlap']:.2f}")
     if c.get("note"):
         bits.append(_e(c["note"]))
-    return f"{c['verdict']}: " + ", ".join(bits)
+    verdict = c["verdict"]
+    if bitwise and verdict == "within tolerance":
+        # Under a bitwise diff, compare's own default tolerance is a hint, not the verdict.
+        verdict = "bits differ, values within the default tolerance for the dtype"
+    return f"{verdict}: " + ", ".join(bits)
 
 
 def render_recording_diff(r: RecordingDiff) -> str:
@@ -136,7 +140,7 @@ def render_diff(r: RunDiff) -> str:
     first = r.first
     if first is not None:
         s, f = first
-        detail = _comparison_line(f)
+        detail = _comparison_line(f, bitwise=r.tolerance == "bitwise")
         if detail:
             lines.append(f"at the first difference ({s.name}, step {f.step}, {_e(f.field)}): {detail}")
     # Streams that differ in the same fields at as many steps are one line (8 drifting ranks: one).
