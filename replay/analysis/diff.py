@@ -112,6 +112,17 @@ def _run_pair(job: _PairJob) -> tuple[StreamDiff, RankMeta, RankMeta, dict[str, 
 _PARALLEL_BYTES = 32 << 20
 
 
+def _idle_cores() -> int:
+    """Cores this process may use that nothing else is busy on: on a machine already loaded,
+    more processes only add the cost of starting them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:
+        busy = 0.0
+    return max(1, min(cores, int(cores - busy + 1)))  # +1: this process is one of the busy ones
+
+
 def _compare_pairs(jobs: list[_PairJob]) -> list[tuple[StreamDiff, RankMeta, RankMeta, dict[str, Any] | None]]:
     def size(d: Path, r: int) -> int:
         for suffix in (".h5", ".journal"):
@@ -121,7 +132,7 @@ def _compare_pairs(jobs: list[_PairJob]) -> list[tuple[StreamDiff, RankMeta, Ran
         return 0
 
     total = sum(size(j.dir_a, j.rank_a) + size(j.dir_b, j.rank_b) for j in jobs)
-    workers = min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    workers = min(len(jobs), _idle_cores())
     if total < _PARALLEL_BYTES or workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
         return [_run_pair(j) for j in jobs]
     # fork: the workers start in milliseconds and need nothing from the parent but the job (the
@@ -130,8 +141,16 @@ def _compare_pairs(jobs: list[_PairJob]) -> list[tuple[StreamDiff, RankMeta, Ran
         return list(pool.map(_run_pair, jobs))
 
 
-def _world(side: Side) -> int:
-    """The part's declared world size (one rank's attribute), else the number of its rank files."""
+def _worlds(a: Side, b: Side) -> tuple[int, int]:
+    """The parts' world sizes. When both list ranks 0..n-1 for the same n, that is n, known from
+    the listing alone; otherwise what a rank file of each declares, so that a missing rank file
+    is told apart from a smaller layout."""
+    if len(a.part) == len(b.part) and all(list(s.part) == list(range(len(s.part))) for s in (a, b)):
+        return len(a.part), len(b.part)
+    return _declared_world(a), _declared_world(b)
+
+
+def _declared_world(side: Side) -> int:
     ws = side.part[next(iter(side.part))].attrs.get("world_size")
     return ws if isinstance(ws, int) and not isinstance(ws, bool) and 0 < ws <= 1 << 16 else len(side.part)
 
@@ -158,7 +177,7 @@ def _spread(a: Side, b: Side) -> list[tuple[int, int]]:
 def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     """Compare two opened sides (see ``replay.analysis.diff_sides.open_side``)."""
     opts = options or DiffOptions()
-    wa, wb = _world(a), _world(b)
+    wa, wb = _worlds(a, b)
     pairs, missing = _pairs(a, b, wa == wb)
     files = [(a.part[x], b.part[y]) for x, y in pairs]
     notes: list[str] = list(missing)

@@ -110,6 +110,9 @@ _KIND = {"input.": TensorKind.INPUT, "output.": TensorKind.OUTPUT, "tokens.": Te
 
 def field_row(rf: RankFile, step: int, field: str) -> np.void | Missing:
     """The /tensors row behind ``field`` at ``step``, or why there is none."""
+    if rf.tables.payload_size == 0:
+        # No tensor bytes at all: known from the summary, without reading /tensors.
+        return Missing("recorded as a digest only")
     t = rf.full()
     if field.startswith("collective."):
         c = t.collectives[t.collectives["step"] == step]
