@@ -73,8 +73,10 @@ def record_run(
             rec.record_inputs(**inputs)
             if tp > 1:  # the all-gather of a TP run: a field a TP=1 run does not have
                 rec.record_collective("all_gather_into_tensor", group_size=tp, outputs=[_hidden(s)[:batch] * scale_gather])
-            logits = step_logits(s, batch) * scale_logits
-            hidden = _hidden(s)[:batch]
+            # rows: [B], one per request; with request ids, a request's row is the same whatever its place
+            rows = torch.tensor([q - 10 for q in request_order[:batch]]) if request_order is not None else torch.arange(batch)
+            logits = step_logits(s, 4)[rows] * scale_logits
+            hidden = _hidden(s)[rows]
             if bump_hidden_at is not None and s >= bump_hidden_at and r == tp - 1:
                 hidden = hidden.clone()
                 hidden[0, -1] += 1.0
@@ -231,12 +233,16 @@ def test_different_batching_without_request_ids_says_it_cannot_align(tmp_path):
 
 def test_different_batching_aligned_by_request_and_position(tmp_path):
     a = record_run(tmp_path / "a", batch=4, request_order=[10, 11, 12, 13])
-    b = record_run(tmp_path / "b", batch=2, request_order=[10, 11])
+    b = record_run(tmp_path / "b", batch=2, request_order=[13, 11])  # other requests, another order
     r = diff(str(a), str(b))
     bt = r.batching
     assert bt is not None and bt.aligned
     # Requests 10 and 11 ran in both: 2 rows x 5 positions, same tokens (same logits rows).
-    assert (bt.rows_compared, bt.rows_differ, bt.fields) == (10, 0, ["tokens.tokens"])
+    assert (bt.rows_compared, bt.rows_differ, bt.fields) == (10, 0, ["output.hidden", "output.logits", "tokens.tokens"])
+    # A request whose logits row changed is found by request and position, whatever its batch row.
+    c = record_run(tmp_path / "c", batch=2, request_order=[10, 11], scale_logits=1.5)
+    bt = diff(str(a), str(c)).batching
+    assert bt.rows_differ == 10 and bt.first == {"request": 10, "position": 0, "field": "output.logits", "step_a": 0, "step_b": 0}
 
 
 # -- tolerance --------------------------------------------------------------------------------

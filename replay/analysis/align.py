@@ -4,7 +4,7 @@ Two runs of the same requests may batch them differently (another batch size, an
 request joining later). Step N of one is then not step N of the other, and a step-by-step diff
 says everything differs. When both runs recorded, in full, an input naming each row's request
 (``request_ids``, ...) and one giving its position (``input_pos``, ...), rows are matched by
-(request, position) across all steps and their tokens compared row by row. When they did not, the
+(request, position) across all steps and their tokens (and outputs kept in full) compared row by row, bit for bit. When they did not, the
 diff says that the rows cannot be aligned, and why.
 """
 
@@ -79,7 +79,8 @@ def _row_keys(rf: RankFile, step: int, req: str, pos: str) -> list[tuple[int, in
 
 
 def _token_rows(rf: RankFile, steps: np.ndarray, req: str, pos: str) -> tuple[dict[tuple[int, int], dict[str, Any]], str]:
-    """(request, position) -> {field: row bytes}, for every token field recorded in full."""
+    """(request, position) -> {field: row bytes}, for every token and output field recorded in
+    full with one row per request (compared bit for bit)."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     t = rf.full()
     for s in steps[:MAX_STEPS]:
@@ -88,8 +89,10 @@ def _token_rows(rf: RankFile, steps: np.ndarray, req: str, pos: str) -> tuple[di
         if isinstance(keys, Missing):
             return out, f"step {s}: {keys}"
         rows = rf.tensor_rows(s)
-        for r in rows[rows["kind"] == int(TensorKind.TOKENS)]:
-            name = f"tokens.{t.string(int(r['name']))}"
+        kinds = rows["kind"]
+        for r in rows[(kinds == int(TensorKind.TOKENS)) | (kinds == int(TensorKind.OUTPUT))]:
+            prefix = "tokens" if int(r["kind"]) == int(TensorKind.TOKENS) else "output"
+            name = f"{prefix}.{t.string(int(r['name']))}"
             if int(r["offset"]) < 0:
                 continue
             v = rf.read_tensor(r)

@@ -177,7 +177,7 @@ def render_diff(r: RunDiff) -> str:
             first_b = bt.first
             tail = (f"; first at request {_e(first_b['request'])} position {_e(first_b['position'])}: {_e(first_b['field'])} "
                     f"(A step {first_b['step_a']}, B step {first_b['step_b']})") if first_b else ""
-            lines.append(f"  aligned by request and position: {bt.rows_differ} of {bt.rows_compared} rows differ in tokens{tail}")
+            lines.append(f"  aligned by request and position: {bt.rows_differ} of {bt.rows_compared} rows differ ({_e(', '.join(bt.fields))}){tail}")
         if bt.note:
             lines.append(f"  {_e(bt.note)}")
     lines.append("what else differs, most likely cause first:")
