@@ -526,3 +526,10 @@ def test_collective_outputs_kept_in_full_take_a_tolerance(tmp_path):
     c = r.first[1].comparison
     assert c["mismatched"] > 0 and 0 < c["max_abs"] < 1e-4
     assert diff(str(a), str(b), DiffOptions(rtol=1e-4)).verdict is DiffVerdict.WITHIN_TOLERANCE
+
+
+def test_weights_across_layouts_are_not_called_the_same(tmp_path):
+    tp2 = record_run(tmp_path / "tp2", tp=2, weights=_weights(False))
+    tp1 = record_run(tmp_path / "tp1", tp=1, weights=_weights(True))
+    w = next(c for c in diff(str(tp2), str(tp1)).context if c.category.value == "weights")
+    assert not w.compared and "cannot be compared across layouts" in w.note

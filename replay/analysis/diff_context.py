@@ -142,8 +142,15 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
             merged[key]["ranks_a"].append(it["ranks"][0])
         else:
             merged[key] = {**{k: v for k, v in it.items() if k != "ranks"}, "ranks_a": [it["ranks"][0]]}
-    note = "" if same_layout else "the runs are laid out differently: weight digests are per shard, only names, shapes and dtypes compared"
-    return _capped(Category.WEIGHTS, list(merged.values()), note)
+    if same_layout:
+        return _capped(Category.WEIGHTS, list(merged.values()))
+    if not merged:
+        # Digests of shards cannot be compared across layouts: do not call the weights the same.
+        return ContextDiff(category=Category.WEIGHTS, compared=False,
+                           note="names, shapes and dtypes the same; digests are per shard, so the values cannot be "
+                                "compared across layouts")
+    return _capped(Category.WEIGHTS, list(merged.values()),
+                   "the runs are laid out differently: only names, shapes and dtypes compared")
 
 
 def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
