@@ -11,12 +11,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from replay.analysis.align import BatchAlignment
 from replay.analysis.diff_context import ContextDiff
-from replay.analysis.diff_streams import StreamFacts
 from replay.errors import UsageError
 
-__all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "RecordingDiff", "worst"]
+__all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "RecordingDiff", "StreamFacts", "worst"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,6 +92,30 @@ _SEVERITY = [DiffVerdict.SAME, DiffVerdict.WITHIN_TOLERANCE, DiffVerdict.INCOMPL
 
 def worst(vs: list[DiffVerdict]) -> DiffVerdict:
     return max(vs, key=_SEVERITY.index) if vs else DiffVerdict.INCOMPLETE
+
+
+@dataclass(slots=True)
+class StreamFacts:
+    """What the /steps tables of the two ranks say, apart from the fields."""
+
+    steps_a: int
+    steps_b: int
+    common: np.ndarray  # steps both recorded
+    only_a: np.ndarray
+    only_b: np.ndarray
+    raised_a: dict[int, str] = field(default_factory=dict)  # step -> error, capped
+    raised_b: dict[int, str] = field(default_factory=dict)
+    n_raised_a: int = 0
+    n_raised_b: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        def steps(a: np.ndarray) -> dict[str, Any]:
+            return {"count": int(a.size), "first": [int(s) for s in a[:10]]}
+
+        return {"steps_a": self.steps_a, "steps_b": self.steps_b, "common_steps": int(self.common.size),
+                "only_in_a": steps(self.only_a), "only_in_b": steps(self.only_b),
+                "raised_in_a": {"count": self.n_raised_a, "first": {str(k): v for k, v in self.raised_a.items()}},
+                "raised_in_b": {"count": self.n_raised_b, "first": {str(k): v for k, v in self.raised_b.items()}}}
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ to say by how much a field differs (at the first difference) or whether it is wi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -17,11 +17,12 @@ from replay.analysis.unshard import Missing, field_row
 from replay.format.reader import RankFile
 from replay.format.schema import StepStatus
 
+from replay.analysis.diff_records import DiffOptions, DiffVerdict, FirstDifference, StreamDiff, StreamFacts
+
 if TYPE_CHECKING:
     from replay.analysis.compare import Comparison
-    from replay.analysis.diff_records import DiffOptions, FirstDifference, StreamDiff
 
-__all__ = ["FieldRows", "Names", "RowDiff", "StreamFacts", "field_rows", "diff_rows", "step_facts", "margin_at", "used_ids", "compare_stream", "within_tolerance"]
+__all__ = ["FieldRows", "Names", "RowDiff", "field_rows", "diff_rows", "step_facts", "margin_at", "used_ids", "compare_stream", "within_tolerance"]
 
 _SHIFT = 24  # (step << _SHIFT) | field id: one int64 key per row
 
@@ -130,30 +131,6 @@ def diff_rows(a: FieldRows, b: FieldRows, common_steps: np.ndarray) -> RowDiff:
                    has_a=has_a[srt], has_b=has_b[srt], compared=int(ia.size))
 
 
-@dataclass(slots=True)
-class StreamFacts:
-    """What the /steps tables of the two ranks say, apart from the fields."""
-
-    steps_a: int
-    steps_b: int
-    common: np.ndarray  # steps both recorded
-    only_a: np.ndarray
-    only_b: np.ndarray
-    raised_a: dict[int, str] = field(default_factory=dict)  # step -> error, capped
-    raised_b: dict[int, str] = field(default_factory=dict)
-    n_raised_a: int = 0
-    n_raised_b: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        def steps(a: np.ndarray) -> dict[str, Any]:
-            return {"count": int(a.size), "first": [int(s) for s in a[:10]]}
-
-        return {"steps_a": self.steps_a, "steps_b": self.steps_b, "common_steps": int(self.common.size),
-                "only_in_a": steps(self.only_a), "only_in_b": steps(self.only_b),
-                "raised_in_a": {"count": self.n_raised_a, "first": {str(k): v for k, v in self.raised_a.items()}},
-                "raised_in_b": {"count": self.n_raised_b, "first": {str(k): v for k, v in self.raised_b.items()}}}
-
-
 def _raised(rf: RankFile, cap: int = 5) -> tuple[dict[int, str], int]:
     s = rf.tables.steps
     r = s[s["status"] == StepStatus.RAISED]
@@ -224,8 +201,6 @@ def _ran(rf: RankFile, step: int) -> str:
 
 
 def _first(rd: RowDiff, i: int, names: Names, ra: RankFile, rb: RankFile, opts: DiffOptions) -> FirstDifference:
-    from replay.analysis.diff_records import FirstDifference
-
     step, name = int(rd.step[i]), names.names[int(rd.gid[i])]
     fd = FirstDifference(step=step, field=name,
                          digest_a=_hex(rd.digest_a[i]) if rd.has_a[i] else None,
@@ -243,8 +218,6 @@ def _first(rd: RowDiff, i: int, names: Names, ra: RankFile, rb: RankFile, opts: 
 
 def compare_stream(ra: RankFile, rb: RankFile, names: Names, keep: Callable[[str], bool], opts: DiffOptions, same_layout: bool) -> StreamDiff:
     """Rank ``ra`` of A against rank ``rb`` of B: every (step, field) row, and what the steps say."""
-    from replay.analysis.diff_records import DiffVerdict, StreamDiff
-
     facts = step_facts(ra, rb)
     rd = diff_rows(field_rows(ra, names, keep), field_rows(rb, names, keep), facts.common)
     is_token = np.array([n.startswith("tokens.") for n in names.names] + [False], dtype=bool)
