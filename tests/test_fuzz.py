@@ -998,3 +998,39 @@ def test_control_characters_in_names_reach_no_error_line(worker: Worker, bases: 
     assert res["code"] == 8 and "\x1b" not in line and "\\x1b]0;pwned" in line, line
     res = worker.run(["info", "--json", str(case)], cwd=tmp_path)
     assert "\x1b" not in res["out"], "JSON output must escape control characters"
+
+
+def test_planted_default_recording_is_not_chosen(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """A ``recordings/99999999-...`` planted beside real recordings (sorting last by name, and
+    claiming to start in the future) is not every command's default: the newest by start time is."""
+    import time
+
+    root = tmp_path / "recordings"
+    root.mkdir()
+    planted = root / "99999999-999999-planted"
+    shutil.copytree(bases["sealed"], planted, symlinks=True)
+    m = json.loads((planted / "manifest.json").read_text())
+    m["started_at"] = time.time() + 10 ** 8
+    (planted / "manifest.json").write_text(json.dumps(m))
+    os.utime(planted / "manifest.json", (1.0, 1.0))
+    real = root / "20261201-120000-real"
+    shutil.copytree(bases["sealed"], real, symlinks=True)
+    m = json.loads((real / "manifest.json").read_text())
+    m["started_at"] = time.time()
+    (real / "manifest.json").write_text(json.dumps(m))
+    res = worker.run(["info", "--root", str(root)], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 0, res
+    assert f"using the newest recording, {real}" in res["err"], res["err"]
+
+
+def test_results_symlink_out_of_the_recording(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """``results`` a link to a directory elsewhere: ``bisect --steps`` (which saves its result)
+    writes nothing there."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["sealed"], case, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (case / "results").symlink_to(outside)
+    res = worker.run(["bisect", str(case), "--steps"], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 0, res
+    assert list(outside.iterdir()) == [], "a result was written through the link"

@@ -85,7 +85,11 @@ def _started(p: Path) -> float:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     claimed = float(v)
                     break
-    return min(claimed, st.st_ctime) if claimed is not None else st.st_mtime
+    if claimed is not None and claimed <= st.st_ctime + 2.0:
+        return claimed
+    # No start time, or one after the file was last changed (so not true): the modification
+    # time, which a file's owner can set, but never later than what the system recorded.
+    return min(st.st_mtime, st.st_ctime)
 
 
 def _looks_like_recording(p: Path) -> bool:
