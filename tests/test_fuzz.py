@@ -1034,3 +1034,42 @@ def test_results_symlink_out_of_the_recording(worker: Worker, bases: dict[str, P
     res = worker.run(["bisect", str(case), "--steps"], cwd=tmp_path)
     assert judge(res, worker) is None and res["code"] == 0, res
     assert list(outside.iterdir()) == [], "a result was written through the link"
+
+
+def test_sparse_payload_is_not_read(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """A crashed journal whose payload is a sparse 3 GiB file and names one tensor of 3 GiB:
+    `verify` (which reads every stored tensor) reports it, without allocating for it."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["journal"], case)
+    j = case / "run-000" / "rank-00000.journal"
+    payload = j.with_suffix(".payload")
+    size = payload.stat().st_size
+
+    def edit(frames: list[tuple[int, Any]]) -> None:
+        for i, (kind, body) in enumerate(frames):
+            if kind == int(FrameKind.STEP) and body.get("inputs"):
+                body["inputs"][0] = {"name": "huge", "dtype": "uint8", "shape": [SPARSE_BYTES], "dig": "0" * 16,
+                                     "off": size, "n": SPARSE_BYTES}
+                return
+
+    _rewrite_journal(j, edit)
+    os.truncate(payload, size + SPARSE_BYTES)
+    assert payload.stat().st_blocks * 512 < 64 << 20
+    res = worker.run(["verify", "--json", str(case)], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 4, res
+    ranks = {r["rank"]: r for r in json.loads(res["out"])["ranks"]}
+    assert any("sparse" in p for p in ranks[0]["problems"]), ranks[0]
+    assert res["secs"] < 1.0 and res["rss_mb"] - worker.base_rss < 200, res
+
+
+def test_table_in_tiny_chunks_is_refused(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """A table cut into one chunk per row: a read per row is refused as not what the writer writes."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["sealed"], case, symlinks=True)
+    with h5py.File(_rank0(case), "r+") as h:
+        data = h["fields"][()]
+        del h["fields"]
+        h.create_dataset("fields", data=np.resize(data, 5000), chunks=(1,), maxshape=(None,), fletcher32=True)
+    res = worker.run(["info", str(case)], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 4, res
+    assert "split into 5000 chunks" in res["out"], res["out"]

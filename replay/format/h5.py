@@ -244,6 +244,13 @@ def _check_storage(ds: h5py.Dataset, name: str, filters: frozenset[int], stored_
     claimed = int(ds.shape[0]) * max(int(ds.dtype.itemsize), 1) if ds.ndim == 1 else 0
     if claimed == 0:
         return 0
+    if ds.chunks:
+        # The writer cuts tables into chunks of 16,384 rows: a table split into many more chunks
+        # than that would cost a read per row.
+        rows = int(ds.shape[0])
+        n_chunks = -(-rows // max(int(ds.chunks[0]), 1))
+        if n_chunks > 64 + rows // 1024:
+            raise ValueError(f"/{name} is split into {n_chunks} chunks (the writer uses chunks of {_CHUNK_ROWS} rows)")
     stored = int(ds.id.get_storage_size())
     expand = _MAX_EXPANSION if h5py.h5z.FILTER_DEFLATE in used else 1
     if claimed > stored * expand or stored > stored_limit:

@@ -305,6 +305,15 @@ class RankFile:
                     raise RecordingDamaged(f"{self.payload_path}: is not a regular file")
                 if offset + nbytes > st.st_size:
                     raise RecordingDamaged(f"{self.payload_path}: ends before tensor {name!r} (file truncated)")
+                # The payload is written front to back, never with holes: a sparse one (a file of
+                # kilobytes claiming gigabytes) is not what the writer writes, and reading a
+                # tensor from it would allocate memory for bytes that are not there.
+                blocks = getattr(st, "st_blocks", None)
+                if blocks is not None and nbytes > 16 * blocks * 512 + (1 << 20):
+                    raise RecordingDamaged(
+                        f"{self.payload_path}: tensor {name!r} claims {nbytes} bytes but the file stores only "
+                        f"{blocks * 512} (a sparse or hostile file)"
+                    )
                 fh.seek(offset)
                 data = fh.read(nbytes)
         except OSError as e:
