@@ -511,13 +511,15 @@ def rerun_imports(target: Any, factory: str | None = None) -> list[str]:
 
 
 def admit_part(part: Any, *, factory: str | None = None, trust: bool = False, recording: Path | None = None,
-               ranks: Iterable[int] | None = None) -> None:
+               ranks: Iterable[int] | None = None) -> list[str]:
     """Before a re-run of any rank of ``part`` (a ``replay.format.reader.Part``): raise
     ``UntrustedRecording`` unless every rank file's names may be imported; ``trust`` (the
     user's ``--trust``) accepts the recording for this process and those it starts. ``ranks``:
-    only these (default: every rank file of the part)."""
+    only these (default: every rank file of the part). Returns what will be imported, each as
+    ``module:qualname (from PATH)``, escaped for a terminal: a re-run says so before it does."""
     from replay.errors import RecordingDamaged
 
+    shown: dict[str, None] = {}
     if trust:
         accept(Path(recording) if recording is not None else Path(part.path).parent)
     for rank in (list(part) if ranks is None else [r for r in ranks if r in part]):
@@ -526,7 +528,11 @@ def admit_part(part: Any, *, factory: str | None = None, trust: bool = False, re
             target = rf.attrs.get("target")
         except RecordingDamaged:
             continue  # cannot be re-run anyway; the re-run says why
-        admit(rf, rerun_imports(target, factory), user_names=[factory] if factory else [], trust=trust)
+        names = rerun_imports(target, factory)
+        admit(rf, names, user_names=[factory] if factory else [], trust=trust)
+        for n in names:
+            shown[f"{escape(n)} (from {escape(locate(_module_of(n)))})"] = None
+    return list(shown)
 
 
 def seal_sign_after(recording: Path) -> float | None:

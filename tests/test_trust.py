@@ -141,6 +141,9 @@ def test_signed_recording_runs_without_prompt(evil: dict[str, Path], tmp_path: P
     res = run_cli("step", rec, *STEP)
     assert res.code == FactoryError.exit_code and "evil factory ran" in res.err, res
     assert "called" in evil["marker"].read_text()
+    # bisect says what it imports, and from where, before it does.
+    res = run_cli("bisect", rec, "--rank", "0", "--step", "1", "--between", "eager,eager", "--device", "cpu", "--no-save")
+    assert f"importing evil_factory:build (from {evil['dir'] / 'evil_factory.py'})" in res.err, res
 
 
 def test_another_users_key_fails_the_check(evil: dict[str, Path], tmp_path: Path, run_cli: Any,

@@ -111,7 +111,9 @@ def bisect(run: Path | None, root: str, part: str | None, by_steps: bool, ranks_
         if not (by_steps and not against_rerun):  # issue 16: a re-run imports code; say what, before it does
             from replay.trust import admit_part
 
-            admit_part(p, factory=factory, trust=trust, recording=rec.path)
+            imports = admit_part(p, factory=factory, trust=trust, recording=rec.path)
+            if imports:
+                say(f"importing {', '.join(imports[:3])}{' and more' if len(imports) > 3 else ''} (named by the recording)")
         target = p[next(iter(p))].attrs.get("target") or {}
         dev = device or default_device(target.get("device") if isinstance(target, dict) else None)
         result: Any
