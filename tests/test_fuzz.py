@@ -537,10 +537,21 @@ def m_layout(case: Path, rng: random.Random) -> str:
     return f"layout: {how}"
 
 
+def m_h5_hostile(case: Path, rng: random.Random) -> str:
+    """What the writer never writes (issue 16): external storage, links, virtual datasets, sparse
+    tables (the named cases below, applied at random among the other mutations)."""
+    if not _rank0(case).is_file() or _rank0(case).is_symlink():
+        return m_h5_table(case, rng)
+    fn = rng.choice([_external_strings, _external_link, _soft_link, _virtual, _sparse_chunked])
+    fn(case)
+    return f"hostile: {fn.__name__.strip('_')}"
+
+
 MUTATORS: list[tuple[Callable[[Path, random.Random], str], int]] = [
     (m_truncate, 3), (m_flip, 4), (m_overwrite, 2), (m_append, 1),
     (m_h5_table, 3), (m_h5_rows, 3), (m_h5_attrs, 2), (m_newer_version, 1),
     (m_journal_json, 4), (m_journal_length, 1), (m_manifest, 2), (m_special_file, 2), (m_layout, 2),
+    (m_h5_hostile, 2),
 ]
 
 

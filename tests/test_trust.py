@@ -256,3 +256,19 @@ def test_locate_runs_no_code(evil: dict[str, Path]) -> None:
     with pytest.raises(UntrustedRecording):
         trust.check(evil["dir"], ["evilpkg.sub:build"], signed="it is not signed")
     assert not evil["marker"].exists()
+
+
+def test_trust_reaches_the_processes_a_rerun_starts(tmp_path: Path) -> None:
+    """--trust in the CLI process is consent in the probe and per-rank processes it starts (they
+    inherit the environment), for that recording only."""
+    import subprocess
+
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    trust.accept(rec)
+    code = "import sys; from pathlib import Path; from replay import trust; print(trust.accepted(Path(sys.argv[1])), trust.accepted(Path(sys.argv[2])))"
+    out = subprocess.run([sys.executable, "-c", code, str(rec), str(other)], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)), check=True)
+    assert out.stdout.split() == ["True", "False"]
