@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import importlib.machinery
-import importlib.util
 import json
 import os
 import secrets

@@ -11,7 +11,6 @@ from typing import Any
 
 import h5py
 import pytest
-import torch
 
 from replay import Recorder, RecorderConfig, trust
 from replay.errors import FactoryError, UntrustedRecording
