@@ -453,7 +453,10 @@ def write_report(rep: Report, out: str | os.PathLike | None = None) -> Path:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(page)
-            os.chmod(tmp, 0o644)
+            # issue 16: inside the recording the page gets the recording's mode (owner-only by default)
+            from replay.format import perms as _perms
+
+            os.chmod(tmp, _perms.file_mode() if out is None else 0o644)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
