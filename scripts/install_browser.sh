@@ -36,10 +36,11 @@ fi
 log=.make/install_browser.log
 export DEBIAN_FRONTEND=noninteractive
 echo "install_browser: apt-get install chromium (log: $log)"
-if ! "${sudo[@]}" apt-get update >"$log" 2>&1; then
+# Bounded: a slow mirror must not eat CI's time budget.
+if ! timeout 300 "${sudo[@]}" apt-get update >"$log" 2>&1; then
     unavailable "apt-get update failed ($(tail -n 1 "$log"))"
 fi
-if ! "${sudo[@]}" apt-get install -y --no-install-recommends chromium >>"$log" 2>&1; then
+if ! timeout 600 "${sudo[@]}" apt-get install -y --no-install-recommends chromium >>"$log" 2>&1; then
     unavailable "apt-get install chromium failed ($(tail -n 1 "$log"))"
 fi
 command -v chromium >/dev/null 2>&1 || unavailable "apt-get installed chromium but no chromium command is on PATH"
