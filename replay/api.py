@@ -218,12 +218,18 @@ class ReportResult:
         return {"report": str(self.path), **self.data.to_json()}
 
 
-def make_report(recording: Recording, part: str | None = None, *, output: Path | None = None) -> ReportResult:
+def make_report(recording: Recording, part: str | None = None, *, output: Path | None = None,
+                against: str | None = None) -> ReportResult:
     """Build the HTML report of ``recording`` and write it to ``output`` (default:
-    ``<recording>/report.html``)."""
+    ``<recording>/report.html``); ``against`` (``PATH``, ``PATH:PART`` or ``PATH:PART/RANK``)
+    leads the page with ``replay diff`` of this run against that one."""
     from replay.report import build_report, write_report
 
     data = build_report(recording, part)
+    if against is not None:  # issue 17
+        from replay.analysis.diff import diff
+
+        data.diff = diff(f"{recording.path}:{data.part}", against).to_json()
     return ReportResult(path=write_report(data, output), data=data)
 
 
@@ -255,13 +261,15 @@ def seal(path: Path) -> SealOutcome:
     Takes a path, not a ``Recording``: a recording whose journals are not sealed yet may not open.
     """
     from replay.format.seal import journal_is_live, seal_part
+    from replay.trust import seal_sign_after
 
     path = Path(path)
     if not path.is_dir():
         raise RecordingDamaged(f"{path} is a file, not a recording: give the directory `replay record` wrote")
     out = SealOutcome(recording=str(path))
+    sign_after = seal_sign_after(path)  # issue 16: sign only what this user's `replay record` started
     for part in sorted(p for p in path.iterdir() if p.is_dir()):
-        out.sealed += [(part.name, r) for r in seal_part(part)]
+        out.sealed += [(part.name, r) for r in seal_part(part, sign_after=sign_after)]
         out.live += [(part.name, j.name) for j in sorted(part.glob("rank-*.journal")) if journal_is_live(j)]
     return out
 

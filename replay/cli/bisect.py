@@ -81,6 +81,9 @@ def _rerun_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--factory", default=None, metavar="MODULE:QUALNAME", help="Rebuild the target with this factory instead."),
         click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a target toggle in every re-run (JSON value)."),
         click.option("--no-save", is_flag=True, help="Do not save the result beside the recording."),
+        click.option("--trust", is_flag=True,  # issue 16
+                     help="Import the code this recording names even though it is not your own signed recording "
+                          "(see docs/security.md)."),
         json_option,
     ]):
         fn = opt(fn)
@@ -103,6 +106,16 @@ def _part(run: Path | None, root: str, part: str | None, as_json: bool) -> tuple
     return rec, api.choose_part(rec, part)
 
 
+def _admit(p: Part, *, factory: str | None, trust: bool, say: Callable[[str], None]) -> None:
+    """Issue 16: a re-run imports code the recording names; say what, before it does (and refuse
+    a recording that is not the user's own unless ``--trust``)."""
+    from replay.trust import admit_part
+
+    imports = admit_part(p, factory=factory, trust=trust, recording=p.path.parent)
+    if imports:
+        say(f"importing {', '.join(imports[:3])}{' and more' if len(imports) > 3 else ''} (named by the recording)")
+
+
 # -- sub-commands ---------------------------------------------------------------------------
 
 
@@ -118,7 +131,7 @@ def _part(run: Path | None, root: str, part: str | None, as_json: bool) -> tuple
 @_rerun_options
 def steps(run: Path | None, root: str, part: str | None, ranks_text: str | None, against_rerun: bool, exhaustive: bool,
           rank: int | None, mode: str, device: str | None, factory: str | None, sets: tuple[str, ...], no_save: bool,
-          as_json: bool) -> int:
+          trust: bool, as_json: bool) -> int:
     """The first step where the ranks disagree, or where a re-run departs from the recording."""
     if ranks_text and against_rerun:
         raise UsageError("--ranks compares recorded ranks, --against-rerun compares one rank with re-runs: pick one")
@@ -126,6 +139,7 @@ def steps(run: Path | None, root: str, part: str | None, ranks_text: str | None,
     rec, p = _part(run, root, part, as_json)
     with rec:
         if against_rerun:
+            _admit(p, factory=factory, trust=trust, say=_say(as_json))
             result = api.bisect_steps_rerun(p, rank, options, exhaustive=exhaustive, announce=_say(as_json), progress=progress)
         else:
             result = api.bisect_steps(p, ranks=parse_ranks(ranks_text) if ranks_text else None)
@@ -146,11 +160,12 @@ def steps(run: Path | None, root: str, part: str | None, ranks_text: str | None,
 @_rerun_options
 def layers(run: Path | None, root: str, part: str | None, between: str, rank: int | None, step_index: int | None,
            modules_text: tuple[str, ...], context: int, mode: str | None, device: str | None, factory: str | None,
-           sets: tuple[str, ...], no_save: bool, as_json: bool) -> int:
+           sets: tuple[str, ...], no_save: bool, trust: bool, as_json: bool) -> int:
     """The first module whose output differs between two executions of a step."""
     options = api.RerunOptions(device=device, factory=factory, toggles=parse_options(sets))
     rec, p = _part(run, root, part, as_json)
     with rec:
+        _admit(p, factory=factory, trust=trust, say=_say(as_json))
         result = api.bisect_layers(p, between, step=step_index, rank=rank, mode=mode, options=options,
                                    modules=split_list(modules_text) or None, context=context, announce=_say(as_json),
                                    progress=progress)
@@ -175,11 +190,12 @@ def layers(run: Path | None, root: str, part: str | None, between: str, rank: in
 def config(run: Path | None, root: str, part: str | None, rank: int | None, step_index: int | None,
            toggles_text: tuple[str, ...], criterion: str | None, against: int | None, max_probes: int | None, fresh: bool,
            probe_timeout: float, device: str | None, factory: str | None, sets: tuple[str, ...], no_save: bool,
-           as_json: bool) -> int:
+           trust: bool, as_json: bool) -> int:
     """The smallest set of toggles that makes a step match."""
     say = _say(as_json)
     rec, p = _part(run, root, part, as_json)
     with rec:
+        _admit(p, factory=factory, trust=trust, say=say)
         settings = ConfigBisectSettings(rank=rank, step=step_index, toggles=split_list(toggles_text) or None,
                                         criterion=criterion, against=against, device=device or api.default_device(p),
                                         factory=factory, options=parse_options(sets), max_probes=max_probes, fresh=fresh,

@@ -15,6 +15,7 @@ Examples:
   replay report                                   newest recording -> <recording>/report.html
   replay report recordings/20261130-120000-test_mtp -o /tmp/drift.html
   replay report --json | jq .first_divergence
+  replay report recordings/tonight --against recordings/last-night
 """
 
 
@@ -25,8 +26,10 @@ Examples:
     help="Where to write the page (default: report.html inside the recording).",
 )
 @part_option
+@click.option("--against", default=None, metavar="B",  # issue 17
+              help="Add a diff section: this recording against run B (PATH, PATH:PART or PATH:PART/RANK).")
 @json_option
-def report(run: Path | None, root: str, output: Path | None, part: str | None, as_json: bool) -> int:
+def report(run: Path | None, root: str, output: Path | None, part: str | None, against: str | None, as_json: bool) -> int:
     """Write an HTML report of RUN (default: the newest recording) and print its path.
 
     The page shows where ranks first disagree, a ranks x steps agreement map, accepted tokens,
@@ -35,9 +38,11 @@ def report(run: Path | None, root: str, output: Path | None, part: str | None, a
     the page was built from is printed instead of the path.
     """
     with open_run(run, root, quiet=as_json) as rec:
-        result = api.make_report(rec, part, output=output)
+        result = api.make_report(rec, part, output=output, against=against)
     if as_json:
         emit_json(result.to_json())
     else:
+        if result.data.diff is not None:  # issue 17: the verdict first
+            click.echo(escape(result.data.diff["headline"]))
         click.echo(escape(str(result.path)))
     return report_unreadable(result.data.part, result.data.summary.get("unreadable_ranks") or [])

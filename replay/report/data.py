@@ -65,6 +65,7 @@ class Report:
     kernel_tables: list[dict[str, Any]]
     results: list[dict[str, Any]] = field(default_factory=list)
     skipped_results: list[str] = field(default_factory=list)
+    diff: dict[str, Any] | None = None  # issue 17: `replay diff` against another run (--against), as its JSON
 
     @property
     def bin_size(self) -> int:
@@ -124,6 +125,7 @@ class Report:
             "kernels": self.kernel_tables,
             "results": self.results,
             "skipped_results": self.skipped_results,
+            **({"diff": self.diff} if self.diff is not None else {}),  # issue 17
         }
 
 

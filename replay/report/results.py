@@ -21,10 +21,15 @@ def load_results(recording: Path) -> tuple[list[dict[str, Any]], list[str]]:
     skipped and named in the second list.
     """
     folder = Path(recording) / "results"
+    if folder.is_symlink():  # issue 16: never read (and embed in a shareable page) files from outside the recording
+        return [], ["results: a symbolic link out of the recording, not read"]
     if not folder.is_dir():
         return [], []
     results, skipped = [], []
     for p in sorted(folder.glob("*.json"))[:_MAX_RESULTS]:
+        if p.is_symlink():  # issue 16: as above
+            skipped.append(f"{p.name}: a symbolic link, not read")
+            continue
         try:
             if p.stat().st_size > _MAX_RESULT_BYTES:
                 skipped.append(f"{p.name}: larger than {_MAX_RESULT_BYTES >> 20} MiB")
