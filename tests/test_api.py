@@ -45,7 +45,7 @@ def test_every_public_name_resolves_and_the_root_only_reexports() -> None:
 
 def test_import_replay_and_info_need_no_torch_nor_does_the_cli(tmp_path: Path) -> None:
     rec = make_recording(tmp_path, ranks=2, steps=3)
-    code = ("import sys, replay, replay.bisect.config_model, replay.states\n"
+    code = ("import sys, replay, replay.states\n"
             f"with replay.open_recording({str(rec)!r}) as r:\n"
             "    replay.info(r); replay.verify(r, payload=False)\n"
             "from replay.cli.main import main\n"
