@@ -60,12 +60,13 @@ class SideRun:
     side: Side
     capture: TapCapture
     outputs: dict[str, torch.Tensor]
-    reproduces: bool  # the step's outputs have the rank's recorded digests
+    reproduces: bool | None  # the step's outputs have the rank's recorded digests; None: nothing to compare
     departed: str | None  # first fast-forward step that left the recording
     keyframe: int
     ran_as: str
     params: dict[str, int]
     seconds: float
+    error: str | None = None  # the step raised in this re-run (and not as it did when recorded)
 
     def to_json(self) -> dict[str, Any]:
         cap = self.capture
@@ -75,6 +76,7 @@ class SideRun:
             "tapped": len(cap.tapped), "fired": len(cap.fired), "events": len(cap.events),
             "graph_events": sum(1 for e in cap.events if e.source == "graph"),
             "graphs_replayed": cap.graphs_replayed, "notes": cap.notes, "seconds": round(self.seconds, 3),
+            "error": self.error,
         }
 
 
@@ -144,15 +146,34 @@ class LayersBisection:
         head = f"rank {self.sides[0].side.rank}" if self.sides[0].side.rank == self.sides[1].side.rank else f"ranks {self.sides[0].side.rank} and {self.sides[1].side.rank}"
         head += f", step {self.step}, {a} vs {b}: "
         compared = [m for m in self.modules if not m.rank_local]
+        raised = next((s for s in self.sides if s.error), None)
         if self.first is None:
+            if raised is not None:
+                return head + (f"{raised.side.label} raised {raised.error} in the step; none of the {len(compared)} module "
+                               "outputs compared before that differs, nothing after it was compared")
+            if not compared:
+                return head + "no module output could be compared (no tap fired on both sides)"
             if any(not c.equal for c in self.outputs):
                 return head + f"the step's outputs differ but none of the {len(compared)} tapped module outputs does"
+            if not self.outputs:
+                return head + f"all {len(compared)} module outputs are bitwise equal; the step returned no output to compare"
             return head + f"all {len(compared)} module outputs are bitwise equal"
         n_eq = sum(1 for m in self.before_first() if not m.differs)
         line = head + f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
         if self.maker is not None and self.maker is not self.first:
             line += f"; first to differ from equal inputs: {self.maker.name} ({self.maker.figures()})"
+        if raised is not None:
+            line += f"; {raised.side.label} raised {raised.error} in the step"
         return line
+
+    def problem(self) -> str | None:
+        """Why the two executions could not both be compared in full; None if they were."""
+        raised = next((s for s in self.sides if s.error), None)
+        if raised is not None:
+            return f"{raised.side.label}: step {self.step} raised {raised.error}"
+        if not [m for m in self.modules if not m.rank_local] and not self.outputs:
+            return f"step {self.step}: nothing was compared (no tap fired and no output on both sides)"
+        return None
 
     def before_first(self) -> list[ModuleVerdict]:
         if self.first is None:
@@ -246,7 +267,13 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
         model = target.module()
         if want_params and model is not None:
             params = _param_digests(model)
-        reproduces = rp.departure(step, outs) is None
+        reproduces: bool | None = rp.departure(step, outs) is None
+        if reproduces and not rp.compared(step, outs) and rp.last_error is None:
+            reproduces = None  # nothing recorded to compare with: neither reproduced nor not
+        view = part[side.rank].step(step)
+        error = rp.last_error
+        if error is not None and not view.ok and error.split(":")[0] == view.reason.split(":")[0]:
+            error = None  # raised as it did when recorded
         info = getattr(target.obj, "last_run_info", None)
         ran_as = ""
         if isinstance(info, dict):
@@ -259,7 +286,7 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
         taps.close()
     return SideRun(side=side, capture=capture, outputs=outs, reproduces=reproduces,
                    departed=str(departed) if departed else None, keyframe=kf, ran_as=ran_as or side.mode,
-                   params=params, seconds=time.perf_counter() - t0)
+                   params=params, seconds=time.perf_counter() - t0, error=error)
 
 
 def _align(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -410,7 +437,9 @@ def bisect_layers(
     silent = [m for m in ra.capture.tapped if m not in ra.capture.called and m not in rb.capture.called]
     notes: list[str] = []
     for r in runs:
-        if not r.reproduces:
+        if r.reproduces is None:
+            notes.append(f"{r.side.label}: step {step} has no recorded output to compare this re-run with")
+        elif not r.reproduces:
             notes.append(f"{r.side.label}: the re-run of step {step} does not reproduce rank {r.side.rank}'s recorded outputs"
                          + (" (as expected: it runs with other settings than recorded)" if r.side.label in ("rerun", "eager", "cudagraph") else ""))
         if r.departed:

@@ -12,7 +12,8 @@ import torch
 from replay.analysis.summary import choose_part
 from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument, save_and_emit
 from replay.cli.render import style, table
-from replay.errors import UsageError
+from replay.errors import RerunError, UsageError
+from replay.textsafe import escape
 from replay.rerun.runner import StepRerun, rerun_step
 
 EPILOG = """\b
@@ -92,6 +93,11 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
             else:
                 for r in results:
                     click.echo(render_step_json(r))
+            failed = [r for r in results if r.get("error") or r.get("problem")]
+            if failed:
+                first = failed[0]
+                click.echo(f"replay: rank {first.get('rank')}: {escape(first.get('error') or first.get('problem'))}", err=True)
+                return RerunError.exit_code
             return 0
         rf = chosen[rank]
         rf.step(step_index)
@@ -106,6 +112,11 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
         result = rerun_step(chosen, rank, step_index, modes=modes, device=dev, repeat=repeat, factory=factory,
                             options=options, recording=str(rec.path), announce=announce, progress=progress)
     save_and_emit(rec.path, result.to_json(), "" if as_json else render_step(result), save=not no_save, as_json=as_json)
+    problem = result.problem()
+    if problem is not None:
+        # Never exit 0 for a step that could not be re-run or checked: scripts read the code.
+        click.echo(f"replay: {escape(problem)}", err=True)
+        return RerunError.exit_code
     return 0
 
 
@@ -113,8 +124,14 @@ def render_step(r: StepRerun) -> str:
     lines = [f"rank {r.rank}, step {r.step} of {r.recording} (part {r.part}) on {r.device}, from the keyframe at step {r.keyframe}"]
     for m in r.modes.values():
         if r.step > r.keyframe:
-            if m.departed is None:
+            n = r.step - r.keyframe
+            if m.departed is None and not m.uncompared:
                 lines.append(f"  {m.mode}: steps {r.keyframe}..{r.step - 1} re-ran bit for bit as recorded")
+            elif m.departed is None:
+                shown = ", ".join(map(str, m.uncompared[:8])) + (" ..." if len(m.uncompared) > 8 else "")
+                lines.append(style(f"  {m.mode}: steps {r.keyframe}..{r.step - 1} re-ran; {n - len(m.uncompared)} of {n} "
+                                   f"matched their recorded outputs bit for bit, {len(m.uncompared)} had no recorded "
+                                   f"output to compare with (steps {shown})", fg="yellow"))
             else:
                 lines.append(style(f"  {m.mode}: the re-run departed from the recording at {m.departed} (teacher-forced from there)", fg="yellow"))
         for c in m.collective_mismatches[:3]:

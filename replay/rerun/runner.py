@@ -53,6 +53,7 @@ class ModeRun:
     repeats_equal: bool | None = None  # None: run once
     repeat_digests: list[dict[str, int]] = field(default_factory=list)
     departed: StepDeparture | None = None  # first fast-forward step that left the recording
+    uncompared: list[int] = field(default_factory=list)  # catch-up steps with no recorded output to compare
     collective_mismatches: list[str] = field(default_factory=list)
     vs_recording: dict[str, Comparison] = field(default_factory=dict)
     matches_ranks: dict[str, list[int]] = field(default_factory=dict)  # output -> ranks whose bits it has
@@ -69,6 +70,7 @@ class ModeRun:
             "digests": {k: f"{v:016x}" for k, v in self.digests.items()},
             "repeats_equal": self.repeats_equal,
             "departed": {"step": self.departed.step, "field": self.departed.field} if self.departed else None,
+            "uncompared": self.uncompared,
             "collective_mismatches": self.collective_mismatches,
             "vs_recording": {k: c.to_json() for k, c in self.vs_recording.items()},
             "matches_ranks": self.matches_ranks,
@@ -90,6 +92,24 @@ class StepRerun:
     comparisons: list[Comparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    def problem(self) -> str | None:
+        """Why step ``step`` could not be re-run or checked against the recording; None if it was.
+
+        The CLI exits with RerunError's code when this is not None: a step that raised, or one
+        whose outputs had nothing recorded to compare with, is never reported as reproduced."""
+        for m in self.modes.values():
+            if m.error is not None:
+                kind = m.error.split(":")[0]
+                if m.recorded_error is None:
+                    return f"{m.mode}: step {self.step} raised {m.error} in the re-run (it completed when recorded)"
+                if kind != m.recorded_error.split(":")[0]:
+                    return f"{m.mode}: step {self.step} raised {m.error} in the re-run; when recorded it raised {m.recorded_error}"
+            elif not m.vs_recording:
+                names = ", ".join(sorted(m.outputs)) or "nothing"
+                return (f"{m.mode}: no output of step {self.step} could be compared with the recording "
+                        f"(the re-run returned {names}; the recording has no output of those names)")
+        return None
+
     def to_json(self) -> dict[str, Any]:
         verdicts = [c.to_json() for c in self.comparisons]
         for m in self.modes.values():
@@ -106,6 +126,7 @@ class StepRerun:
             "modes": {k: m.to_json() for k, m in self.modes.items()},
             "verdicts": verdicts,
             "notes": self.notes,
+            "problem": self.problem(),
         }
 
 
@@ -206,12 +227,28 @@ def _unflatten(inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _departure(outs: dict[str, torch.Tensor], recorded: dict[str, int]) -> str | None:
+    return _check_outputs(outs, recorded)[0]
+
+
+def _check_outputs(outs: dict[str, torch.Tensor], recorded: dict[str, int]) -> tuple[str | None, int]:
+    """(first recorded field the re-run's outputs leave, how many recorded fields were compared).
+
+    Zero compared means nothing can be said about the step: no "as recorded" without a comparison.
+    """
+    compared = 0
     for name, t in outs.items():
         for prefix in ("output.", "tokens."):
             rec = recorded.get(prefix + name)
-            if rec is not None and digest(t) != rec:
-                return prefix + name
-    return None
+            if rec is None:
+                continue
+            compared += 1
+            if digest(t) != rec:
+                return prefix + name, compared
+    for key in recorded:
+        prefix, _, name = key.partition(".")
+        if prefix in ("output", "tokens") and name not in outs:
+            return f"{key}: recorded, not returned by the re-run", compared
+    return None, compared
 
 
 def _ranks_with(part: Part, step: int, fieldname: str, value: int) -> list[int]:
@@ -296,6 +333,8 @@ class Replayer:
         self.departed: StepDeparture | None = None
         self.position: int | None = None  # the step the target's state is at the start of
         self.last_outputs: dict[str, torch.Tensor] = {}  # outputs of the last step scan() ran
+        self.keyframe: int = 0
+        self.uncompared: list[int] = []  # catch-up steps with no recorded output to compare with
 
     @property
     def factory_name(self) -> str | None:
@@ -349,14 +388,34 @@ class Replayer:
         if kf_state:
             self.target.load_state(kf_state)
         self.departed = None
+        self.uncompared = []
+        self.keyframe = kf_step
         for s in progress(range(kf_step, step), label=f"rank {self.rank} {self.mode}: steps {kf_step}..{step - 1}"):
             outs = self._driver(s)
-            bad = _departure(outs, _recorded_fields(self.rf, s))
+            self._raise_if_catch_up_failed(s, step)
+            bad, compared = _check_outputs(outs, _recorded_fields(self.rf, s))
             if bad and self.departed is None:
                 self.departed = StepDeparture(s, bad)
+            if not compared and self.last_error is None:
+                self.uncompared.append(s)
         self.position = step
-        self.keyframe = kf_step
         return self.departed
+
+    def _raise_if_catch_up_failed(self, s: int, step: int) -> None:
+        """A catch-up step that raised leaves the state unknown: step ``step`` cannot be re-run.
+
+        Only a step that raised the same kind of error when recorded (a lockstep check) goes on."""
+        err = self.last_error
+        if err is None:
+            return
+        view = self.rf.step(s)
+        if not view.ok and err.split(":")[0] == view.reason.split(":")[0]:
+            return
+        when = "completed" if view.ok else f"raised {view.reason}"
+        raise RerunError(
+            f"rank {self.rank} ({self.mode}): catch-up step {s} raised {err} in the re-run (when recorded it {when}); "
+            f"step {step} cannot be re-run from the keyframe at step {self.keyframe}"
+        )
 
     def run(self, step: int) -> dict[str, torch.Tensor]:
         """Run recorded step ``step`` from the current state; its outputs on the CPU.
@@ -381,6 +440,10 @@ class Replayer:
         if bad is None and self.last_error is not None and self.rf.step(step).ok:
             bad = "error"
         return StepDeparture(step, bad) if bad else None
+
+    def compared(self, step: int, outs: dict[str, torch.Tensor]) -> int:
+        """How many of ``step``'s recorded outputs ``outs`` could be compared with (0: none)."""
+        return _check_outputs(outs, _recorded_fields(self.rf, step))[1]
 
     def scan(self, first: int, last: int, *, stop: bool = True) -> StepDeparture | None:
         """Re-run steps up to ``last`` from the keyframe at or before ``first``, teacher-forced.
@@ -459,7 +522,8 @@ def rerun_step(
             departed = rp.goto(step, keyframe_at=kf_step, progress=progress)
             saved = rp.target.snapshot() if repeat > 1 else None  # type: ignore[union-attr]
             outs = rp.run(step)
-            run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed)
+            run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed,
+                          uncompared=list(rp.uncompared))
             run.error = rp.last_error
             view = rf.step(step)
             run.recorded_error = None if view.ok else view.reason
@@ -489,6 +553,13 @@ def rerun_step(
             else:
                 run.vs_recording[name] = compare_digests(run.digests[name], recorded[key], name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
             run.matches_ranks[name] = _ranks_with(part, step, key, run.digests[name])
+        if run.error is None:
+            # A recorded output the re-run did not return is a difference, never a silent skip.
+            for key in recorded:
+                prefix, _, name = key.partition(".")
+                if prefix in ("output", "tokens") and name not in outs and name not in run.vs_recording:
+                    run.vs_recording[name] = Comparison(f"{rp.mode} re-run", f"rank {rank} recorded", Verdict.DIFFERENT,
+                                                        note="recorded, but not returned by the re-run")
         run.seconds = time.perf_counter() - t0
         result.modes[rp.mode] = run
     if len(modes) == 2:
