@@ -14,7 +14,8 @@ from replay.cli.common import emit_json, json_option, open_run, part_option, run
 from replay.cli.render import style, table
 from replay.errors import RerunError, UsageError
 from replay.textsafe import escape
-from replay.rerun.runner import StepRerun, rerun_step
+from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
+from replay.rerun.runner import ModeRun, StepRerun, default_modes, rerun_step
 
 EPILOG = """\b
 Examples:
@@ -64,7 +65,9 @@ def default_device(recorded: str | None) -> str:
 @click.option("--rank", type=int, default=None, help="The rank to re-run.")
 @click.option("--ranks", "ranks_text", default=None, help="Several ranks (0-7 or 0,3): one process each.")
 @click.option("--step", "step_index", type=int, required=True, help="The step to re-run.")
-@click.option("--mode", type=click.Choice(["eager", "cudagraph", "both"]), default="both", show_default=True)
+@click.option("--mode", type=click.Choice(["eager", "cudagraph", "compiled", "both"]), default=None,
+              help="eager, cudagraph, compiled (torch.compile again, as recorded) or both (eager and cudagraph). "
+                   "Default: what the recording and this machine can run (eager on a CPU; eager and cudagraph on a GPU).")
 @click.option("--device", default=None, help="cpu or cuda:N (default: cuda:0 if the run was on a GPU and one is here).")
 @click.option("--devices", default=None, help="With --ranks: devices to spread ranks over (cuda:0,cuda:1 or cpu).")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Run the step N times from the same state.")
@@ -73,19 +76,22 @@ def default_device(recorded: str | None) -> str:
 @click.option("--no-save", is_flag=True, help="Do not save the result beside the recording.")
 @json_option
 def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_text: str | None, step_index: int,
-         mode: str, device: str | None, devices: str | None, repeat: int, factory: str | None, sets: tuple[str, ...],
+         mode: str | None, device: str | None, devices: str | None, repeat: int, factory: str | None, sets: tuple[str, ...],
          no_save: bool, as_json: bool) -> int:
     """Re-run step STEP of a rank of RUN (default: the newest recording) and compare it."""
     if (rank is None) == (ranks_text is None):
         raise UsageError("give --rank R (one rank) or --ranks LIST (several)")
     options = parse_options(sets)
-    modes = ["eager", "cudagraph"] if mode == "both" else [mode]
+    modes = ["eager", "cudagraph"] if mode == "both" else [mode] if mode else None
     with open_run(run, root, quiet=as_json) as rec:
         chosen = choose_part(rec, part)
         if ranks_text is not None:
             from replay.rerun.multi import rerun_ranks
 
             ranks = parse_ranks(ranks_text)
+            if modes is None:
+                first_dev = (devices or "cpu").split(",")[0].strip()
+                modes = default_modes(chosen, ranks[0], step_index, first_dev) if ranks else ["eager"]
             results = rerun_ranks(rec.path, chosen.name, ranks, step_index, modes=modes, devices=devices,
                                   repeat=repeat, factory=factory, options=options)
             if as_json:
@@ -103,16 +109,26 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
         rf.step(step_index)
         target = rf.attrs.get("target") or {}
         dev = device or default_device(target.get("device") if isinstance(target, dict) else None)
+        if modes is None:
+            modes = default_modes(chosen, rank, step_index, dev)
         announce = (lambda s: None) if as_json else (lambda s: click.echo(f"replay: {s}", err=True))
         try:
             from replay.cli.progress import progress
         except ImportError:  # pragma: no cover
             progress = lambda it, label="": it  # noqa: E731
 
-        result = rerun_step(chosen, rank, step_index, modes=modes, device=dev, repeat=repeat, factory=factory,
-                            options=options, recording=str(rec.path), announce=announce, progress=progress)
-    save_and_emit(rec.path, result.to_json(), "" if as_json else render_step(result), save=not no_save, as_json=as_json)
-    problem = result.problem()
+        if factory is None and needs_relaunch(target if isinstance(target, dict) else None, recorded_args(rf, step_index)):
+            # No factory: the recorded program, started again in replay mode, is its own factory.
+            spec = RelaunchSpec(recording=str(rec.path), part=chosen.name, rank=rank, step=step_index, modes=modes,
+                                device=dev, repeat=repeat, options=options)
+            data = relaunch_step(spec, target.get("launch") or {}, world=chosen.world_size, announce=announce)
+            text = str(data.pop("text", ""))
+            problem = data.get("problem")
+        else:
+            result = rerun_step(chosen, rank, step_index, modes=modes, device=dev, repeat=repeat, factory=factory,
+                                options=options, recording=str(rec.path), announce=announce, progress=progress)
+            data, text, problem = result.to_json(), render_step(result), result.problem()
+    save_and_emit(rec.path, data, "" if as_json else text, save=not no_save, as_json=as_json)
     if problem is not None:
         # Never exit 0 for a step that could not be re-run or checked: scripts read the code.
         click.echo(f"replay: {escape(problem)}", err=True)
@@ -134,6 +150,11 @@ def render_step(r: StepRerun) -> str:
                                    f"output to compare with (steps {shown})", fg="yellow"))
             else:
                 lines.append(style(f"  {m.mode}: the re-run departed from the recording at {m.departed} (teacher-forced from there)", fg="yellow"))
+        if m.ran_as:
+            lines.append(f"  {m.mode}: ran {m.ran_as}")
+        departs = m.departed is not None or any(not c.equal for c in m.vs_recording.values())
+        if departs or m.context_differences:
+            lines.append("  " + _context_line(m))
         for c in m.collective_mismatches[:3]:
             lines.append(style(f"  {m.mode}: {c}", fg="yellow"))
         if m.error or m.recorded_error:
@@ -163,6 +184,17 @@ def render_step(r: StepRerun) -> str:
     for n in r.notes:
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def _context_line(m: ModeRun) -> str:
+    """Whether the numerics context (SDPA flags, TF32, ...) the step ran under was the recorded one."""
+    if not m.context_recorded:
+        return f"{m.mode}: numerics context: not in the recording, so not restored (grad, autocast, SDPA, TF32 ... as this process has them)"
+    if not m.context_differences:
+        return f"{m.mode}: numerics context: restored as recorded (no setting differs)"
+    shown = "; ".join(escape(d) for d in m.context_differences[:6])
+    more = f" (+{len(m.context_differences) - 6} more)" if len(m.context_differences) > 6 else ""
+    return style(f"{m.mode}: numerics context differs from the recorded one: {shown}{more}", fg="yellow")
 
 
 def render_step_json(d: dict[str, Any]) -> str:

@@ -28,12 +28,15 @@ from replay.format.schema import TensorKind
 from replay.record.rng import restore_rng
 from replay.record.calls import name_outputs
 from replay.rerun.collectives import RecordedCollectives
+from replay import numerics
+from replay.numerics import strip_reserved
 from replay.rerun.graphs import GraphedStep
-from replay.rerun.target import Target, TargetSpec, build_target
+from replay.rerun.imports import import_context
+from replay.rerun.target import StepKind, Target, TargetSpec, build_target
 
-__all__ = ["MODES", "ModeRun", "Replayer", "StepRerun", "rerun_step", "StepDeparture"]
+__all__ = ["MODES", "ModeRun", "Replayer", "StepRerun", "default_modes", "rerun_step", "StepDeparture"]
 
-MODES = ("eager", "cudagraph")
+MODES = ("eager", "cudagraph", "compiled")
 
 
 @dataclass(slots=True)
@@ -58,6 +61,9 @@ class ModeRun:
     vs_recording: dict[str, Comparison] = field(default_factory=dict)
     matches_ranks: dict[str, list[int]] = field(default_factory=dict)  # output -> ranks whose bits it has
     graph: str = ""
+    ran_as: str = ""  # how the step callable ran (the Python function, or compiled again, and how)
+    context_recorded: bool = False  # the recording holds the step's numerics context (restored)
+    context_differences: list[str] = field(default_factory=list)  # ... and how the re-run's differed
     seconds: float = 0.0
     error: str | None = None  # the step raised in the re-run
     recorded_error: str | None = None  # the step raised when recorded
@@ -75,6 +81,8 @@ class ModeRun:
             "vs_recording": {k: c.to_json() for k, c in self.vs_recording.items()},
             "matches_ranks": self.matches_ranks,
             "graph": self.graph,
+            "ran_as": self.ran_as,
+            "numerics": {"recorded": self.context_recorded, "differences": self.context_differences},
             "seconds": self.seconds,
         }
 
@@ -134,7 +142,10 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     return t.to(device) if device != "cpu" else t
 
 
-def _step_args(rf: RankFile, step: int, obj: Any = None) -> dict[str, Any]:
+def _step_args(rf: RankFile, step: int, obj: Any = None, live: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A step's recorded JSON arguments, with the objects it was called with put back: the
+    target itself, the target's attribute of the recorded name (its KV cache), or the live value
+    the re-launched program passed (``live``)."""
     row = rf.step(step).row
     sid = int(row["args"])
     if sid < 0:
@@ -143,11 +154,18 @@ def _step_args(rf: RankFile, step: int, obj: Any = None) -> dict[str, Any]:
         args = json.loads(rf.tables.string(sid))
     except ValueError:
         return {}
+    args = strip_reserved(args) if isinstance(args, dict) else {}
+    live = live or {}
     for k, v in args.items():
-        # An object the engine held (its KV cache): the rebuilt engine's attribute of that name.
-        if isinstance(v, dict) and isinstance(v.get("attr"), str) and obj is not None and hasattr(obj, v["attr"]):
+        if not isinstance(v, dict):
+            continue
+        if v.get("target") is True and obj is not None:
+            args[k] = obj
+        elif isinstance(v.get("attr"), str) and obj is not None and hasattr(obj, v["attr"]):
             args[k] = getattr(obj, v["attr"])
-    bad = [k for k, v in args.items() if isinstance(v, dict)]
+        elif k in live:
+            args[k] = live[k]
+    bad = [k for k, v in args.items() if isinstance(v, dict) and (v.get("target") is True or "attr" in v or "unrecorded" in v)]
     if bad:
         raise RerunError(f"step {step} was called with arguments that cannot be recorded ({', '.join(bad)}): it cannot be re-run")
     return args
@@ -170,6 +188,10 @@ class _StepDriver:
         self.graphed = graphed
         self.probed: dict[str, torch.Tensor] = {}
         self.last_error: str | None = None
+        # The numerics context of the last step run: how it differed from the recorded one (after
+        # restoring it), and whether the recording had one at all.
+        self.context_differences: list[str] = []
+        self.context_recorded: bool = False
 
     def probe_sink(self, label: str, outputs: dict[str, Any]) -> None:
         for k, v in outputs.items():
@@ -192,14 +214,20 @@ class _StepDriver:
     def _call(self, step: int) -> dict[str, torch.Tensor]:
         view = self.rf.step(step)
         inputs = {k: _to_device(v, self.device) for k, v in view.inputs.items()}
-        args = _step_args(self.rf, step, self.target.obj)
+        args = _step_args(self.rf, step, self.target.obj, self.target.live_args)
         rng = view.tensors(TensorKind.RNG)
         if rng:
             restore_rng(rng)
         if self.collectives is not None:
             self.collectives.begin_step(step)
         fn = self.graphed if self.graphed is not None else self.target.step_fn
-        out = fn(**_unflatten(inputs), **args)
+        recorded = numerics.recorded_context(self.rf, step)
+        self.context_recorded = recorded is not None
+        with numerics.apply(recorded or {}) as failed:
+            # Compared inside the context: what the step really ran under, setting by setting.
+            self.context_differences = numerics.differences(recorded, numerics.capture()) if recorded else []
+            self.context_differences += [f"{n}: could not be set here" for n in failed]
+            out = fn(**_unflatten(inputs), **args)
         if self.collectives is not None:
             self.collectives.end_step()
         outs = name_outputs(out, tuple(self.outputs_names))
@@ -302,18 +330,21 @@ class Replayer:
         live_collectives: bool = False,
         use_recorded_tuner: bool = True,
         as_rank: int | None = None,
+        make_target: Callable[["Replayer"], Target] | None = None,
+        spec: TargetSpec | None = None,
     ) -> None:
         """``as_rank``: build the target as that rank (its rank-specific settings and recorded
         tuner choices) but replay ``rank``'s recorded data (keyframes, inputs, RNG, collectives):
         bisection runs two ranks' targets on the same data, so only their settings differ."""
         if mode not in MODES:
-            raise UsageError(f"unknown mode {mode!r}: use eager, cudagraph or both")
+            raise UsageError(f"unknown mode {mode!r}: use eager, cudagraph, compiled or both")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UsageError(f"--device {device}: no CUDA device here; use --device cpu")
         self.part = part
         self.rank = rank
         self.rf = part[rank]
-        self.spec = TargetSpec.from_rank_file(self.rf)
+        self.spec = spec or TargetSpec.from_rank_file(self.rf)
+        self.make_target = make_target  # instead of the factory: a re-launched program's own objects
         self.mode = mode
         self.device = device
         self.factory = factory
@@ -335,6 +366,17 @@ class Replayer:
         self.last_outputs: dict[str, torch.Tensor] = {}  # outputs of the last step scan() ran
         self.keyframe: int = 0
         self.uncompared: list[int] = []  # catch-up steps with no recorded output to compare with
+
+    def _compiled(self) -> str | None:
+        """How torch.compile runs a function step in this mode (None: the Python function).
+
+        ``compiled``: as recorded; ``cudagraph`` for a step recorded compiled: torch.compile's own
+        CUDA graphs (reduce-overhead), as the program ran it, rather than replay's hand capture."""
+        if self.mode == "compiled":
+            return "recorded"
+        if self.mode == "cudagraph" and self.spec.kind is StepKind.COMPILED:
+            return "cudagraph"
+        return None
 
     @property
     def factory_name(self) -> str | None:
@@ -361,9 +403,15 @@ class Replayer:
             # Before the factory, which the contract promises torch.distributed as the re-run
             # provides it: a DTensor model builds its device mesh while it is built.
             self._ctx.enter_context(self.collectives.installed())
-        target = build_target(self.spec, rank=self.target_rank, world_size=self.world, device=self.device, options=self.options, factory=self.factory)
+        # The recorded program's import context, for the whole re-run (a step may import lazily).
+        self._ctx.enter_context(import_context(self.spec.imports))
+        if self.make_target is not None:
+            target = self.make_target(self)
+        else:
+            target = build_target(self.spec, rank=self.target_rank, world_size=self.world, device=self.device,
+                                  options=self.options, factory=self.factory, compiled=self._compiled())
         graphed = None
-        if self.mode == "cudagraph" and "cudagraph" not in target.toggles():
+        if self.mode == "cudagraph" and "cudagraph" not in target.toggles() and not self._compiled():
             if not self.device.startswith("cuda"):
                 raise UsageError("cudagraph mode for a target without its own graph runner needs --device cuda")
             graphed = GraphedStep(target)
@@ -373,7 +421,7 @@ class Replayer:
         if self.spec.probes:
             from replay.rerun.probes import installed_probes
 
-            self._ctx.enter_context(installed_probes(self.spec.probes, self._driver.probe_sink))
+            self._ctx.enter_context(installed_probes(self.spec.probes, self._driver.probe_sink, self.spec.imports))
         if self.mode == "cudagraph":
             target.prepare()
         self.target = target
@@ -496,13 +544,19 @@ def rerun_step(
     progress: Callable[..., Iterable[int]] = lambda it, label="": it,
     live_collectives: bool = False,
     keyframe_at: int | None = None,
+    make_target: Callable[[Replayer], Target] | None = None,
+    spec: TargetSpec | None = None,
 ) -> StepRerun:
-    """Re-run ``step`` of ``rank`` in each of ``modes``; see the module docstring."""
+    """Re-run ``step`` of ``rank`` in each of ``modes``; see the module docstring.
+
+    ``make_target`` builds the target instead of the factory (``replay.rerun.relaunch``: the
+    program's own objects); ``spec`` overrides the recorded target spec."""
     modes = list(dict.fromkeys(modes))
     if repeat < 1:
         raise UsageError("--repeat must be at least 1")
     replayers = [
-        Replayer(part, rank, mode=m, device=device, factory=factory, options=options, live_collectives=live_collectives)
+        Replayer(part, rank, mode=m, device=device, factory=factory, options=options, live_collectives=live_collectives,
+                 make_target=make_target, spec=spec)
         for m in modes
     ]
     rf = part[rank]
@@ -511,7 +565,7 @@ def rerun_step(
     first.check(kf_step, step)
     result = StepRerun(recording=recording, part=part.name, rank=rank, step=step, keyframe=kf_step, device=device,
                        factory=first.factory_name, modes={})
-    if first.factory_name is not None:
+    if first.factory_name is not None and make_target is None:
         announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if factory is None else " (--factory)"))
     recorded = _recorded_fields(rf, step)
     ring = _ring_logits(rf, step)
@@ -525,6 +579,10 @@ def rerun_step(
             run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed,
                           uncompared=list(rp.uncompared))
             run.error = rp.last_error
+            run.ran_as = rp.target.ran_as if rp.target is not None else ""
+            if rp._driver is not None:
+                run.context_recorded = rp._driver.context_recorded
+                run.context_differences = list(rp._driver.context_differences)
             view = rf.step(step)
             run.recorded_error = None if view.ok else view.reason
             info = getattr(rp.target.obj, "last_run_info", None)  # type: ignore[union-attr]
@@ -575,9 +633,21 @@ def rerun_step(
             lg = _ring_logits(other, step)
             if lg is not None and lg.shape == head.outputs["logits"].shape:
                 result.comparisons.append(compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run", name_b=f"rank {r} recorded"))
-    if first.spec.state is None:
-        result.notes.append("the target declares no state: steps were re-run from a fresh target")
+    if first.rf.keyframe(step) is None:
+        result.notes.append("the recording holds no state keyframe: steps were re-run from a fresh target")
     return result
+
+
+def default_modes(part: Part, rank: int, step: int, device: str) -> list[str]:
+    """The modes a re-run of ``step`` runs when ``--mode`` is not given: what this recording and
+    this machine can run. On the CPU: eager (and compiled again, for a step recorded compiled with
+    its torch.compile arguments); on a GPU: eager and cudagraph, to compare the two."""
+    spec = TargetSpec.from_rank_file(part[rank])
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return ["eager", "cudagraph"]
+    if spec.kind is StepKind.COMPILED and spec.compile:
+        return ["eager", "compiled"]
+    return ["eager"]
 
 
 def verdict_matches(c: Comparison) -> bool:
