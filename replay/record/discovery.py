@@ -138,14 +138,26 @@ def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
         for c in r.get("chosen") or []:
             chosen.setdefault(str(c.get("step")), str(c.get("kind")))
         seen.update({str(k): int(v) for k, v in (r.get("seen") or {}).items()})
+    inside: dict[str, str] = {}
+    for r in reports:
+        for c in r.get("chosen") or []:
+            if c.get("kind") == "boundary":
+                inside[str(c.get("inside"))] = str(c.get("step"))
+    for mod_step, at in inside.items():
+        lines.append(
+            f"replay: --step {escape(mod_step)} runs inside torch.compile'd {escape(at)}, where the recorder cannot see:"
+            f" recorded at that boundary ({ran.get(at, 0)} calls)"
+        )
     for step, kind in chosen.items():
+        if kind == "boundary":
+            continue
         n = ran.get(step, 0)
         lines.append(
             f"replay: step found with no flags: {escape(step)} ({_HOW.get(kind, kind)}, {n} call{'s' if n != 1 else ''} recorded);"
             f" to record another callable: replay record --step MODULE:QUALNAME -- ..."
         )
     for step in sorted(named):
-        if not ran.get(step):
+        if not ran.get(step) and step not in inside:
             lines.append(f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)")
     if not chosen and not named and not ran and reports:
         if seen:

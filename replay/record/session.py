@@ -366,7 +366,7 @@ class Session:
                 return compiled_fn(*args, **kwargs)
             s = holder["spec"]
             if s is None:
-                s = self._boundary_spec(target, holder)
+                s = self._boundary_spec(target, holder, args, kwargs)
                 if s is None:
                     return compiled_fn(*args, **kwargs)
             return self._call_step(s, compiled_fn, sig, False, args, kwargs)
@@ -389,11 +389,26 @@ class Session:
                 return self._spec_from_settings(target, "compiled")
         return None
 
-    def _boundary_spec(self, target: str, holder: dict[str, Any]) -> StepSpec | None:
+    def _boundary_spec(self, target: str, holder: dict[str, Any], args: tuple, kwargs: dict) -> StepSpec | None:
         named = self._named_spec(target)
         if named is not None:
             holder["spec"] = named
             return named
+        if getattr(self._local, "depth", 0):
+            return None
+        # A named nn.Module step that runs inside this compiled callable cannot be seen there:
+        # record at the nearest boundary, the compiled call that is given the module, and say so.
+        wanted = {normalize_step(t) for t in self.settings.steps}
+        for v in (*args, *kwargs.values()):
+            if isinstance(v, torch.nn.Module):
+                cls = type(v)
+                mod_target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
+                if mod_target in wanted:
+                    spec = self._spec_from_settings(target, "compiled")
+                    self._inactive.add(mod_target)
+                    self._chosen.append({"step": target, "kind": "boundary", "inside": mod_target})
+                    holder["spec"] = spec
+                    return spec
         if not self._discover or getattr(self._local, "depth", 0):
             return None
         with self._lock:
@@ -537,10 +552,9 @@ class Session:
         info["numerics"] = {"first": self._first_numerics, "contexts": dict(self._numerics)}
         return info
 
-    def _find_stream(self, obj: Any) -> _Stream | None:
+    def _find_stream(self, obj: Any, step: str) -> _Stream | None:
         for st in self._streams.streams:
-            o = st.obj()
-            if o is obj:
+            if st.obj() is obj and st.info.get("step") == step:
                 return st
         return None
 
@@ -548,7 +562,7 @@ class Session:
         rec = self.ensure_recorder()
         if rec is None:
             return None, None
-        st = self._find_stream(obj)
+        st = self._find_stream(obj, spec.step)
         if st is not None:
             return rec, st
         # A new target object. While the earlier ones are alive it is another model of the same
@@ -577,13 +591,23 @@ class Session:
         from replay.record.streams import stream_name
 
         taken = {s.name for s in self._streams.streams}
-        name = stream_name(obj, taken, first=not self._streams.streams)
+        if any(s.obj() is obj for s in self._streams.streams):
+            # The same object through another step callable (prefill eager, decode compiled).
+            base = spec.step.partition(":")[2].rsplit(".", 1)[-1] or "step"
+            name, i = base, 2
+            while name in taken:
+                name, i = f"{base}{i}", i + 1
+        else:
+            name = stream_name(obj, taken)
         weak = obj is not None and weakrefable(obj)
         ref = weakref.ref(obj) if weak else (lambda o=obj: o)
         st = _Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg), state=self._stream_state(spec, obj))
         self._streams.streams.append(st)
         part_streams = self._streams
         rec.set_target(self._merged_info(), part_streams.state if any(s.state for s in part_streams.streams) else None)
+        if len(part_streams.streams) > 1 and rec.step_index > 0:
+            # The new stream's state must be in a keyframe before its first step.
+            rec.snapshot_state()
         return rec, st
 
     def _run_step(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple, kwargs: dict) -> Any:

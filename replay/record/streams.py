@@ -10,13 +10,12 @@ __all__ = ["stream_name"]
 _SKIP = ("self", "obj", "module", "m", "args", "kwargs", "value", "v", "x")
 
 
-def stream_name(obj: Any, taken: set[str], *, first: bool) -> str:
+def stream_name(obj: Any, taken: set[str]) -> str:
     """A name for ``obj``'s stream: the name the outermost caller's variable gives it (``draft``
     in ``main()``, rather than the ``model`` parameter of the step function every model passes
-    through), else its class name; unique among ``taken``. The first stream of a part is
-    ``main``."""
-    base = "main" if first else None
-    if base is None and obj is not None:
+    through), else its class name; unique among ``taken``."""
+    base = None
+    if obj is not None:
         f = sys._getframe(1)
         for _ in range(200):
             if f is None:
