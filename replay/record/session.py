@@ -597,8 +597,18 @@ class Session:
             name, i = base, 2
             while name in taken:
                 name, i = f"{base}{i}", i + 1
+        elif not self._streams.streams:
+            # Named only once a second model appears: reading a caller's variables (f_locals)
+            # keeps them alive in Python 3.11, and a lone engine must be freed when the program
+            # drops it (a new engine is then a new part, not a stream).
+            name = "main"
         else:
             name = stream_name(obj, taken)
+            first = self._streams.streams[0]
+            if first.name == "main" and len(self._streams.streams) == 1 and first.obj() is not None:
+                renamed = stream_name(first.obj(), {name})
+                if renamed != type(first.obj()).__name__:
+                    first.name = renamed
         weak = obj is not None and weakrefable(obj)
         ref = weakref.ref(obj) if weak else (lambda o=obj: o)
         st = _Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg), state=self._stream_state(spec, obj))
