@@ -15,6 +15,7 @@ from replay.cli.render import style, table
 from replay.errors import RerunError, UsageError
 from replay.textsafe import escape
 from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
+from replay.rerun.streams import check_stream, target_info
 from replay.rerun.runner import ModeRun, StepRerun, default_modes, rerun_step
 
 EPILOG = """\b
@@ -72,11 +73,14 @@ def default_device(recorded: str | None) -> str:
 @click.option("--devices", default=None, help="With --ranks: devices to spread ranks over (cuda:0,cuda:1 or cpu).")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Run the step N times from the same state.")
 @click.option("--factory", default=None, metavar="MODULE:QUALNAME", help="Rebuild the target with this factory instead.")
+@click.option("--stream", default=None, metavar="NAME",
+              help="The model of the part to rebuild (draft, model, ...; default: the one that holds the step).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a target toggle (JSON value).")
 @click.option("--no-save", is_flag=True, help="Do not save the result beside the recording.")
 @json_option
 def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_text: str | None, step_index: int,
-         mode: str | None, device: str | None, devices: str | None, repeat: int, factory: str | None, sets: tuple[str, ...],
+         mode: str | None, device: str | None, devices: str | None, repeat: int, factory: str | None, stream: str | None,
+         sets: tuple[str, ...],
          no_save: bool, as_json: bool) -> int:
     """Re-run step STEP of a rank of RUN (default: the newest recording) and compare it."""
     if (rank is None) == (ranks_text is None):
@@ -117,16 +121,18 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
         except ImportError:  # pragma: no cover
             progress = lambda it, label="": it  # noqa: E731
 
-        if factory is None and needs_relaunch(target if isinstance(target, dict) else None, recorded_args(rf, step_index)):
+        chosen_stream = check_stream(rf, step_index, stream)
+        if factory is None and needs_relaunch(target_info(rf, chosen_stream), recorded_args(rf, step_index)):
             # No factory: the recorded program, started again in replay mode, is its own factory.
             spec = RelaunchSpec(recording=str(rec.path), part=chosen.name, rank=rank, step=step_index, modes=modes,
-                                device=dev, repeat=repeat, options=options)
+                                device=dev, repeat=repeat, options=options, stream=chosen_stream)
             data = relaunch_step(spec, target.get("launch") or {}, world=chosen.world_size, announce=announce)
             text = str(data.pop("text", ""))
             problem = data.get("problem")
         else:
             result = rerun_step(chosen, rank, step_index, modes=modes, device=dev, repeat=repeat, factory=factory,
-                                options=options, recording=str(rec.path), announce=announce, progress=progress)
+                                options=options, recording=str(rec.path), announce=announce, progress=progress,
+                                stream=stream)
             data, text, problem = result.to_json(), render_step(result), result.problem()
     save_and_emit(rec.path, data, "" if as_json else text, save=not no_save, as_json=as_json)
     if problem is not None:
@@ -137,15 +143,22 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
 
 
 def render_step(r: StepRerun) -> str:
-    lines = [f"rank {r.rank}, step {r.step} of {r.recording} (part {r.part}) on {r.device}, from the keyframe at step {r.keyframe}"]
+    stream = f", stream {escape(r.stream)}" if r.stream else ""
+    lines = [f"rank {r.rank}, step {r.step} of {r.recording} (part {r.part}{stream}) on {r.device}, from the keyframe at step {r.keyframe}"]
+    departs = any(m.departed is not None or any(not c.equal for c in m.vs_recording.values()) for m in r.modes.values())
+    if r.weights is not None and (departs or not r.weights.same):
+        lines.append(style(f"  {escape(r.weights)}", fg=None if r.weights.same else "yellow"))
     for m in r.modes.values():
-        if r.step > r.keyframe:
-            n = r.step - r.keyframe
+        if m.caught_up:
+            n = len(m.caught_up)
+            span = (f"steps {r.keyframe}..{r.step - 1}" if n == r.step - r.keyframe else
+                    f"{n} step{'s' if n > 1 else ''} of stream {escape(r.stream)} in {r.keyframe}..{r.step - 1} "
+                    f"({_steps(m.caught_up)})")
             if m.departed is None and not m.uncompared:
-                lines.append(f"  {m.mode}: steps {r.keyframe}..{r.step - 1} re-ran bit for bit as recorded")
+                lines.append(f"  {m.mode}: {span} re-ran bit for bit as recorded")
             elif m.departed is None:
-                shown = ", ".join(map(str, m.uncompared[:8])) + (" ..." if len(m.uncompared) > 8 else "")
-                lines.append(style(f"  {m.mode}: steps {r.keyframe}..{r.step - 1} re-ran; {n - len(m.uncompared)} of {n} "
+                shown = _steps(m.uncompared)
+                lines.append(style(f"  {m.mode}: {span} re-ran; {n - len(m.uncompared)} of {n} "
                                    f"matched their recorded outputs bit for bit, {len(m.uncompared)} had no recorded "
                                    f"output to compare with (steps {shown})", fg="yellow"))
             else:
@@ -184,6 +197,10 @@ def render_step(r: StepRerun) -> str:
     for n in r.notes:
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:8])) + (" ..." if len(steps) > 8 else "")
 
 
 def _context_line(m: ModeRun) -> str:

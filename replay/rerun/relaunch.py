@@ -54,6 +54,7 @@ class RelaunchSpec:
     device: str
     repeat: int = 1
     options: dict[str, Any] = field(default_factory=dict)
+    stream: str | None = None  # the model of the part to take (several in one loop)
     out: str = ""  # where the child writes its result JSON
 
 
@@ -161,7 +162,9 @@ def start_in_program() -> None:
     rec = Recording(spec.recording)
     part = rec[spec.part]
     rf = part[spec.rank]
-    target = rf.attrs.get("target") or {}
+    from replay.rerun.streams import target_info
+
+    target = target_info(rf, spec.stream)
     _fake_process_group(spec.rank, part.world_size)
     _Takeover(spec, part, target).arm()
     return None
@@ -203,6 +206,7 @@ class _Takeover:
         self.name = self.qualname.rsplit(".", 1)[-1]
         self.compile_kwargs: dict[str, Any] = {}
         self.done = False
+        self._checked: dict[int, bool] = {}
 
     def arm(self) -> None:
         self._patch_compile()
@@ -236,9 +240,33 @@ class _Takeover:
             return
         if frame.f_globals.get("__name__") not in self.modules:
             return
+        if not self._is_stream(frame):
+            return  # another model of the loop (the draft, say) through the same callable
         self.done = True
         sys.setprofile(None)
         self._take(frame)
+
+    def _is_stream(self, frame: Any) -> bool:
+        """Whether this call's object is the model of the stream to re-run: with several streams,
+        the one whose parameters are that stream's recorded ones (each object checked once)."""
+        weights = self.target.get("weights")
+        if not self.spec.stream or not isinstance(weights, dict) or not weights:
+            return True
+        import torch
+
+        obj = next((v for v in frame.f_locals.values() if isinstance(v, torch.nn.Module)), None)
+        if obj is None:
+            return True
+        seen = self._checked.get(id(obj))
+        if seen is None:
+            from replay.record.weights import weight_digests
+
+            live = weight_digests(obj)
+            # By names and shapes, not digests: weights that changed since the recording are
+            # still this model (the re-run then says which differ).
+            seen = set(live) == set(weights) and all(list(live[n]["shape"]) == list(weights[n].get("shape") or []) for n in live)
+            self._checked[id(obj)] = seen
+        return seen
 
     def _take(self, frame: Any) -> None:
         """The step's first call: re-run the requested step here, write the result, stop."""
@@ -263,7 +291,7 @@ class _Takeover:
         from replay.rerun.target import StepKind, Target, TargetSpec, function_step
 
         rf = self.part[self.spec.rank]
-        spec = TargetSpec.from_rank_file(rf)
+        spec = TargetSpec.from_rank_file(rf, self.spec.stream)
         live = dict(frame.f_locals)
         fn = self._function(frame, live)
         params = list(inspect.signature(fn).parameters)
@@ -273,8 +301,8 @@ class _Takeover:
             obj = live.get(params[0])
             live.pop(params[0], None)
         else:
-            recorded_args = recorded_args(rf, self.spec.step)
-            holder = next((k for k, v in recorded_args.items() if isinstance(v, dict) and v.get("target")), None)
+            args_json = recorded_args(rf, self.spec.step)
+            holder = next((k for k, v in args_json.items() if isinstance(v, dict) and v.get("target")), None)
             obj = live.get(holder) if holder else None
         compile_kwargs = dict(getattr(fn, "_replay_compile_kwargs", None) or self.compile_kwargs or spec.compile)
         spec.compile = compile_kwargs
@@ -293,7 +321,7 @@ class _Takeover:
 
         result = rerun_step(self.part, self.spec.rank, self.spec.step, modes=self.spec.modes, device=self.spec.device,
                             repeat=self.spec.repeat, options=self.spec.options, recording=self.spec.recording,
-                            make_target=make_target, spec=spec)
+                            make_target=make_target, spec=spec, stream=self.spec.stream)
         result.notes.append("re-run inside the re-launched program (no factory): its objects at the step's first call, "
                             "state and RNG from the recording")
         from replay.cli.step import render_step

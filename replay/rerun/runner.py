@@ -32,6 +32,7 @@ from replay import numerics
 from replay.numerics import strip_reserved
 from replay.rerun.graphs import GraphedStep
 from replay.rerun.imports import import_context
+from replay.rerun.streams import check_stream, stream_of, stream_state
 from replay.rerun.target import StepKind, Target, TargetSpec, build_target
 
 __all__ = ["MODES", "ModeRun", "Replayer", "StepRerun", "default_modes", "rerun_step", "StepDeparture"]
@@ -48,6 +49,47 @@ class StepDeparture:
         return f"step {self.step} ({self.field})"
 
 
+@dataclass(kw_only=True, slots=True)
+class WeightCheck:
+    """The rebuilt target's parameters against the digests of the weights that ran."""
+
+    checked: int
+    differ: list[str] = field(default_factory=list)  # same name, other bits (or shape, dtype)
+    missing: list[str] = field(default_factory=list)  # recorded, not in the rebuilt module
+    extra: list[str] = field(default_factory=list)  # in the rebuilt module, not recorded
+
+    @property
+    def same(self) -> bool:
+        return not (self.differ or self.missing or self.extra)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checked": self.checked, "same": self.same, "differ": self.differ, "missing": self.missing, "extra": self.extra}
+
+    def __str__(self) -> str:
+        if self.same:
+            return f"weights: all {self.checked} parameters have the digests of the weights that ran"
+        parts = []
+        for what, names in (("differ", self.differ), ("are not in the rebuilt model", self.missing),
+                            ("were not recorded", self.extra)):
+            if names:
+                parts.append(f"{len(names)} {what} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+        return "weights: the rebuilt weights are not the weights that ran: " + "; ".join(parts)
+
+
+def check_weights(target: Target) -> WeightCheck | None:
+    """Compare the rebuilt module's parameters with the recorded per-parameter digests."""
+    recorded = target.spec.weights
+    model = target.module()
+    if not recorded or model is None:
+        return None
+    from replay.record.weights import weight_digests
+
+    live = weight_digests(model)
+    differ = [n for n in recorded if n in live and any(live[n].get(k) != recorded[n].get(k) for k in ("digest", "shape", "dtype"))]
+    return WeightCheck(checked=len(recorded), differ=differ, missing=[n for n in recorded if n not in live],
+                       extra=[n for n in live if n not in recorded])
+
+
 @dataclass(slots=True)
 class ModeRun:
     mode: str
@@ -57,6 +99,7 @@ class ModeRun:
     repeat_digests: list[dict[str, int]] = field(default_factory=list)
     departed: StepDeparture | None = None  # first fast-forward step that left the recording
     uncompared: list[int] = field(default_factory=list)  # catch-up steps with no recorded output to compare
+    caught_up: list[int] = field(default_factory=list)  # the catch-up steps run, keyframe to step
     collective_mismatches: list[str] = field(default_factory=list)
     vs_recording: dict[str, Comparison] = field(default_factory=dict)
     matches_ranks: dict[str, list[int]] = field(default_factory=dict)  # output -> ranks whose bits it has
@@ -77,6 +120,7 @@ class ModeRun:
             "repeats_equal": self.repeats_equal,
             "departed": {"step": self.departed.step, "field": self.departed.field} if self.departed else None,
             "uncompared": self.uncompared,
+            "caught_up": self.caught_up,
             "collective_mismatches": self.collective_mismatches,
             "vs_recording": {k: c.to_json() for k, c in self.vs_recording.items()},
             "matches_ranks": self.matches_ranks,
@@ -99,6 +143,8 @@ class StepRerun:
     modes: dict[str, ModeRun]
     comparisons: list[Comparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    stream: str | None = None  # the model of the part that was rebuilt (several in one loop)
+    weights: WeightCheck | None = None  # the rebuilt weights against the recorded digests
 
     def problem(self) -> str | None:
         """Why step ``step`` could not be re-run or checked against the recording; None if it was.
@@ -134,6 +180,8 @@ class StepRerun:
             "modes": {k: m.to_json() for k, m in self.modes.items()},
             "verdicts": verdicts,
             "notes": self.notes,
+            "stream": self.stream,
+            "weights": self.weights.to_json() if self.weights is not None else None,
             "problem": self.problem(),
         }
 
@@ -332,6 +380,8 @@ class Replayer:
         as_rank: int | None = None,
         make_target: Callable[["Replayer"], Target] | None = None,
         spec: TargetSpec | None = None,
+        stream: str | None = None,
+        step: int | None = None,
     ) -> None:
         """``as_rank``: build the target as that rank (its rank-specific settings and recorded
         tuner choices) but replay ``rank``'s recorded data (keyframes, inputs, RNG, collectives):
@@ -343,7 +393,9 @@ class Replayer:
         self.part = part
         self.rank = rank
         self.rf = part[rank]
-        self.spec = spec or TargetSpec.from_rank_file(self.rf)
+        # Which model of the part (stream) is rebuilt: the one named, or the one holding ``step``.
+        self.stream = check_stream(self.rf, step, stream) if step is not None else stream
+        self.spec = spec or TargetSpec.from_rank_file(self.rf, self.stream)
         self.make_target = make_target  # instead of the factory: a re-launched program's own objects
         self.mode = mode
         self.device = device
@@ -366,6 +418,7 @@ class Replayer:
         self.last_outputs: dict[str, torch.Tensor] = {}  # outputs of the last step scan() ran
         self.keyframe: int = 0
         self.uncompared: list[int] = []  # catch-up steps with no recorded output to compare with
+        self.caught_up: list[int] = []  # the catch-up steps goto() ran (its stream's only)
 
     def _compiled(self) -> str | None:
         """How torch.compile runs a function step in this mode (None: the Python function).
@@ -433,12 +486,17 @@ class Replayer:
             self.build()
         assert self.target is not None and self._driver is not None
         kf_step, kf_state = self.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
+        kf_state = stream_state(self.rf, kf_state, self.stream)
         if kf_state:
             self.target.load_state(kf_state)
         self.departed = None
         self.uncompared = []
+        self.caught_up = []
         self.keyframe = kf_step
         for s in progress(range(kf_step, step), label=f"rank {self.rank} {self.mode}: steps {kf_step}..{step - 1}"):
+            if self.stream is not None and stream_of(self.rf, s) != self.stream:
+                continue  # another model's step: it does not touch this one's state
+            self.caught_up.append(s)
             outs = self._driver(s)
             self._raise_if_catch_up_failed(s, step)
             bad, compared = _check_outputs(outs, _recorded_fields(self.rf, s))
@@ -546,6 +604,7 @@ def rerun_step(
     keyframe_at: int | None = None,
     make_target: Callable[[Replayer], Target] | None = None,
     spec: TargetSpec | None = None,
+    stream: str | None = None,
 ) -> StepRerun:
     """Re-run ``step`` of ``rank`` in each of ``modes``; see the module docstring.
 
@@ -556,7 +615,7 @@ def rerun_step(
         raise UsageError("--repeat must be at least 1")
     replayers = [
         Replayer(part, rank, mode=m, device=device, factory=factory, options=options, live_collectives=live_collectives,
-                 make_target=make_target, spec=spec)
+                 make_target=make_target, spec=spec, stream=stream, step=step)
         for m in modes
     ]
     rf = part[rank]
@@ -564,7 +623,7 @@ def rerun_step(
     kf_step, _ = first.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
     first.check(kf_step, step)
     result = StepRerun(recording=recording, part=part.name, rank=rank, step=step, keyframe=kf_step, device=device,
-                       factory=first.factory_name, modes={})
+                       factory=first.factory_name, modes={}, stream=first.stream)
     if first.factory_name is not None and make_target is None:
         announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if factory is None else " (--factory)"))
     recorded = _recorded_fields(rf, step)
@@ -573,11 +632,13 @@ def rerun_step(
         t0 = time.perf_counter()
         try:
             rp.build()
+            if result.weights is None and rp.target is not None:
+                result.weights = check_weights(rp.target)
             departed = rp.goto(step, keyframe_at=kf_step, progress=progress)
             saved = rp.target.snapshot() if repeat > 1 else None  # type: ignore[union-attr]
             outs = rp.run(step)
             run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed,
-                          uncompared=list(rp.uncompared))
+                          uncompared=list(rp.uncompared), caught_up=list(rp.caught_up))
             run.error = rp.last_error
             run.ran_as = rp.target.ran_as if rp.target is not None else ""
             if rp._driver is not None:

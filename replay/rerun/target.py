@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from replay.errors import FactoryError, RerunError
+from replay.errors import FactoryError, OutOfRange, RerunError
 from replay.format.reader import RankFile
 from replay.rerun.imports import ImportContext, import_recorded
 
@@ -63,8 +63,17 @@ class TargetSpec:
     weights: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {digest, shape, dtype}}
 
     @classmethod
-    def from_rank_file(cls, rf: RankFile) -> "TargetSpec":
+    def from_rank_file(cls, rf: RankFile, stream: str | None = None) -> "TargetSpec":
+        """The recorded target of ``rf``; ``stream``: one model of a part holding several."""
         t = rf.attrs.get("target")
+        if isinstance(t, dict) and stream is not None:
+            streams = t.get("streams") if isinstance(t.get("streams"), dict) else {}
+            if stream not in streams and stream != t.get("stream"):
+                names = ", ".join(sorted(streams)) or str(t.get("stream"))
+                raise OutOfRange(f"rank {rf.rank} has no stream {stream!r} (streams: {names})")
+            if isinstance(streams.get(stream), dict):
+                # The stream's own step, config, state and weights; launch and numerics are the part's.
+                t = {**t, **streams[stream], "stream": stream}
         if not isinstance(t, dict) or not isinstance(t.get("step"), str):
             raise RerunError(
                 f"rank {rf.rank} recorded no step target: it was recorded without `replay record --step` "
