@@ -242,3 +242,22 @@ def test_module_state_is_buffers_and_tensor_attributes_not_parameters() -> None:
 
     st = module_state(M())
     assert set(st) == {"kv", "pos"}
+
+
+def test_a_bad_pyproject_value_is_one_line_before_the_program_runs(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.replay]\ndurability = "sync"\n')
+    r = subprocess.run([sys.executable, "-m", "replay", "record", "--out", str(tmp_path / "rec"), "--", sys.executable, "-c", "print('ran')"],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "ran" not in r.stdout
+    assert "[tool.replay]" in r.stderr and "durability = 'sync' is not one of: step, async" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_settings_in_the_environment_never_break_the_program(tmp_path: Path) -> None:
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "replay" / "record" / "bootstrap"), env["PYTHONPATH"]])
+    env["REPLAY_RECORD_DIR"] = str(tmp_path / "rec")
+    env["REPLAY_RECORD_SETTINGS"] = json.dumps({"durability": "sync"})
+    r = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ran"
+    assert r.stderr.count("\n") == 1 and "recording disabled" in r.stderr and "durability" in r.stderr

@@ -62,7 +62,14 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
     if not cmd:
         raise UsageError("no command to record: replay record -- CMD ...")
     try:
-        base = RecordSettings(**load_pyproject_settings(Path.cwd()))
+        table = load_pyproject_settings(Path.cwd())
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        base = RecordSettings(**table)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"[tool.replay] of the nearest pyproject.toml: {e}") from None
+    try:
         settings = base.merged(
             steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
             modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), outputs=list(outputs),

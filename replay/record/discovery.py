@@ -32,6 +32,9 @@ __all__ = ["Watcher", "write_report", "read_reports", "summary_lines"]
 # A --step function of __main__ not seen after this many module calls is given up on (the
 # hooks cost every module call a few µs while installed).
 _MAX_SCANS = 10_000
+# Outermost module calls seen without one that can be chosen (only compiled modules, say)
+# before discovery stops watching: its hooks must not cost a whole run.
+_MAX_OUTERMOST = 200
 
 
 class Watcher:
@@ -82,6 +85,8 @@ class Watcher:
                 self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
                 if self.on_outermost is not None:
                     self.on_outermost(module)
+                    if sum(self.seen.values()) > _MAX_OUTERMOST:
+                        self.done_discovering()
         except Exception:  # noqa: BLE001 - never into the program
             self.remove()
         return None

@@ -80,6 +80,14 @@ class RecordSettings:
                     raise ValueError(f"{target!r} is not of the form module:qualname")
         if self.keyframe_every < 0 or self.ring < 0:
             raise ValueError("keyframe_every and ring must be >= 0")
+        # Checked where settings enter (command line, [tool.replay], the environment), so a bad
+        # value is one line before the program starts, never an error inside its step.
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} = {value!r} is not one of: {', '.join(map(str, choices))}")
+        if self.max_bytes is not None and (not isinstance(self.max_bytes, int) or self.max_bytes < 1):
+            raise ValueError(f"max_bytes = {self.max_bytes!r} must be a positive integer")
 
     def to_env(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -100,6 +108,16 @@ class RecordSettings:
             else:
                 data[k] = v
         return RecordSettings(**data)
+
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "inputs": ("digest", "full"),
+    "collectives": ("digest", "auto", "full"),
+    "durability": ("step", "async"),
+    "check_lockstep": (True, False),
+    "stop_on_divergence": (True, False),
+    "cuda_graph_kernels": (True, False),
+}
 
 
 def load_pyproject_settings(start: Path) -> dict[str, Any]:
