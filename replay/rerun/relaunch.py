@@ -176,11 +176,16 @@ def _fake_process_group(rank: int, world: int) -> None:
         return
     import torch.distributed as dist
 
-    from replay.rerun.collectives import _init_fake_process_group
+    real = dist.init_process_group
 
     def init_process_group(*args: Any, **kwargs: Any) -> None:
-        if not dist.is_initialized():
-            _init_fake_process_group(rank, world)
+        if dist.is_initialized():
+            return
+        try:
+            from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+        except ImportError as e:
+            raise RerunError(f"one rank re-launched alone needs torch's fake process group, not importable here ({e})") from None
+        real("fake", store=FakeStore(), rank=rank, world_size=world)
 
     dist.init_process_group = init_process_group  # type: ignore[assignment]
     import torch.distributed.distributed_c10d as c10d
