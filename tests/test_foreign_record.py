@@ -261,3 +261,21 @@ def test_bad_settings_in_the_environment_never_break_the_program(tmp_path: Path)
     r = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ran"
     assert r.stderr.count("\n") == 1 and "recording disabled" in r.stderr and "durability" in r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_reduce_overhead_compiled_step_on_cuda_is_recorded_with_its_graphs(tmp_path: Path) -> None:
+    # Unvalidated on CPU-only machines: written for `make test-gpu` (an H200).
+    args = ("--tokens", "10", "--compile", "--compile-mode", "reduce-overhead", "--device", "cuda")
+    plain = _plain(*args, timeout=550)
+    r = _record(tmp_path / "rec", *args, timeout=550)
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert _tokens(r.stdout) == _tokens(plain.stdout)
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        t = rf.attrs["target"]
+        assert t["step_kind"] == "compiled" and t["device"].startswith("cuda")
+        assert rf.n_steps == 9
+        modes = [rf.step(i).mode for i in range(rf.n_steps)]
+        assert "graph" in modes, modes  # CUDA graph trees replay after their warm-up calls

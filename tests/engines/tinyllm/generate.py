@@ -49,7 +49,7 @@ def speculative_decode(model: Transformer, draft: Transformer, cur: torch.Tensor
     """k draft tokens, verified by one target forward; greedy acceptance (same output as greedy)."""
     draft_tokens = decode_n_tokens(draft, cur, input_pos, k)
     seq = torch.cat([cur] + draft_tokens, dim=1)
-    positions = torch.arange(int(input_pos[0]), int(input_pos[0]) + k + 1)
+    positions = torch.arange(int(input_pos[0]), int(input_pos[0]) + k + 1, device=cur.device)
     target = model_forward(model, seq, positions)[0].argmax(-1)  # (k+1,)
     proposed = torch.cat(draft_tokens, dim=1)[0]
     agree = (target[:k] == proposed).tolist()
