@@ -278,6 +278,7 @@ class Session:
         """After ``init_process_group``: agree on a part with the other ranks and start recording."""
         import torch.distributed as dist
 
+        self.scan_main()
         with self._lock:
             self.close_recorder("ok")
             self._pg_generation += 1
@@ -444,6 +445,11 @@ class Session:
             self.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
         if self._watcher is not None:
             self._watcher.done_discovering()
+
+    def scan_main(self) -> None:
+        """Look for the pending ``--step`` functions of ``__main__`` now (from other hooks)."""
+        if self._main_pending and self._scan_main() and self._watcher is not None:
+            self._watcher.done_scanning()
 
     def _scan_main(self) -> bool:
         """Patch the ``--step`` functions of the script run as ``__main__`` that exist by now;
