@@ -196,3 +196,38 @@ def test_reduce_overhead_step_reruns_bit_exact_in_cudagraph_mode(tmp_path: Path)
     run = data["modes"]["cudagraph"]
     assert "reduce-overhead" in run["ran_as"]
     assert run["vs_recording"] and all(v["verdict"] == "bitwise equal" for v in run["vs_recording"].values()), run
+
+
+def _bisect_tp(tmp_path: Path, run_cli: Any, config: dict) -> dict[str, Any]:
+    out = tmp_path / "tp"
+    cmd = [sys.executable, "-m", "replay", "record", "--out", str(out), "--quiet", "--keyframe-every", "2",
+           "--step", "tests.tp_engine:TPModel", "--config", "replay_config", "--factory", "tests.tp_engine:build",
+           "--collectives", "full", "--", sys.executable, "-m", "tests.tp_engine", "5", json.dumps(config)]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = run_cli("bisect", out, "--between", "rank:0,rank:1", "--step", 3, "--json", "--no-save")
+    assert res.code == 0, res.err
+    return res.json()
+
+
+def test_plain_tp_bisect_tells_a_replicated_weight_from_a_shard(tmp_path: Path, run_cli: Any) -> None:
+    """Rank 1's replicated norm weight is off by 1e-3: the norm, not a shard, makes the difference."""
+    from replay.bisect.layers import LayersBisection  # noqa: F401 - the module under test
+
+    d = _bisect_tp(tmp_path, run_cli, {"seed": 1, "perturb_rank": 1})
+    norm = next(m for m in d["modules"] if m["name"] == "norm")
+    assert norm["rank_local"] is False and norm["inputs_equal"] is True and norm["verdict"] != "bitwise equal"
+    assert d["first"] == "norm"
+    shards = {m["name"]: m for m in d["modules"] if m["name"] in ("up", "down")}
+    assert all(m["rank_local"] for m in shards.values())
+    assert any("norm.weight" in n and "not shards" in n for n in d["notes"])
+
+
+def test_plain_tp_bisect_never_says_nothing_differs_over_differing_shards(tmp_path: Path, run_cli: Any) -> None:
+    d = _bisect_tp(tmp_path, run_cli, {"seed": 1})
+    assert d["first"] is None
+    assert any(m["rank_local"] and m["verdict"] != "bitwise equal" for m in d["modules"])
+    res = run_cli("bisect", tmp_path / "tp", "--between", "rank:0,rank:1", "--step", 3, "--no-save")
+    head = res.out.splitlines()[0]
+    assert "bitwise equal" not in head and "none of the" not in head
+    assert "rank-local (shard) outputs differ" in head
