@@ -100,13 +100,16 @@ class Watcher:
 
 def write_report(out: Path, data: dict[str, Any]) -> None:
     """This process's findings, for ``replay record``'s summary (best effort)."""
+    p = out / f"session-{os.getpid()}.json"
+    tmp = out / f".session-{os.getpid()}.json.part"
     try:
-        p = out / f"session-{os.getpid()}.json"
-        tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, sort_keys=True))
         os.replace(tmp, p)
     except (OSError, TypeError, ValueError):
-        pass
+        try:
+            tmp.unlink()  # a full disk must not leave a stray temp file
+        except OSError:
+            pass
 
 
 def read_reports(out: Path) -> list[dict[str, Any]]:
