@@ -45,7 +45,9 @@ class Engine:
         with torch.no_grad():
             h = torch.tanh(self.model(self.hidden) + self.emb[tokens])
         self.hidden.copy_(h)
-        logits = h @ self.head
+        # The program runs its loop under sdpa_kernel([MATH]) (flash off): a step that reads the
+        # flag computes other bits when the re-run does not restore that context.
+        logits = h @ self.head + (0.0 if torch.backends.cuda.flash_sdp_enabled() else 0.5)
         if self.config.get("none"):
             return None
         return {"other": logits} if self.options.get("rename") else {"logits": logits}
@@ -85,14 +87,17 @@ def build_tiny(config: dict, *, rank: int, world_size: int, device: str, options
 
 
 def main(steps: int, none: bool) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     eng = Engine({"seed": 3, "none": none})
     tiny = Tiny(0)
     tokens = torch.tensor([1, 2])
-    for pos in range(steps):
-        out = eng.step(tokens, pos)
-        if out is not None:
-            tokens = out["logits"].argmax(-1)
-        tiny(torch.full((2, D), float(pos) / steps))
+    with sdpa_kernel([SDPBackend.MATH]):
+        for pos in range(steps):
+            out = eng.step(tokens, pos)
+            if out is not None:
+                tokens = out["logits"].argmax(-1)
+            tiny(torch.full((2, D), float(pos) / steps))
 
 
 if __name__ == "__main__":

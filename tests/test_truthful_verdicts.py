@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RERUN_ERROR = 7
@@ -45,6 +46,18 @@ def test_control_reruns_bit_for_bit(recs, run_cli):
     assert res.code == 0, res.err
     assert "steps 4..5 re-ran bit for bit as recorded" in res.out
     assert "bitwise equal" in res.out
+
+
+def test_numerics_context_is_restored(recs, run_cli):
+    """The program ran its loop under sdpa_kernel([MATH]); the step's bits depend on the flash flag.
+    `replay step` runs in a process where flash is on: only a restored context reproduces them."""
+    assert torch.backends.cuda.flash_sdp_enabled()
+    res = run_cli("step", recs / "engine", "--rank", 0, "--step", 6, "--mode", "eager", "--json", "--no-save")
+    assert res.code == 0, res.err
+    eager = res.json()["modes"]["eager"]
+    assert eager["numerics"] == {"recorded": True, "differences": []}
+    assert eager["vs_recording"]["logits"]["verdict"] == "bitwise equal"
+    assert torch.backends.cuda.flash_sdp_enabled()  # and put back afterwards
 
 
 def test_catch_up_step_that_raises_stops_the_rerun(recs, run_cli):

@@ -113,16 +113,17 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
         rf.step(step_index)
         target = rf.attrs.get("target") or {}
         dev = device or default_device(target.get("device") if isinstance(target, dict) else None)
+        chosen_stream = check_stream(rf, step_index, stream)
+        relaunch = factory is None and needs_relaunch(target_info(rf, chosen_stream), recorded_args(rf, step_index))
         if modes is None:
-            modes = default_modes(chosen, rank, step_index, dev)
+            modes = default_modes(chosen, rank, step_index, dev, relaunch=relaunch)
         announce = (lambda s: None) if as_json else (lambda s: click.echo(f"replay: {s}", err=True))
         try:
             from replay.cli.progress import progress
         except ImportError:  # pragma: no cover
             progress = lambda it, label="": it  # noqa: E731
 
-        chosen_stream = check_stream(rf, step_index, stream)
-        if factory is None and needs_relaunch(target_info(rf, chosen_stream), recorded_args(rf, step_index)):
+        if relaunch:
             # No factory: the recorded program, started again in replay mode, is its own factory.
             spec = RelaunchSpec(recording=str(rec.path), part=chosen.name, rank=rank, step=step_index, modes=modes,
                                 device=dev, repeat=repeat, options=options, stream=chosen_stream)

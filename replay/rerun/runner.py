@@ -699,14 +699,16 @@ def rerun_step(
     return result
 
 
-def default_modes(part: Part, rank: int, step: int, device: str) -> list[str]:
+def default_modes(part: Part, rank: int, step: int, device: str, *, relaunch: bool = False) -> list[str]:
     """The modes a re-run of ``step`` runs when ``--mode`` is not given: what this recording and
-    this machine can run. On the CPU: eager (and compiled again, for a step recorded compiled with
-    its torch.compile arguments); on a GPU: eager and cudagraph, to compare the two."""
-    spec = TargetSpec.from_rank_file(part[rank])
+    this machine can run. On the CPU: eager, and compiled again for a step recorded compiled when
+    its torch.compile arguments are known (recorded, or seen by a re-launched program); on a GPU:
+    eager and cudagraph, to compare the two."""
+    rf = part[rank]
+    spec = TargetSpec.from_rank_file(rf, stream_of(rf, step))
     if device.startswith("cuda") and torch.cuda.is_available():
         return ["eager", "cudagraph"]
-    if spec.kind is StepKind.COMPILED and spec.compile:
+    if spec.kind is StepKind.COMPILED and (spec.compile or relaunch):
         return ["eager", "compiled"]
     return ["eager"]
 
