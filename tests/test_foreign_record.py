@@ -164,7 +164,7 @@ def test_compiled_step_runs_unchanged_and_is_recorded(tmp_path: Path) -> None:
     r = _record(tmp_path / "rec", *args)
     assert r.returncode == plain.returncode == 0, r.stderr
     assert _tokens(r.stdout) == _tokens(plain.stdout)
-    assert "step found with no flags: generate:decode_one_token (a torch.compile'd function" in r.stderr
+    assert "step found with no flags: generate:decode_one_token (a torch.compile'd callable" in r.stderr
     with Recording(tmp_path / "rec") as rec:
         rf = rec["run-000"][0]
         assert rf.n_steps == 4
@@ -279,3 +279,41 @@ def test_reduce_overhead_compiled_step_on_cuda_is_recorded_with_its_graphs(tmp_p
         assert rf.n_steps == 9
         modes = [rf.step(i).mode for i in range(rf.n_steps)]
         assert "graph" in modes, modes  # CUDA graph trees replay after their warm-up calls
+
+
+COMPILED_MODULE = """
+import torch
+torch.manual_seed(0)
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+        self.register_buffer("kv", torch.zeros(4))
+    def forward(self, x):
+        self.kv.add_(1)
+        return self.l(x) + self.kv
+m = M()
+cm = torch.compile(m, fullgraph=True, backend="eager")
+x = torch.ones(1, 4)
+with torch.no_grad():
+    for _ in range(3):
+        x = cm(x)
+print("ok", float(x.sum()))
+"""
+
+
+def test_a_compiled_module_is_recorded_at_its_boundary(tmp_path: Path) -> None:
+    script = tmp_path / "cmod.py"
+    script.write_text(COMPILED_MODULE)
+    plain = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=300)
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script)])
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout
+    assert "step found with no flags: cmod:M (a torch.compile'd callable, 3 calls recorded)" in r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        t = rf.attrs["target"]
+        assert rf.n_steps == 3 and t["step"] == "cmod:M" and t["step_kind"] == "compiled"
+        assert set(t["weights"]) == {"l.weight", "l.bias"}
+        _, state = rf.keyframe(0)
+        assert set(state) == {"kv"}

@@ -47,7 +47,18 @@ def install(session: Any) -> None:
             except Exception:  # noqa: BLE001
                 return compiled
         compiled = original(model, **kwargs)
-        if isinstance(model, torch.nn.Module) or not callable(compiled) or not callable(model):
+        if isinstance(model, torch.nn.Module):
+            # An OptimizedModule calls its instance attribute ``forward`` (the compiled call):
+            # that attribute is wrapped, so the step is recorded around the compiled forward,
+            # with the original module as its object (its state, weights, class name).
+            try:
+                fwd = compiled.__dict__.get("forward")
+                if fwd is not None and not getattr(fwd, BOUNDARY, False):
+                    compiled.__dict__["forward"] = session.module_boundary(model, fwd)
+            except Exception:  # noqa: BLE001
+                pass
+            return compiled
+        if not callable(compiled) or not callable(model):
             return compiled
         try:
             return session.boundary(model, compiled)

@@ -125,7 +125,7 @@ def read_reports(out: Path) -> list[dict[str, Any]]:
 
 
 _HOW = {
-    "compiled": "a torch.compile'd function",
+    "compiled": "a torch.compile'd callable",
     "module_forward": "the outermost nn.Module's forward",
 }
 

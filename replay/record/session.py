@@ -379,6 +379,33 @@ class Session:
         boundary_wrapper.__replay_wrapped__ = True  # type: ignore[attr-defined]
         return boundary_wrapper
 
+    def module_boundary(self, module: torch.nn.Module, compiled_forward: Callable[..., Any]) -> Callable[..., Any]:
+        """The eager wrapper around an ``OptimizedModule``'s compiled ``forward``: the step of
+        ``module``'s class (named or found), recorded outside the traced frame."""
+        cls = type(module)
+        sig = inspect.signature(cls.forward)
+        target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
+        holder: dict[str, Any] = {"spec": None}
+        ref = weakref.ref(module)
+
+        def call(_obj: Any, *args: Any, **kwargs: Any) -> Any:
+            return compiled_forward(*args, **kwargs)
+
+        def forward_boundary(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return compiled_forward(*args, **kwargs)
+            s = holder["spec"]
+            mod = ref()
+            if s is None and mod is not None:
+                s = self._boundary_spec(target, holder, (mod,), {})
+            if s is None or mod is None:
+                return compiled_forward(*args, **kwargs)
+            return self._call_step(s, call, sig, True, (mod, *args), kwargs)
+
+        functools.update_wrapper(forward_boundary, compiled_forward)
+        forward_boundary.__replay_boundary__ = holder  # type: ignore[attr-defined]
+        return forward_boundary
+
     def _spec_from_settings(self, step: str, kind: str) -> StepSpec:
         s = self.settings
         return StepSpec(step=step, state=s.state, config=s.config, factory=s.factory, tuner=s.tuner, run_info=s.run_info,
@@ -404,7 +431,7 @@ class Session:
             if isinstance(v, torch.nn.Module):
                 cls = type(v)
                 mod_target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
-                if mod_target in wanted:
+                if mod_target in wanted and mod_target != target:
                     spec = self._spec_from_settings(target, "compiled")
                     self._inactive.add(mod_target)
                     self._chosen.append({"step": target, "kind": "boundary", "inside": mod_target})
