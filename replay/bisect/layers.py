@@ -371,21 +371,27 @@ def _made_collectives(run: SideRun) -> bool:
     return any(f.coll_exit > 0 for e in run.capture.events for f in e.frames.values())
 
 
-def _sharded(a: dict[str, ParamSig], b: dict[str, ParamSig]) -> set[str]:
+def _sig(p: "ParamSig | int") -> ParamSig:
+    """A bare digest (all a caller may know) as a signature that says nothing but the bits."""
+    return p if isinstance(p, ParamSig) else ParamSig(digest=int(p), shape=(), sample=torch.zeros(0, dtype=torch.float64))
+
+
+def _sharded(a: dict[str, "ParamSig | int"], b: dict[str, "ParamSig | int"]) -> set[str]:
     """Parameters that are shards: present on one rank only, or differing as shards do."""
     out = set()
     for n in a.keys() | b.keys():
         x, y = a.get(n), b.get(n)
         if x is None or y is None:
             out.add(n)
-        elif x.digest != y.digest and _is_shard(x, y):
+        elif _sig(x).digest != _sig(y).digest and _is_shard(_sig(x), _sig(y)):
             out.add(n)
     return out
 
 
-def replicated_differing(a: dict[str, ParamSig], b: dict[str, ParamSig]) -> list[str]:
+def replicated_differing(a: dict[str, "ParamSig | int"], b: dict[str, "ParamSig | int"]) -> list[str]:
     """Replicated parameters whose bits differ across the two ranks (a rank's weights differ)."""
-    return sorted(n for n in a.keys() & b.keys() if a[n].digest != b[n].digest and not _is_shard(a[n], b[n]))
+    return sorted(n for n in a.keys() & b.keys()
+                  if _sig(a[n]).digest != _sig(b[n]).digest and not _is_shard(_sig(a[n]), _sig(b[n])))
 
 
 def _rank_local(e: TapEvent, sharded_params: set[str]) -> bool:

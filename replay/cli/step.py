@@ -13,10 +13,11 @@ from replay.analysis.summary import choose_part
 from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument, save_and_emit
 from replay.cli.render import style, table
 from replay.errors import RerunError, UsageError
+from replay.format.reader import Part
 from replay.textsafe import escape
 from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
 from replay.rerun.streams import check_stream, target_info
-from replay.rerun.runner import ModeRun, StepRerun, default_modes, rerun_step
+from replay.rerun.runner import ModeRun, RerunOptions, StepRerun, default_modes, rerun_step
 
 EPILOG = """\b
 Examples:
@@ -90,51 +91,12 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
     with open_run(run, root, quiet=as_json) as rec:
         chosen = choose_part(rec, part)
         if ranks_text is not None:
-            from replay.rerun.multi import rerun_ranks
-
-            ranks = parse_ranks(ranks_text)
-            if modes is None:
-                first_dev = (devices or "cpu").split(",")[0].strip()
-                modes = default_modes(chosen, ranks[0], step_index, first_dev) if ranks else ["eager"]
-            results = rerun_ranks(rec.path, chosen.name, ranks, step_index, modes=modes, devices=devices,
-                                  repeat=repeat, factory=factory, options=options)
-            if as_json:
-                emit_json({"kind": "step-ranks", "results": [r for r in results]})
-            else:
-                for r in results:
-                    click.echo(render_step_json(r))
-            failed = [r for r in results if r.get("error") or r.get("problem")]
-            if failed:
-                first = failed[0]
-                click.echo(f"replay: rank {first.get('rank')}: {escape(first.get('error') or first.get('problem'))}", err=True)
-                return RerunError.exit_code
-            return 0
-        rf = chosen[rank]
-        rf.step(step_index)
-        target = rf.attrs.get("target") or {}
-        dev = device or default_device(target.get("device") if isinstance(target, dict) else None)
-        chosen_stream = check_stream(rf, step_index, stream)
-        relaunch = factory is None and needs_relaunch(target_info(rf, chosen_stream), recorded_args(rf, step_index))
-        if modes is None:
-            modes = default_modes(chosen, rank, step_index, dev, relaunch=relaunch)
-        announce = (lambda s: None) if as_json else (lambda s: click.echo(f"replay: {s}", err=True))
-        try:
-            from replay.cli.progress import progress
-        except ImportError:  # pragma: no cover
-            progress = lambda it, label="": it  # noqa: E731
-
-        if relaunch:
-            # No factory: the recorded program, started again in replay mode, is its own factory.
-            spec = RelaunchSpec(recording=str(rec.path), part=chosen.name, rank=rank, step=step_index, modes=modes,
-                                device=dev, repeat=repeat, options=options, stream=chosen_stream)
-            data = relaunch_step(spec, target.get("launch") or {}, world=chosen.world_size, announce=announce)
-            text = str(data.pop("text", ""))
-            problem = data.get("problem")
-        else:
-            result = rerun_step(chosen, rank, step_index, modes=modes, device=dev, repeat=repeat, factory=factory,
-                                options=options, recording=str(rec.path), announce=announce, progress=progress,
-                                stream=stream)
-            data, text, problem = result.to_json(), render_step(result), result.problem()
+            return _step_ranks(rec.path, chosen, parse_ranks(ranks_text), step_index, modes, devices, repeat, factory,
+                               options, as_json)
+        assert rank is not None
+        settings = RerunOptions(modes=tuple(modes or ()), device=device or "", repeat=repeat, factory=factory,
+                                options=options, recording=str(rec.path), stream=stream)
+        data, text, problem = _step_one(chosen, rank, step_index, settings, as_json)
     save_and_emit(rec.path, data, "" if as_json else text, save=not no_save, as_json=as_json)
     if problem is not None:
         # Never exit 0 for a step that could not be re-run or checked: scripts read the code.
@@ -143,61 +105,127 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
     return 0
 
 
+def _step_one(chosen: Part, rank: int, step_index: int, settings: RerunOptions, as_json: bool) -> tuple[dict[str, Any], str, str | None]:
+    """One rank: with its factory, or (none recorded) inside the re-launched program. (JSON, text, problem)."""
+    rf = chosen[rank]
+    rf.step(step_index)
+    target = rf.attrs.get("target") or {}
+    settings.device = settings.device or default_device(target.get("device") if isinstance(target, dict) else None)
+    stream = check_stream(rf, step_index, settings.stream)
+    relaunch = settings.factory is None and needs_relaunch(target_info(rf, stream), recorded_args(rf, step_index))
+    if not settings.modes:
+        settings.modes = tuple(default_modes(chosen, rank, step_index, settings.device, relaunch=relaunch))
+    announce = (lambda s: None) if as_json else (lambda s: click.echo(f"replay: {escape(s)}", err=True))
+    if relaunch:
+        # No factory: the recorded program, started again in replay mode, is its own factory.
+        spec = RelaunchSpec(recording=settings.recording, part=chosen.name, rank=rank, step=step_index,
+                            modes=list(settings.modes), device=settings.device, repeat=settings.repeat,
+                            options=settings.options, stream=stream)
+        data = relaunch_step(spec, target.get("launch") or {}, world=chosen.world_size, announce=announce)
+        text = str(data.pop("text", ""))
+        if settings.options:
+            note = "--set has no effect on a re-launched program (it has no factory to pass it to)"
+            data.setdefault("notes", []).append(note)
+            text += f"\n  note: {note}"
+        return data, text, data.get("problem")
+    try:
+        from replay.cli.progress import progress
+    except ImportError:  # pragma: no cover
+        progress = lambda it, label="": it  # noqa: E731
+    result = rerun_step(chosen, rank, step_index, settings, announce=announce, progress=progress)
+    return result.to_json(), render_step(result), result.problem()
+
+
+def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, modes: list[str] | None, devices: str | None,
+                repeat: int, factory: str | None, options: dict[str, Any], as_json: bool) -> int:
+    """Several ranks, one process each; exits 7 when any of them could not be re-run."""
+    from replay.rerun.multi import rerun_ranks
+
+    if modes is None:
+        first_dev = (devices or "cpu").split(",")[0].strip()
+        modes = default_modes(chosen, ranks[0], step_index, first_dev) if ranks else ["eager"]
+    results = rerun_ranks(path, chosen.name, ranks, step_index, modes=modes, devices=devices,
+                          repeat=repeat, factory=factory, options=options)
+    if as_json:
+        emit_json({"kind": "step-ranks", "results": list(results)})
+    else:
+        for r in results:
+            click.echo(render_step_json(r))
+    failed = [r for r in results if r.get("error") or r.get("problem")]
+    if failed:
+        first = failed[0]
+        click.echo(f"replay: rank {first.get('rank')}: {escape(first.get('error') or first.get('problem'))}", err=True)
+        return RerunError.exit_code
+    return 0
+
+
 def render_step(r: StepRerun) -> str:
     stream = f", stream {escape(r.stream)}" if r.stream else ""
-    lines = [f"rank {r.rank}, step {r.step} of {r.recording} (part {r.part}{stream}) on {r.device}, from the keyframe at step {r.keyframe}"]
-    departs = any(m.departed is not None or any(not c.equal for c in m.vs_recording.values()) for m in r.modes.values())
-    if r.weights is not None and (departs or not r.weights.same):
+    lines = [f"rank {r.rank}, step {r.step} of {escape(r.recording)} (part {escape(r.part)}{stream}) on {r.device}, "
+             f"from the keyframe at step {r.keyframe}"]
+    if r.weights is not None and (any(_departs(m) for m in r.modes.values()) or not r.weights.same):
         lines.append(style(f"  {escape(r.weights)}", fg=None if r.weights.same else "yellow"))
     for m in r.modes.values():
-        if m.caught_up:
-            n = len(m.caught_up)
-            span = (f"steps {r.keyframe}..{r.step - 1}" if n == r.step - r.keyframe else
-                    f"{n} step{'s' if n > 1 else ''} of stream {escape(r.stream)} in {r.keyframe}..{r.step - 1} "
-                    f"({_steps(m.caught_up)})")
-            if m.departed is None and not m.uncompared:
-                lines.append(f"  {m.mode}: {span} re-ran bit for bit as recorded")
-            elif m.departed is None:
-                shown = _steps(m.uncompared)
-                lines.append(style(f"  {m.mode}: {span} re-ran; {n - len(m.uncompared)} of {n} "
-                                   f"matched their recorded outputs bit for bit, {len(m.uncompared)} had no recorded "
-                                   f"output to compare with (steps {shown})", fg="yellow"))
-            else:
-                lines.append(style(f"  {m.mode}: the re-run departed from the recording at {m.departed} (teacher-forced from there)", fg="yellow"))
-        if m.ran_as:
-            lines.append(f"  {m.mode}: ran {m.ran_as}")
-        departs = m.departed is not None or any(not c.equal for c in m.vs_recording.values())
-        if departs or m.context_differences:
-            lines.append("  " + _context_line(m))
-        for c in m.collective_mismatches[:3]:
-            lines.append(style(f"  {m.mode}: {c}", fg="yellow"))
-        if m.error or m.recorded_error:
-            kind = (m.error or "").split(":")[0]
-            if m.error and kind == (m.recorded_error or "").split(":")[0]:
-                lines.append(style(f"  {m.mode}: step {r.step} raised {kind}, as it did when recorded: {m.recorded_error}", fg="yellow"))
-            else:
-                what = f"raised {m.error}" if m.error else "completed"
-                rec = f"raised {m.recorded_error}" if m.recorded_error else "completed"
-                lines.append(style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}", fg="red"))
+        lines += _mode_lines(r, m)
+    lines += _verdict_table(r)
+    lines += [f"  {c}" for c in r.comparisons]
+    lines += [style(f"  {m.mode}: repeated runs of the same step from the same state gave different bits: "
+                    "a nondeterministic kernel", fg="red") for m in r.modes.values() if m.repeats_equal is False]
+    lines += [f"  note: {escape(n)}" for n in r.notes]
+    return "\n".join(lines)
+
+
+def _departs(m: ModeRun) -> bool:
+    return m.departed is not None or any(not c.equal for c in m.vs_recording.values())
+
+
+def _mode_lines(r: StepRerun, m: ModeRun) -> list[str]:
+    """What one mode's re-run did before the verdicts: catch-up, how it ran, context, errors."""
+    lines = [_catch_up_line(r, m)] if m.caught_up else []
+    if m.ran_as:
+        lines.append(f"  {m.mode}: ran {escape(m.ran_as)}")
+    if _departs(m) or m.context_differences:
+        lines.append("  " + _context_line(m))
+    lines += [style(f"  {m.mode}: {escape(c)}", fg="yellow") for c in m.collective_mismatches[:3]]
+    if m.error or m.recorded_error:
+        lines.append(_error_line(r, m))
+    return lines
+
+
+def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
+    """The catch-up steps: bit for bit only when every one of them was compared and matched."""
+    n = len(m.caught_up)
+    span = (f"steps {r.keyframe}..{r.step - 1}" if n == r.step - r.keyframe else
+            f"{n} step{'s' if n > 1 else ''} of stream {escape(r.stream)} in {r.keyframe}..{r.step - 1} ({_steps(m.caught_up)})")
+    if m.departed is not None:
+        return style(f"  {m.mode}: the re-run departed from the recording at {escape(m.departed)} (teacher-forced from there)", fg="yellow")
+    if not m.uncompared:
+        return f"  {m.mode}: {span} re-ran bit for bit as recorded"
+    return style(f"  {m.mode}: {span} re-ran; {n - len(m.uncompared)} of {n} matched their recorded outputs bit for bit, "
+                 f"{len(m.uncompared)} had no recorded output to compare with (steps {_steps(m.uncompared)})", fg="yellow")
+
+
+def _error_line(r: StepRerun, m: ModeRun) -> str:
+    kind = (m.error or "").split(":")[0]
+    if m.error and kind == (m.recorded_error or "").split(":")[0]:
+        return style(f"  {m.mode}: step {r.step} raised {escape(kind)}, as it did when recorded: {escape(m.recorded_error)}", fg="yellow")
+    what = f"raised {escape(m.error)}" if m.error else "completed"
+    rec = f"raised {escape(m.recorded_error)}" if m.recorded_error else "completed"
+    return style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}", fg="red")
+
+
+def _verdict_table(r: StepRerun) -> list[str]:
     rows = []
     for m in r.modes.values():
         for name, c in m.vs_recording.items():
             ranks = m.matches_ranks.get(name, [])
             verdict = style(str(c.verdict), fg="green" if c.equal else "red")
             rep = "-" if m.repeats_equal is None else ("same bits" if m.repeats_equal else style("bits vary", fg="red"))
-            rows.append([m.mode, name, verdict, ",".join(map(str, ranks)) or "none", rep, m.graph or "-"])
-    if rows:
-        lines.append(f"step {r.step} against the recording:")
-        lines.append(table(["mode", "output", f"vs rank {r.rank} recorded", "same bits as ranks", "repeats", "ran as"], rows))
-    for c in r.comparisons:
-        lines.append(f"  {c}")
-    for m in r.modes.values():
-        if m.repeats_equal is False:
-            lines.append(style(f"  {m.mode}: repeated runs of the same step from the same state gave different bits: "
-                               "a nondeterministic kernel", fg="red"))
-    for n in r.notes:
-        lines.append(f"  note: {n}")
-    return "\n".join(lines)
+            rows.append([m.mode, escape(name), verdict, ",".join(map(str, ranks)) or "none", rep, escape(m.graph) or "-"])
+    if not rows:
+        return []
+    return [f"step {r.step} against the recording:",
+            table(["mode", "output", f"vs rank {r.rank} recorded", "same bits as ranks", "repeats", "ran as"], rows)]
 
 
 def _steps(steps: list[int]) -> str:

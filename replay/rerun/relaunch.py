@@ -292,7 +292,7 @@ class _Takeover:
     def _rerun(self, frame: Any) -> dict[str, Any]:
         import inspect
 
-        from replay.rerun.runner import rerun_step
+        from replay.rerun.runner import RerunOptions, rerun_step
         from replay.rerun.target import StepKind, Target, TargetSpec, function_step
 
         rf = self.part[self.spec.rank]
@@ -324,9 +324,10 @@ class _Takeover:
             t.live_args = live
             return t
 
-        result = rerun_step(self.part, self.spec.rank, self.spec.step, modes=self.spec.modes, device=self.spec.device,
-                            repeat=self.spec.repeat, options=self.spec.options, recording=self.spec.recording,
-                            make_target=make_target, spec=spec, stream=self.spec.stream)
+        settings = RerunOptions(modes=tuple(self.spec.modes), device=self.spec.device, repeat=self.spec.repeat,
+                                options=self.spec.options, recording=self.spec.recording, make_target=make_target,
+                                spec=spec, stream=self.spec.stream)
+        result = rerun_step(self.part, self.spec.rank, self.spec.step, settings)
         result.notes.append("re-run inside the re-launched program (no factory): its objects at the step's first call, "
                             "state and RNG from the recording")
         from replay.cli.step import render_step

@@ -35,7 +35,7 @@ from replay.rerun.imports import import_context
 from replay.rerun.streams import check_stream, stream_of, stream_state
 from replay.rerun.target import StepKind, Target, TargetSpec, build_target
 
-__all__ = ["MODES", "ModeRun", "Replayer", "StepRerun", "default_modes", "rerun_step", "StepDeparture"]
+__all__ = ["MODES", "ModeRun", "Replayer", "RerunOptions", "StepRerun", "default_modes", "rerun_step", "StepDeparture"]
 
 MODES = ("eager", "cudagraph", "compiled")
 
@@ -587,116 +587,146 @@ class Replayer:
         self._driver = None
 
 
+@dataclass(kw_only=True, slots=True)
+class RerunOptions:
+    """How to re-run a step: the settings every re-run entry point shares (issue 18)."""
+
+    modes: tuple[str, ...] = ("eager",)
+    device: str = "cpu"
+    repeat: int = 1  # runs of the step from the same state (bits that vary: a nondeterministic kernel)
+    factory: str | None = None  # overrides the recorded factory
+    options: dict[str, Any] = field(default_factory=dict)  # target toggles (--set)
+    live_collectives: bool = False  # several ranks in a real process group, not recorded answers
+    keyframe_at: int | None = None  # restore the keyframe at or before this step (ranks in lockstep)
+    stream: str | None = None  # the model of the part to rebuild (default: the one holding the step)
+    make_target: Callable[["Replayer"], Target] | None = None  # instead of the factory (relaunch)
+    spec: TargetSpec | None = None  # overrides the recorded target spec
+    recording: str = ""  # the recording's path, for the result
+
+
 def rerun_step(
     part: Part,
     rank: int,
     step: int,
+    settings: RerunOptions | None = None,
     *,
-    modes: Iterable[str] = ("eager",),
-    device: str = "cpu",
-    repeat: int = 1,
-    factory: str | None = None,
-    options: dict[str, Any] | None = None,
-    recording: str = "",
     announce: Callable[[str], None] = lambda s: None,
     progress: Callable[..., Iterable[int]] = lambda it, label="": it,
-    live_collectives: bool = False,
-    keyframe_at: int | None = None,
-    make_target: Callable[[Replayer], Target] | None = None,
-    spec: TargetSpec | None = None,
-    stream: str | None = None,
+    **keywords: Any,
 ) -> StepRerun:
-    """Re-run ``step`` of ``rank`` in each of ``modes``; see the module docstring.
+    """Re-run ``step`` of ``rank`` in each of ``settings.modes``; see the module docstring.
 
-    ``make_target`` builds the target instead of the factory (``replay.rerun.relaunch``: the
-    program's own objects); ``spec`` overrides the recorded target spec."""
-    modes = list(dict.fromkeys(modes))
-    if repeat < 1:
+    ``settings`` (a ``RerunOptions``), or its fields as keywords (``modes=..., device=...``)."""
+    if settings is None:
+        if "modes" in keywords:
+            keywords["modes"] = tuple(keywords["modes"])
+        if keywords.get("options") is None:
+            keywords.pop("options", None)
+        settings = RerunOptions(**keywords)
+    elif keywords:
+        raise TypeError(f"rerun_step: give RerunOptions or keywords, not both ({', '.join(keywords)})")
+    modes = list(dict.fromkeys(settings.modes))
+    if settings.repeat < 1:
         raise UsageError("--repeat must be at least 1")
     replayers = [
-        Replayer(part, rank, mode=m, device=device, factory=factory, options=options, live_collectives=live_collectives,
-                 make_target=make_target, spec=spec, stream=stream, step=step)
+        Replayer(part, rank, mode=m, device=settings.device, factory=settings.factory, options=settings.options,
+                 live_collectives=settings.live_collectives, make_target=settings.make_target, spec=settings.spec,
+                 stream=settings.stream, step=step)
         for m in modes
     ]
-    rf = part[rank]
     first = replayers[0]
-    kf_step, _ = first.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
+    kf_step, _ = first.keyframe_for(step if settings.keyframe_at is None else min(settings.keyframe_at, step))
     first.check(kf_step, step)
-    result = StepRerun(recording=recording, part=part.name, rank=rank, step=step, keyframe=kf_step, device=device,
-                       factory=first.factory_name, modes={}, stream=first.stream)
-    if first.factory_name is not None and make_target is None:
-        announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if factory is None else " (--factory)"))
-    recorded = _recorded_fields(rf, step)
-    ring = _ring_logits(rf, step)
+    result = StepRerun(recording=settings.recording, part=part.name, rank=rank, step=step, keyframe=kf_step,
+                       device=settings.device, factory=first.factory_name, modes={}, stream=first.stream)
+    if first.factory_name is not None and settings.make_target is None:
+        announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if settings.factory is None else " (--factory)"))
     for rp in replayers:
         t0 = time.perf_counter()
         try:
-            rp.build()
-            if result.weights is None and rp.target is not None:
-                result.weights = check_weights(rp.target)
-            departed = rp.goto(step, keyframe_at=kf_step, progress=progress)
-            saved = rp.target.snapshot() if repeat > 1 else None  # type: ignore[union-attr]
-            outs = rp.run(step)
-            run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed,
-                          uncompared=list(rp.uncompared), caught_up=list(rp.caught_up))
-            run.error = rp.last_error
-            run.ran_as = rp.target.ran_as if rp.target is not None else ""
-            if rp._driver is not None:
-                run.context_recorded = rp._driver.context_recorded
-                run.context_differences = list(rp._driver.context_differences)
-            view = rf.step(step)
-            run.recorded_error = None if view.ok else view.reason
-            info = getattr(rp.target.obj, "last_run_info", None)  # type: ignore[union-attr]
-            if isinstance(info, dict):
-                run.graph = f"{info.get('mode', '')} {info.get('key', '')}".strip() + (f" ({info['reason']})" if info.get("reason") else "")
-            for _ in range(repeat - 1):
-                assert saved is not None and rp.target is not None
-                rp.target.load_state(saved)
-                again = rp.run(step)
-                run.repeat_digests.append({k: digest(v) for k, v in again.items()})
-            if repeat > 1:
-                run.repeats_equal = all(d == run.digests for d in run.repeat_digests)
-            if rp.collectives is not None:
-                run.collective_mismatches = [str(m) for m in rp.collectives.mismatches]
+            run = _run_mode(rp, step, kf_step, settings.repeat, result, progress)
         finally:
             rp.close()
-        for name, t in outs.items():
-            key = next((p + name for p in ("output.", "tokens.") if p + name in recorded), None)
-            if key is None:
-                if name == "logits" and ring is not None and ring.shape == t.shape:
-                    run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
-                    run.matches_ranks[name] = _ranks_with_ring_logits(part, step, run.digests[name])
-                continue
-            if name == "logits" and ring is not None and ring.shape == t.shape:
-                run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
-            else:
-                run.vs_recording[name] = compare_digests(run.digests[name], recorded[key], name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
-            run.matches_ranks[name] = _ranks_with(part, step, key, run.digests[name])
-        if run.error is None:
-            # A recorded output the re-run did not return is a difference, never a silent skip.
-            for key in recorded:
-                prefix, _, name = key.partition(".")
-                if prefix in ("output", "tokens") and name not in outs and name not in run.vs_recording:
-                    run.vs_recording[name] = Comparison(f"{rp.mode} re-run", f"rank {rank} recorded", Verdict.DIFFERENT,
-                                                        note="recorded, but not returned by the re-run")
+        _compare_with_recording(run, part, rank, step)
         run.seconds = time.perf_counter() - t0
         result.modes[rp.mode] = run
-    if len(modes) == 2:
-        a, b = (result.modes[m] for m in modes)
-        for name in sorted(a.outputs.keys() & b.outputs.keys()):
-            result.comparisons.append(compare_tensors(a.outputs[name], b.outputs[name], name_a=f"eager {name}", name_b=f"cudagraph {name}"))
-    # Against the other ranks' logits, where their ring kept this step.
-    head = result.modes[modes[0]]
-    if "logits" in head.outputs:
-        for r, other in part.items():
-            if r == rank:
-                continue
-            lg = _ring_logits(other, step)
-            if lg is not None and lg.shape == head.outputs["logits"].shape:
-                result.comparisons.append(compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run", name_b=f"rank {r} recorded"))
+    _compare_across(result, part, rank, step, modes)
     if first.rf.keyframe(step) is None:
         result.notes.append("the recording holds no state keyframe: steps were re-run from a fresh target")
     return result
+
+
+def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRerun,
+              progress: Callable[..., Iterable[int]]) -> ModeRun:
+    """Build, restore, catch up and run the step in ``rp``'s mode (``repeat`` times)."""
+    rp.build()
+    assert rp.target is not None and rp._driver is not None
+    if result.weights is None:
+        result.weights = check_weights(rp.target)
+    departed = rp.goto(step, keyframe_at=kf_step, progress=progress)
+    saved = rp.target.snapshot() if repeat > 1 else None
+    outs = rp.run(step)
+    view = rp.rf.step(step)
+    run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed,
+                  uncompared=list(rp.uncompared), caught_up=list(rp.caught_up), error=rp.last_error,
+                  recorded_error=None if view.ok else view.reason, ran_as=rp.target.ran_as,
+                  context_recorded=rp._driver.context_recorded, context_differences=list(rp._driver.context_differences))
+    info = getattr(rp.target.obj, "last_run_info", None)
+    if isinstance(info, dict):
+        run.graph = f"{info.get('mode', '')} {info.get('key', '')}".strip() + (f" ({info['reason']})" if info.get("reason") else "")
+    for _ in range(repeat - 1):
+        assert saved is not None
+        rp.target.load_state(saved)
+        run.repeat_digests.append({k: digest(v) for k, v in rp.run(step).items()})
+    if repeat > 1:
+        run.repeats_equal = all(d == run.digests for d in run.repeat_digests)
+    if rp.collectives is not None:
+        run.collective_mismatches = [str(m) for m in rp.collectives.mismatches]
+    return run
+
+
+def _compare_with_recording(run: ModeRun, part: Part, rank: int, step: int) -> None:
+    """Each output against the rank's recorded digest (or ring logits), and the ranks it matches."""
+    rf = part[rank]
+    recorded = _recorded_fields(rf, step)
+    ring = _ring_logits(rf, step)
+    mine, theirs = f"{run.mode} re-run", f"rank {rank} recorded"
+    for name, t in run.outputs.items():
+        key = next((p + name for p in ("output.", "tokens.") if p + name in recorded), None)
+        with_ring = name == "logits" and ring is not None and ring.shape == t.shape
+        if with_ring:
+            assert ring is not None
+            run.vs_recording[name] = compare_tensors(t, ring, name_a=mine, name_b=theirs)
+        elif key is not None:
+            run.vs_recording[name] = compare_digests(run.digests[name], recorded[key], name_a=mine, name_b=theirs)
+        if key is not None:
+            run.matches_ranks[name] = _ranks_with(part, step, key, run.digests[name])
+        elif with_ring:
+            run.matches_ranks[name] = _ranks_with_ring_logits(part, step, run.digests[name])
+    if run.error is None:
+        # A recorded output the re-run did not return is a difference, never a silent skip.
+        for key in recorded:
+            prefix, _, name = key.partition(".")
+            if prefix in ("output", "tokens") and name not in run.outputs and name not in run.vs_recording:
+                run.vs_recording[name] = Comparison(mine, theirs, Verdict.DIFFERENT, note="recorded, but not returned by the re-run")
+
+
+def _compare_across(result: StepRerun, part: Part, rank: int, step: int, modes: list[str]) -> None:
+    """The two modes against each other, and the first mode's logits against the other ranks'."""
+    if len(modes) == 2:
+        a, b = (result.modes[m] for m in modes)
+        for name in sorted(a.outputs.keys() & b.outputs.keys()):
+            result.comparisons.append(compare_tensors(a.outputs[name], b.outputs[name], name_a=f"{modes[0]} {name}",
+                                                      name_b=f"{modes[1]} {name}"))
+    head = result.modes[modes[0]]
+    if "logits" not in head.outputs:
+        return
+    for r, other in part.items():
+        if r == rank:
+            continue
+        lg = _ring_logits(other, step)  # where the other rank's ring kept this step
+        if lg is not None and lg.shape == head.outputs["logits"].shape:
+            result.comparisons.append(compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run", name_b=f"rank {r} recorded"))
 
 
 def default_modes(part: Part, rank: int, step: int, device: str, *, relaunch: bool = False) -> list[str]:
