@@ -317,3 +317,41 @@ def test_a_compiled_module_is_recorded_at_its_boundary(tmp_path: Path) -> None:
         assert set(t["weights"]) == {"l.weight", "l.bias"}
         _, state = rf.keyframe(0)
         assert set(state) == {"kv"}
+
+
+CONTEXT_SWITCH = """
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+def attend(q, pos: int):
+    return F.scaled_dot_product_attention(q, q, q) + pos
+
+q = torch.ones(1, 1, 2, 4)
+for i in range(4):
+    if i < 2:
+        attend(q, i)
+    else:
+        with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+            attend(q, i)
+print("ok")
+"""
+
+
+def test_each_step_names_the_numerics_context_it_ran_under(tmp_path: Path) -> None:
+    script = tmp_path / "ctx.py"
+    script.write_text(CONTEXT_SWITCH)
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script)], flags=("--step", "ctx:attend"))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        assert rf.n_steps == 4
+        first, later = numerics.recorded_context(rf, 0), numerics.recorded_context(rf, 3)
+        assert first is not None and later is not None
+        assert numerics.recorded_context(rf, 1) == first
+        assert first["sdpa.flash"] is True and first["grad_enabled"] is True
+        assert later["sdpa.flash"] is False and later["grad_enabled"] is False
+        assert len(rf.attrs["target"]["numerics"]["contexts"]) == 2
+        lines = numerics.differences(later, first)
+        assert "grad_enabled: recorded false, now true" in lines
+        assert _args(rf, 2)["pos"] == 2  # the step's own arguments are kept beside the digest

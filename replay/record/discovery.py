@@ -179,3 +179,35 @@ def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
                 " name the step with --step MODULE:QUALNAME"
             )
     return lines
+
+
+def watch_main_defs(names: set[str], found: Callable[[], bool]) -> bool:
+    """Call ``found()`` after each top-level line of the script run as ``__main__`` until it
+    returns True, so a ``--step`` function of the script is patched right after its ``def``,
+    before its first call (a script that calls neither a module nor ``torch.compile`` gives
+    no other hook). Only the script's module-level frame is traced, and only until then;
+    nothing is installed when a tracer (a debugger, coverage) is already there."""
+    import sys
+
+    if sys.gettrace() is not None:
+        return False
+
+    def local(frame: Any, event: str, _arg: Any) -> Any:
+        try:
+            if event == "return" or found():
+                sys.settrace(None)
+                frame.f_trace = None
+                return None
+        except Exception:  # noqa: BLE001 - never into the program
+            sys.settrace(None)
+            frame.f_trace = None
+            return None
+        return local
+
+    def tracer(frame: Any, event: str, _arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            return local
+        return None
+
+    sys.settrace(tracer)
+    return True

@@ -185,6 +185,10 @@ class Session:
         )
         if self._discover or self._main_pending:
             self._watcher.install()
+        if any("." not in spec.step.partition(":")[2] for spec in self._main_pending):
+            from replay.record.discovery import watch_main_defs
+
+            watch_main_defs({spec.step.partition(":")[2] for spec in self._main_pending}, self._main_defs_found)
 
         when_imported("torch.distributed", lambda m: collectives.install(self, m))
         when_imported("torch.distributed._functional_collectives", lambda m: collectives.install_functional(self, m))
@@ -472,6 +476,19 @@ class Session:
             self.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
         if self._watcher is not None:
             self._watcher.done_discovering()
+
+    def _main_defs_found(self) -> bool:
+        main = sys.modules.get("__main__")
+        if not self._main_pending or main is None:
+            return True
+        names = main_names()
+        wanted = {spec.step.partition(":")[2].split(".")[0] for spec in self._main_pending if spec.step.partition(":")[0] in names}
+        if not wanted:
+            return True  # no --step names the script: stop tracing at once
+        if not wanted & set(main.__dict__):
+            return False
+        self.scan_main()
+        return not self._main_pending
 
     def scan_main(self) -> None:
         """Look for the pending ``--step`` functions of ``__main__`` now (from other hooks)."""
