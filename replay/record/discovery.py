@@ -189,7 +189,11 @@ def watch_main_defs(names: set[str], found: Callable[[], bool]) -> bool:
     nothing is installed when a tracer (a debugger, coverage) is already there."""
     import sys
 
-    if sys.gettrace() is not None:
+    main = sys.modules.get("__main__")
+    if sys.gettrace() is not None or main is None or "__file__" in main.__dict__:
+        # A tracer is there already, or the script is already running (the pytest plugin
+        # starts recording from inside pytest): its module frame would never be seen, and a
+        # tracer left waiting for it would cost every call of the run.
         return False
 
     def local(frame: Any, event: str, _arg: Any) -> Any:
