@@ -350,9 +350,11 @@ class _Takeover:
                     fn = vars(klass)[parts[-1]]
                     break
         fn = getattr(fn, "_torchdynamo_orig_callable", fn)
-        while getattr(fn, "__code__", None) is not frame.f_code and hasattr(fn, "__wrapped__"):
-            fn = fn.__wrapped__
-        if getattr(fn, "__code__", None) is not frame.f_code:
+        # The program's callable as it calls it (its own decorators kept), if it leads to this frame.
+        inner = fn
+        while getattr(inner, "__code__", None) is not frame.f_code and hasattr(inner, "__wrapped__"):
+            inner = inner.__wrapped__
+        if getattr(inner, "__code__", None) is not frame.f_code:
             raise RerunError(f"cannot find the function of {self.qualname} in the re-launched program")
         return fn
 

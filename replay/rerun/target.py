@@ -107,8 +107,11 @@ def resolve_factory(name: str, imports: ImportContext | None = None) -> Callable
 
 
 def _unwrapped(fn: Any) -> Any:
-    """The program's own function under the recorder's wrapper (a recorded process re-running)."""
-    return getattr(fn, "__wrapped__", fn) if getattr(fn, "_replay_patched", False) or hasattr(fn, "__wrapped__") else fn
+    """The program's own function under the recorder's wrapper (a process being recorded that
+    re-runs a step): only that wrapper is removed, never the program's own decorators."""
+    while getattr(fn, "__replay_wrapped__", False) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
 
 
 def uncompiled(fn: Any) -> Any:
