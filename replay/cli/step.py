@@ -78,11 +78,12 @@ def default_device(recorded: str | None) -> str:
               help="The model of the part to rebuild (draft, model, ...; default: the one that holds the step).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a target toggle (JSON value).")
 @click.option("--no-save", is_flag=True, help="Do not save the result beside the recording.")
+@click.option("--trust", is_flag=True,  # issue 16
+              help="Import the code this recording names even though it is not your own signed recording (see docs/security.md).")
 @json_option
 def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_text: str | None, step_index: int,
          mode: str | None, device: str | None, devices: str | None, repeat: int, factory: str | None, stream: str | None,
-         sets: tuple[str, ...],
-         no_save: bool, as_json: bool) -> int:
+         sets: tuple[str, ...], no_save: bool, as_json: bool, trust: bool = False) -> int:
     """Re-run step STEP of a rank of RUN (default: the newest recording) and compare it."""
     if (rank is None) == (ranks_text is None):
         raise UsageError("give --rank R (one rank) or --ranks LIST (several)")
@@ -90,6 +91,10 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
     modes = ["eager", "cudagraph"] if mode == "both" else [mode] if mode else None
     with open_run(run, root, quiet=as_json) as rec:
         chosen = choose_part(rec, part)
+        from replay.trust import admit_part  # issue 16: one line before anything is imported
+
+        admit_part(chosen, factory=factory, trust=trust, recording=rec.path,
+                   ranks=[rank] if rank is not None else parse_ranks(ranks_text or ""))
         if ranks_text is not None:
             return _step_ranks(rec.path, chosen, parse_ranks(ranks_text), step_index, modes, devices, repeat, factory,
                                options, as_json)

@@ -32,6 +32,7 @@ from replay.digest import local_tensor
 from replay.format.journal import FrameKind, JournalWriter
 from replay.format.manifest import host_facts, numerics_env, numerics_flags, versions, write_manifest
 from replay.format.schema import FORMAT_VERSION, TensorKind, dtype_to_str, rank_stem
+from replay.format import perms as _perms  # issue 16
 from replay.format.seal import seal_rank
 from replay.format.tables import combine_digests
 from replay.log import get_logger
@@ -121,7 +122,9 @@ class Recorder:
 
     def _open(self) -> None:
         cfg = self.config
-        self.part_dir.mkdir(parents=True, exist_ok=True)
+        # issue 16: the recording and part directories are owner-only unless widened (replay/format/perms.py)
+        _perms.mkdir(self.part_dir.parent, parents=True, exist_ok=True)
+        _perms.mkdir(self.part_dir, exist_ok=True)
         stem = rank_stem(cfg.rank)
         journal = JournalWriter(
             self.part_dir / f"{stem}.journal", self.part_dir / f"{stem}.payload", max_bytes=cfg.max_bytes

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from replay import numerics
+from replay.format import perms as _perms  # issue 16
 from replay.log import get_logger
 from replay.record.config import RecorderConfig
 from replay.record.calls import (
@@ -97,7 +98,7 @@ def allocate_part(out: Path) -> str:
     for i in range(100_000):
         name = f"run-{i:03d}"
         try:
-            (out / name).mkdir()
+            _perms.mkdir(out / name)  # issue 16: owner-only unless widened, whatever the umask
             return name
         except FileExistsError:
             continue
@@ -534,7 +535,10 @@ class Session:
         elif obj is not None:
             # No --config: a model's own ``config`` attribute, when it is data.
             for attr in ("config", "args", "cfg"):
-                v = getattr(obj, attr, None)
+                try:
+                    v = getattr(obj, attr, None)
+                except Exception:  # noqa: BLE001 - a property that raises is not a config
+                    continue
                 if v is None or callable(v) and not hasattr(v, "__dataclass_fields__"):
                     continue
                 try:
@@ -670,11 +674,51 @@ class Session:
             rec.snapshot_state()
         return rec, st
 
+    def _recorder_failed(self, e: BaseException) -> None:
+        """The recorder's own code failed around a step: warn once, stop recording, go on."""
+        self.warn_once("session-failed", f"recording stopped: {e.__class__.__name__}: {e}")
+        self.disabled = True
+        try:
+            self.close_recorder("failed")
+        except Exception:  # noqa: BLE001
+            pass
+
     def _run_step(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple, kwargs: dict) -> Any:
         try:
             bound = sig.bind(*args, **kwargs)
         except TypeError:
             return fn(*args, **kwargs)  # let the program see its own error
+        try:
+            rec, obj = self._before_step(spec, bound, is_method, args)
+        except Exception as e:  # noqa: BLE001 - never into the program
+            self._recorder_failed(e)
+            return fn(*args, **kwargs)
+        if rec is None:
+            return fn(*args, **kwargs)
+        self._step_replays = 0
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:
+            rec.end_step(error=e)
+            rec.flush_ring(f"step raised {e.__class__.__name__}")
+            raise
+        try:
+            outs = name_outputs(out, spec.outputs or tuple(self.settings.outputs))
+            rec.record_outputs(**outs)
+            self._set_run(rec, spec, obj)
+            if self._tuner_dirty:
+                self._record_tuner(obj=obj, spec=spec)
+            rec.end_step()
+        except Exception as e:  # noqa: BLE001 - the program gets its result
+            self._recorder_failed(e)
+            return out
+        if self.lockstep is not None:
+            self.lockstep.check(rec, outs)  # may raise LockstepDivergence on purpose
+        return out
+
+    def _before_step(self, spec: StepSpec, bound: inspect.BoundArguments, is_method: bool, args: tuple) -> tuple[Recorder | None, Any]:
+        """Everything recorded before the call: the target (and its stream), inputs, arguments,
+        numerics context. (None, obj) when this step is not recorded."""
         self._ran[spec.step] += 1
         object_arg = None
         if is_method:
@@ -691,7 +735,7 @@ class Session:
                                            target_arg=obj if object_arg else None)
         rec, stream = self._recorder_for(spec, obj, tensors, object_arg)
         if rec is None or not rec.enabled:
-            return fn(*args, **kwargs)
+            return None, obj
         digest, ctx, _changed = numerics.current()
         if digest not in self._numerics:
             # A context not seen in this part: written with the target info, before the step.
@@ -705,22 +749,7 @@ class Session:
         if len(self._streams.streams) > 1 and stream is not None:
             scalars[numerics.STREAM_ARG] = stream.name
         rec.record_args(**scalars)
-        self._step_replays = 0
-        try:
-            out = fn(*args, **kwargs)
-        except BaseException as e:
-            rec.end_step(error=e)
-            rec.flush_ring(f"step raised {e.__class__.__name__}")
-            raise
-        outs = name_outputs(out, spec.outputs or tuple(self.settings.outputs))
-        rec.record_outputs(**outs)
-        self._set_run(rec, spec, obj)
-        if self._tuner_dirty:
-            self._record_tuner(obj=obj, spec=spec)
-        rec.end_step()
-        if self.lockstep is not None:
-            self.lockstep.check(rec, outs)
-        return out
+        return rec, obj
 
     def _set_run(self, rec: Recorder, spec: StepSpec, obj: Any) -> None:
         info = None

@@ -101,7 +101,7 @@ def main_module(ctx: ImportContext, name: str) -> ModuleType:
     sys.modules[MAIN_ALIAS] = mod
     try:
         spec.loader.exec_module(mod)
-    except Exception as e:  # noqa: BLE001 - user code failed while importing
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - user code failed while importing
         sys.modules.pop(MAIN_ALIAS, None)
         raise FactoryError(f"loading {ctx.main_file} for {name} failed: {e.__class__.__name__}: {e}") from None
     return mod
@@ -112,7 +112,7 @@ def _import_module(module: str, name: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         raise FactoryError(f"cannot import {module} for {name} ({e}); is the package installed here?") from None
-    except Exception as e:  # noqa: BLE001 - user code failed while importing
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - user code failed while importing (issue 16: exits too)
         raise FactoryError(f"importing {module} for {name} failed: {e.__class__.__name__}: {e}") from None
 
 
@@ -123,8 +123,8 @@ def import_recorded(name: str, what: str, ctx: ImportContext | None = None) -> A
         raise FactoryError(f"{what} {name!r} is not of the form module:qualname")
     module, _, qual = name.partition(":")
     ctx = ctx or ImportContext()
-    # TRUST GATE: replay.trust decides here, before any code a recording names is imported, whether
-    # this recording may run code on this machine (consent for a recording made elsewhere).
+    # TRUST GATE: every import of recorded code passes here; replay.trust.admit (issue 16) is
+    # called by build_target and the CLI (admit_part) before anything reaches this point.
     with import_context(ctx):
         if module in ("__main__", "__mp_main__"):
             obj: Any = main_module(ctx, f"{what} {name}")

@@ -61,6 +61,8 @@ class TargetSpec:
     compile: dict[str, Any] = field(default_factory=dict)  # recorded torch.compile arguments of the step
     stream: str | None = None  # the model (stream) of the part this target is
     weights: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {digest, shape, dtype}}
+    # issue 16: the rank file the names came from (None: a spec the caller built), for replay.trust
+    origin: Any = None
 
     @classmethod
     def from_rank_file(cls, rf: RankFile, stream: str | None = None) -> "TargetSpec":
@@ -96,6 +98,7 @@ class TargetSpec:
             stream=t.get("stream") if isinstance(t.get("stream"), str) else None,
             weights={str(k): v for k, v in (t.get("weights") or {}).items() if isinstance(v, dict)}
             if isinstance(t.get("weights"), dict) else {},
+            origin=rf,  # issue 16
         )
 
 
@@ -216,6 +219,12 @@ def build_target(
     kind = spec.kind
     if kind is None and "." in spec.step.partition(":")[2]:
         kind = StepKind.METHOD  # an older recording: a method, found on the factory's object
+    # issue 16: nothing a recording names is imported without the user's consent (replay/trust.py)
+    if spec.origin is not None:
+        from replay import trust
+
+        named = ([] if factory or fac_name is None else [fac_name]) + ([] if kind is StepKind.METHOD else [spec.step])
+        trust.admit(spec.origin, named + [p for p, _ in spec.probes], user_names=[factory] if factory else [])
     resolved: Any = None
     if kind is not StepKind.METHOD:
         resolved = import_recorded(spec.step, "step", spec.imports)
@@ -290,7 +299,7 @@ def _call_factory(spec: TargetSpec, fac_name: str, *, rank: int, world_size: int
         raise FactoryError(f"factory {fac_name} does not take (config, *, rank, world_size, device, options)") from None
     try:
         return fac(spec.config, rank=rank, world_size=world_size, device=device, options=options)
-    except Exception as e:  # noqa: BLE001 - the factory is user code
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - the factory is user code (issue 16: exits too)
         raise FactoryError(f"factory {fac_name} failed: {e.__class__.__name__}: {e}") from None
 
 
