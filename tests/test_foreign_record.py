@@ -355,3 +355,28 @@ def test_each_step_names_the_numerics_context_it_ran_under(tmp_path: Path) -> No
         lines = numerics.differences(later, first)
         assert "grad_enabled: recorded false, now true" in lines
         assert _args(rf, 2)["pos"] == 2  # the step's own arguments are kept beside the digest
+
+
+def test_a_failure_of_the_recorder_around_a_step_stops_recording_and_the_step_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    import inspect
+
+    from replay.record import session as session_mod
+    from replay.record.profiles import StepSpec
+    from replay.record.settings import RecordSettings
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise RuntimeError("recorder bug")
+
+    s = session_mod.Session(tmp_path, RecordSettings())
+    monkeypatch.setattr(session_mod, "split_arguments", boom)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    spec = StepSpec(step="t:f", kind="function")
+    for _ in range(2):
+        out = s._call_step(spec, f, inspect.signature(f), False, (torch.ones(2),), {})
+        assert torch.equal(out, torch.full((2,), 2.0))
+    assert s.disabled
+    assert capfd.readouterr().err.count("recording stopped: RuntimeError: recorder bug") == 1
