@@ -12,7 +12,7 @@ import torch
 from replay.analysis.summary import choose_part
 from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument, save_and_emit
 from replay.cli.render import style, table
-from replay.errors import RerunError, UsageError
+from replay.errors import ReplayError, RerunError, UsageError
 from replay.format.reader import Part
 from replay.textsafe import escape
 from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
@@ -146,11 +146,25 @@ def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, mod
     """Several ranks, one process each; exits 7 when any of them could not be re-run."""
     from replay.rerun.multi import rerun_ranks
 
-    if modes is None:
-        first_dev = (devices or "cpu").split(",")[0].strip()
-        modes = default_modes(chosen, ranks[0], step_index, first_dev) if ranks else ["eager"]
-    results = rerun_ranks(path, chosen.name, ranks, step_index, modes=modes, devices=devices,
-                          repeat=repeat, factory=factory, options=options)
+    rf = chosen[ranks[0]] if ranks else None
+    if factory is None and rf is not None and needs_relaunch(target_info(rf, check_stream(rf, step_index, None)),
+                                                             recorded_args(rf, step_index)):
+        # No factory: each rank in its own re-launched program, alone on its recorded collectives.
+        results = []
+        for r in ranks:
+            settings = RerunOptions(modes=tuple(modes or ()), device=(devices or "").split(",")[0].strip(),
+                                    repeat=repeat, options=options, recording=str(path))
+            try:
+                data, _, problem = _step_one(chosen, r, step_index, settings, True)
+                results.append({**data, "collectives": "recorded"})
+            except ReplayError as e:
+                results.append({"rank": r, "step": step_index, "error": str(e)})
+    else:
+        if modes is None:
+            first_dev = (devices or "cpu").split(",")[0].strip()
+            modes = default_modes(chosen, ranks[0], step_index, first_dev) if ranks else ["eager"]
+        results = rerun_ranks(path, chosen.name, ranks, step_index, modes=modes, devices=devices,
+                              repeat=repeat, factory=factory, options=options)
     if as_json:
         emit_json({"kind": "step-ranks", "results": list(results)})
     else:
