@@ -163,6 +163,13 @@ def test_one_tensor_parallel_rank_reruns_alone(tmp_path: Path) -> None:
     eager = _eager(data)
     assert eager["collective_mismatches"] == []
     assert all(v["verdict"] == "bitwise equal" for v in eager["vs_recording"].values())
+    # --ranks with no factory: each rank in its own re-launched program.
+    p2 = subprocess.run([sys.executable, "-m", "replay", "step", str(tmp_path / "tp"), "--ranks", "0-1", "--step", "3", "--json"],
+                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert p2.returncode == 0, p2.stderr
+    results = json.loads(p2.stdout)["results"]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(v["verdict"] == "bitwise equal" for r in results for v in r["modes"]["eager"]["vs_recording"].values())
 
 
 def test_module_class_step_reruns_its_forward_with_a_factory(tmp_path: Path, run_cli: Any) -> None:
