@@ -238,3 +238,18 @@ def test_plain_tp_bisect_never_says_nothing_differs_over_differing_shards(tmp_pa
     head = res.out.splitlines()[0]
     assert "bitwise equal" not in head and "none of the" not in head
     assert "rank-local (shard) outputs differ" in head
+
+
+def test_program_that_spawns_its_ranks_reruns_one_rank(tmp_path: Path) -> None:
+    """A script that starts its own ranks (mp.spawn), its engine class in __main__, no factory: the
+    re-launched program stops every rank but the one re-run, which takes its engine at its first step."""
+    out = tmp_path / "spawned"
+    cmd = [sys.executable, "-m", "replay", "record", "--out", str(out), "--quiet", "--step", "__main__:MyEngine.step",
+           "--state", "state", "--", sys.executable, "tests/plain_engine_script.py", "8"]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    code, data, err = _step(out, tmp_path, "--rank", 1, "--step", 5)
+    assert code == 0, err
+    eager = _eager(data)
+    assert eager["caught_up"] and eager["departed"] is None
+    assert eager["vs_recording"] and all(v["verdict"] == "bitwise equal" for v in eager["vs_recording"].values())

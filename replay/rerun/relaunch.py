@@ -181,6 +181,14 @@ def _fake_process_group(rank: int, world: int) -> None:
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         if dist.is_initialized():
             return
+        # A program that starts its ranks itself (mp.spawn) starts them all here too: only the
+        # rank being re-run goes on; the others stop now (nothing waits for them: the group is fake).
+        asked = kwargs.get("rank", args[4] if len(args) > 4 else None)  # (backend, init_method, timeout, world_size, rank)
+        if asked is None:
+            asked = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+        if asked is not None and int(asked) not in (-1, rank):
+            sys.stdout.flush()
+            os._exit(0)
         try:
             from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
         except ImportError as e:
@@ -284,7 +292,9 @@ class _Takeover:
             code = e.exit_code if isinstance(e, ReplayError) else RerunError.exit_code
             msg = str(e) if isinstance(e, ReplayError) else f"the re-run raised {e.__class__.__name__}: {e}"
             data = {"kind": "error", "error": msg, "exit_code": code}
-        Path(self.spec.out).write_text(json.dumps(data, default=str))
+        tmp = Path(self.spec.out + f".{os.getpid()}")
+        tmp.write_text(json.dumps(data, default=str))
+        os.replace(tmp, self.spec.out)  # whole or not at all
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # stop the program: the rest of it is not the re-run's business
