@@ -20,7 +20,7 @@ from replay.bisect.steps import StepsBisection
 from replay.cli.common import json_option, open_run, parse_options, parse_ranks, part_option, run_argument, save_and_emit, split_list
 from replay.cli.progress import progress
 from replay.cli.render import fmt_verdict, style, table
-from replay.errors import UsageError
+from replay.errors import RerunError, UsageError  # RerunError: exit code of a bisection that compared nothing
 from replay.format.reader import Part
 from replay.states import BisectStatus, StepsHow
 from replay.textsafe import escape
@@ -98,6 +98,11 @@ def _say(as_json: bool) -> Callable[[str], None]:
 
 def _finish(rec_path: Path, result: StepsBisection | LayersBisection | ConfigBisection, *, save: bool, as_json: bool) -> int:
     save_and_emit(rec_path, result.to_json(), "" if as_json else render(result), save=save, as_json=as_json)
+    # [foreign: truthful verdicts] a layer bisection whose step raised, or that compared nothing, is not a result.
+    problem = result.problem() if isinstance(result, LayersBisection) else None
+    if problem is not None:
+        click.echo(f"replay: {escape(problem)}", err=True)
+        return RerunError.exit_code
     return 0
 
 
