@@ -19,9 +19,9 @@ MAX_COMPLEXITY = 20
 # offender is split instead.
 ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/rerun/runner.py::rerun_step": 38,  # the re-run (issue #14) splits it
-    "replay/bisect/layers.py::bisect_layers": 46,  # the re-run (issue #14); grew in 86d8bb1
+    "replay/bisect/layers.py::bisect_layers": 49,  # the re-run (issue #14); grew in 86d8bb1 and after
     "replay/record/writer.py::Writer._emit": 29,  # the recorder (overhead issue)
-    "replay/record/calls.py::split_arguments": 22,  # the recorder (overhead issue)
+    "replay/record/calls.py::split_arguments": 24,  # the recorder (overhead issue)
     "replay/format/tables.py::check_payload_bounds": 27,  # the reader (issue #16)
     "replay/format/tables.py::_Builder.step": 26,  # the reader (issue #16)
     "replay/cli/step.py::render_step": 25,  # the re-run owns cli/step.py (issue #14)
@@ -37,8 +37,16 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/analysis/unshard.py::field_row": 23,  # replay diff (issue #17)
     "replay/cli/diff.py::render_diff": 36,  # replay diff (issue #17)
     "replay/report/diff_section.py::render_diff_section": 27,  # replay diff (issue #17)
-    "replay/cli/record.py::record": 26,  # the recorder owns cli/record.py (overhead issue)
+    "replay/cli/record.py::record": 31,  # the recorder owns cli/record.py (overhead issue)
     "replay/trust.py::check": 24,  # the trust model (issue #16)
+    # Landed on main by 23:09 (merged at d2317ab):
+    "replay/bisect/layers.py::LayersBisection.verdict": 24,  # the re-run (issue #14)
+    "replay/rerun/target.py::TargetSpec.from_rank_file": 30,  # the re-run (issue #14)
+    "replay/record/calls.py::to_json_safe": 24,  # the recorder
+    "replay/record/discovery.py::summary_lines": 27,  # the recorder (step discovery, issue #14)
+    "replay/record/session.py::Session._recorder_for": 29,  # the recorder
+    "replay/record/session.py::Session._stream_info": 21,  # the recorder
+    "replay/record/settings.py::RecordSettings.__post_init__": 21,  # the recorder / settings validation (issue #16)
 }
 
 
@@ -167,7 +175,12 @@ CONTRACTS: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
 ]
 
 # Known edges that break a contract today, in files other helpers own; removed when fixed.
-ALLOWED_IMPORTS: set[tuple[str, str]] = set()
+ALLOWED_IMPORTS: set[tuple[str, str]] = {
+    # The re-run renders a relaunched step with the CLI's renderer (landed at d2317ab): the
+    # renderer belongs in the CLI, the relaunch should return a StepRerun for the CLI to render.
+    ("replay.rerun.relaunch", "replay.cli.step"),
+    ("replay.rerun.relaunch", "replay.cli.step.render_step"),
+}
 
 # CLI modules shared by the commands; any other replay.cli module is a command, and a command
 # never imports another (what two commands share goes down into the library).
