@@ -101,6 +101,7 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False) -> SealResult |
 def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int) -> SealResult:
     # The reserve of a writer that is gone (killed, or closing): its room helps the seal fit.
     reserve_path(journal).unlink(missing_ok=True)
+    __import__("replay.format.ring_salvage", fromlist=["x"]).salvage_ring(journal, payload)  # issue 15: a killed rank's record ring
     builder = TablesBuilder()
     scan = scan_journal(journal, builder.add)
     payload_size = payload.stat().st_size if payload.exists() else 0

@@ -40,6 +40,7 @@ class Entry:
     release: Any = None  # pinned buffer to hand back to the pool once written
     packed: Any = None  # (pinned uint8 buffer, offset, nbytes): bytes packed with other small tensors
     device_copy: Any = None  # a device copy (the logits ring), moved to the host only when written
+    ring_at: int = -1  # where the bytes lie in the record ring's data area (-1: not in the ring)
 
 
 @dataclass(slots=True)
@@ -54,6 +55,14 @@ class Job:
     finish: Callable[["Job"], None] | None = None  # last touches on the body, after digests are known
     ack: threading.Event | None = None
     releases: list[torch.Tensor] = field(default_factory=list)  # pinned buffers to hand back when done
+    # The record ring (``replay.record.ring``): where the job's record ends, its sequence number,
+    # where its device digests and margin landed, whether it has device work.
+    ring_end: int = -1
+    seq: int = -1
+    digests_at: int = -1
+    margin_at: int = -1
+    cuda_work: bool = False
+    fin: dict[str, Any] = field(default_factory=dict)  # for salvage: margin, accepted, collectives
 
 
 class PinnedPool:
@@ -89,10 +98,14 @@ class PinnedPool:
 class Writer:
     """Owns the journal; runs jobs from a bounded queue on a daemon thread."""
 
-    def __init__(self, journal: JournalWriter, *, depth: int, pool: PinnedPool, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(self, journal: JournalWriter, *, depth: int, pool: PinnedPool, on_error: Callable[[BaseException], None],
+                 ring: Any = None) -> None:
         self.journal = journal
         self.pool = pool
-        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=depth)
+        # With a record ring the ring bounds what is in flight (its policy: block or drop), so
+        # the queue does not: putting a job never waits.
+        self.ring = ring
+        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=0 if ring is not None else depth)
         self._on_error = on_error
         self._failed = False
         # Payload dedupe: the last stored tensor per (kind, name), reused when its bytes repeat
@@ -133,6 +146,9 @@ class Writer:
                 continue
             try:
                 self._write(job)
+                if job.ring_end >= 0:
+                    # The job is in the journal: its room in the ring can be reused.
+                    self.ring.release(job.ring_end, job.seq + 1)
             except BaseException as e:  # noqa: BLE001 - nothing may escape into the program
                 self._failed = True
                 self._on_error(e)
@@ -223,6 +239,8 @@ class Writer:
             job.body["margin"] = float(job.margin_host.item())
         if job.finish is not None:
             job.finish(job)
+        if job.seq >= 0:
+            job.body["rs"] = job.seq  # the ring's sequence number: salvage skips what is here
         if pending:
             self.journal.write_payloads(pending)
         self.journal.write_frame(job.kind, job.body)
