@@ -116,6 +116,7 @@ class Recorder:
         self._seq = 0  # sequence number of the next job (journal order)
         self._deferred: list[Job] = []  # host-only jobs that came during a step: after its record
         self._dropped: list[int] = []  # steps not recorded: the ring was full (policy "drop")
+        self._gaps: list[Job] = []  # their notes, when not even a note had room
         self._writer: Writer | None = None
         self._lock_fd: int | None = None
         self.part_dir = config.out / config.part
@@ -232,13 +233,28 @@ class Recorder:
             self._submit(job, wait=True)
             return
         if rjob.header_at < 0:
-            # A step dropped before it had any room: its note starts here.
+            if job.kind == FrameKind.NOTE and rjob.dropped:
+                self._gaps.append(job)  # no room even for its note: written with the next job
+                return
             rjob = self._staging.open_job_blocking()
         seq = self._seq
-        self._seq += 1
         meta = _job_meta(job, rjob)
-        self._staging.seal_job(job, rjob, seq, int(job.kind), meta)
+        if not self._staging.seal_job(job, rjob, seq, int(job.kind), meta):
+            # Policy "drop" and no room for the meta: the job becomes a note in its own reserve.
+            self._dropped.append(int(job.body.get("step", -1)))
+            job = Job(kind=FrameKind.NOTE, body={"step": job.body.get("step", -1), "message": f"a {job.kind.name.lower()} record was not kept: the record ring was full"})
+            job.cuda_work = rjob.cuda is not None
+            self._staging.seal_job(job, rjob, seq, int(job.kind), _job_meta(job, rjob))
+        self._seq += 1
         self._submit(job, wait=wait or rjob.external)
+        while self._gaps:
+            gap_job = self._staging.open_job()
+            if gap_job is None or gap_job.header_at < 0:
+                break
+            gap = self._gaps.pop(0)
+            self._staging.seal_job(gap, gap_job, self._seq, int(gap.kind), _job_meta(gap, gap_job))
+            self._seq += 1
+            self._submit(gap, wait=False)
         for n in self._staging.notes:
             self._staging.notes = []
             self.note(n)

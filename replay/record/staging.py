@@ -28,6 +28,10 @@ __all__ = ["Staging", "RingJob", "SMALL_BYTES"]
 
 # CUDA tensors up to this size are packed and copied to the host in one transfer per call.
 SMALL_BYTES = 64 << 10
+# Each job's first allocation: its header and room for a small meta (a note, a graph frame, the
+# note that a step was dropped), so that such a job never needs a second allocation.
+JOB_RESERVE = 256
+META_ROOM = JOB_RESERVE - JOB_HEADER_BYTES
 
 
 @dataclass(slots=True)
@@ -36,7 +40,7 @@ class RingJob:
 
     header_at: int  # offset of the job header in the data area
     start: int  # virtual position of the header
-    used: int = JOB_HEADER_BYTES
+    used: int = JOB_RESERVE
     external: bool = False  # some bytes are outside the ring: the step waits for the writer
     dropped: bool = False  # the ring was full (policy "drop"): the job is not recorded
     cuda: Any = None  # the device of the job's CUDA work, if any
@@ -66,15 +70,15 @@ class Staging:
         if self.ring is None:
             return None
         try:
-            at = self.ring.alloc(JOB_HEADER_BYTES, block=self.block, timeout=self.timeout)
+            at = self.ring.alloc(JOB_RESERVE, block=self.block, timeout=self.timeout)
         except RingFull:
             return RingJob(header_at=-1, start=-1, dropped=True)
-        return RingJob(header_at=at, start=self.ring.head - JOB_HEADER_BYTES)
+        return RingJob(header_at=at, start=self.ring.head - JOB_RESERVE)
 
     def open_job_blocking(self) -> RingJob:
         assert self.ring is not None
-        at = self.ring.alloc(JOB_HEADER_BYTES, block=True, timeout=self.timeout)
-        return RingJob(header_at=at, start=self.ring.head - JOB_HEADER_BYTES)
+        at = self.ring.alloc(JOB_RESERVE, block=True, timeout=self.timeout)
+        return RingJob(header_at=at, start=self.ring.head - JOB_RESERVE)
 
     def _place(self, job: RingJob | None, nbytes: int) -> int:
         """Ring offset for ``nbytes`` of ``job``, or -1: outside the ring (pool, or dropped)."""
@@ -223,14 +227,21 @@ class Staging:
 
     # -- finishing a ring job --------------------------------------------------------------
 
-    def seal_job(self, job: Job, rjob: RingJob, seq: int, kind: int, meta: dict[str, Any]) -> None:
-        """Write the job's meta and header into the ring; the commit comes last (host or device)."""
+    def seal_job(self, job: Job, rjob: RingJob, seq: int, kind: int, meta: dict[str, Any]) -> bool:
+        """Write the job's meta and header into the ring; the commit comes last (host or device).
+        False: no room for the meta (policy "drop"): the caller records the job as dropped."""
         ring = self.ring
         assert ring is not None
         raw = json.dumps(meta, separators=(",", ":"), allow_nan=True).encode()
-        at = self._place_meta(rjob, len(raw))
+        if len(raw) <= META_ROOM:
+            at, meta_pos = rjob.header_at + JOB_HEADER_BYTES, rjob.start + JOB_HEADER_BYTES
+        else:
+            try:
+                at = ring.alloc(len(raw), block=self.block, timeout=self.timeout)
+            except RingFull:
+                return False
+            meta_pos = ring.head - ((len(raw) + 63) & ~63)
         ring.data[at : at + len(raw)] = memoryview(raw)
-        meta_pos = ring.head - ((len(raw) + 63) & ~63)
         dev_commit = job.cuda_work
         device = rjob.cuda if isinstance(rjob.cuda, torch.device) else None
         if dev_commit and device is None:
@@ -250,8 +261,4 @@ class Staging:
             job.event.record()
         job.ring_end = ring.head
         job.seq = seq
-
-    def _place_meta(self, rjob: RingJob, n: int) -> int:
-        # The meta is small and must be written whatever the policy: the job has to end.
-        assert self.ring is not None
-        return self.ring.alloc(n, block=True, timeout=self.timeout)
+        return True
