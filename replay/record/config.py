@@ -42,6 +42,12 @@ class RecorderConfig:
     record_ring_dir: str = "/dev/shm"
     """Where the ring file lives: a tmpfs, so that the ring outlives the process, not the host."""
 
+    drain_lag_s: float = 0.05
+    """With the ring: a step's record is moved to the journal when the next step is handed over
+    (when the program usually waits on the device) or after this many seconds, whichever comes
+    first; 0 writes each step at once, competing with the program for the interpreter just as
+    the step ends. Durability does not depend on it: the record is in the ring already."""
+
     ring_full: Literal["block", "drop"] = "block"
     """When the ring has no room (the drain is behind the program): ``block`` waits at the step
     (up to ``sync_timeout_s``), ``drop`` records the step as a gap (a note naming it) and goes

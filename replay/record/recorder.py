@@ -158,7 +158,8 @@ class Recorder:
         }
         journal.write_frame(FrameKind.HEADER, header)
         notes = self._open_ring(journal.journal_path)
-        self._writer = Writer(journal, depth=cfg.queue_depth, pool=self._pool, on_error=self._fail, ring=self._rr)
+        self._writer = Writer(journal, depth=cfg.queue_depth, pool=self._pool, on_error=self._fail, ring=self._rr,
+                              lag_s=cfg.drain_lag_s)
         for n in notes:
             self.note(n)
         if cfg.rank == 0:

@@ -9,8 +9,10 @@ program.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +25,9 @@ from replay.format.journal import FrameKind, JournalWriter
 from replay.format.schema import TensorKind, dtype_to_str
 
 __all__ = ["Entry", "Job", "Writer", "PinnedPool", "entry_tensor"]
+
+# How often the ring's drain looks for new jobs when it has none it may write.
+POLL_S = 0.002
 
 
 @dataclass(slots=True)
@@ -63,6 +68,7 @@ class Job:
     margin_at: int = -1
     cuda_work: bool = False
     fin: dict[str, Any] = field(default_factory=dict)  # for salvage: margin, accepted, collectives
+    t_hand: float | None = None  # when the drain first saw it (the lag of ring steps)
 
 
 class PinnedPool:
@@ -99,13 +105,17 @@ class Writer:
     """Owns the journal; runs jobs from a bounded queue on a daemon thread."""
 
     def __init__(self, journal: JournalWriter, *, depth: int, pool: PinnedPool, on_error: Callable[[BaseException], None],
-                 ring: Any = None) -> None:
+                 ring: Any = None, lag_s: float = 0.0) -> None:
         self.journal = journal
         self.pool = pool
         # With a record ring the ring bounds what is in flight (its policy: block or drop), so
         # the queue does not: putting a job never waits.
         self.ring = ring
-        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=0 if ring is not None else depth)
+        # How long a ring step may wait for the next one before it is written anyway (0: never).
+        self.lag_s = lag_s if ring is not None else 0.0
+        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=depth)
+        self._dq: collections.deque[Job | None] = collections.deque()
+        self._wake = threading.Event()
         self._on_error = on_error
         self._failed = False
         # Payload dedupe: the last stored tensor per (kind, name), reused when its bytes repeat
@@ -117,6 +127,14 @@ class Writer:
     def submit(self, job: Job, timeout: float) -> bool:
         if self._failed:
             return False
+        if self.ring is not None:
+            # No wake-up per step: a notify hands the interpreter to this thread just as the
+            # program goes on with its next step. The drain polls; a job someone waits for
+            # (the end marker, a job outside the ring) wakes it.
+            self._dq.append(job)
+            if job.ack is not None or job.ring_end < 0:
+                self._wake.set()
+            return True
         try:
             self._q.put(job, timeout=timeout)
             return True
@@ -125,6 +143,11 @@ class Writer:
 
     def stop(self, timeout: float) -> bool:
         """Finish queued jobs and stop; False if the thread did not end in time."""
+        if self.ring is not None:
+            self._dq.append(None)
+            self._wake.set()
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
         try:
             self._q.put(None, timeout=timeout)
         except queue.Full:
@@ -137,23 +160,55 @@ class Writer:
         return self._failed
 
     def _run(self) -> None:
+        if self.ring is not None:
+            self._run_ring()
+            return
         while True:
             job = self._q.get()
             if job is None:
                 return
-            if self._failed:
-                self._done(job)
+            self._one(job)
+
+    def _run_ring(self) -> None:
+        """Drain the ring's jobs in order. A step is written once the next job has been handed
+        over (the program is then usually waiting on the device) or ``lag_s`` after it came."""
+        dq = self._dq
+        while True:
+            if not dq:
+                self._wake.wait(POLL_S)
+                self._wake.clear()
                 continue
-            try:
-                self._write(job)
-                if job.ring_end >= 0:
-                    # The job is in the journal: its room in the ring can be reused.
-                    self.ring.release(job.ring_end, job.seq + 1)
-            except BaseException as e:  # noqa: BLE001 - nothing may escape into the program
-                self._failed = True
-                self._on_error(e)
-            finally:
-                self._done(job)
+            job = dq[0]
+            if job is None:
+                dq.popleft()
+                return
+            if len(dq) == 1 and self.lag_s and job.kind == FrameKind.STEP and job.ack is None:
+                if job.t_hand is None:
+                    job.t_hand = time.monotonic()
+                elif time.monotonic() - job.t_hand >= self.lag_s:
+                    dq.popleft()
+                    self._one(job)
+                    continue
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+                continue
+            dq.popleft()
+            self._one(job)
+
+    def _one(self, job: Job) -> None:
+        if self._failed:
+            self._done(job)
+            return
+        try:
+            self._write(job)
+            if job.ring_end >= 0:
+                # The job is in the journal: its room in the ring can be reused.
+                self.ring.release(job.ring_end, job.seq + 1)
+        except BaseException as e:  # noqa: BLE001 - nothing may escape into the program
+            self._failed = True
+            self._on_error(e)
+        finally:
+            self._done(job)
 
     def _done(self, job: Job) -> None:
         for buf in job.releases:
