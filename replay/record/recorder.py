@@ -81,7 +81,7 @@ class _Step:
     replays: list[int] = field(default_factory=list)
     run: dict[str, Any] | None = None
     margin_dev: torch.Tensor | None = None
-    margin_src: torch.Tensor | None = None
+    margin_src: Any = None  # a host tensor, or (uint8 numpy view, dtype, shape) in the ring
     logits_key: tuple | None = None
     accepted: int | None = None
     accepted_entry: Entry | None = None
@@ -370,7 +370,6 @@ class Recorder:
 
     def _logits(self, st: _Step, t: torch.Tensor, entry: Entry | None) -> None:
         t = local_tensor(t)  # topk of a sharded DTensor would be a collective
-        host_copy = entry.host if entry is not None and entry.packed is None else None
         key = (t.data_ptr(), tuple(t.shape), t.dtype)
         if st.logits_key == key:
             return  # the same logits seen twice in a step (a probe's argument, then the output)
@@ -379,18 +378,14 @@ class Recorder:
             top = t.detach().float().topk(2, dim=-1).values
             st.margin_dev = (top[..., 0] - top[..., 1]).min()
         else:
-            if host_copy is None:
-                if st.rjob is not None:
-                    entry = self._staging.entries(st.rjob, None, [("margin", TensorKind.OUTPUT, t, False)])[0]
-                    host_copy = entry.host
-                else:
-                    host_copy = t.detach().clone()
-            st.margin_src = host_copy
-            if entry is not None and entry.ring_at >= 0:
+            if entry is None or entry.packed is not None:
+                entry = self._staging.entries(st.rjob, None, [("margin", TensorKind.OUTPUT, t, False)])[0]
+            # The margin is computed by the drain, from the copy the entry made.
+            st.margin_src = entry.host if entry.host is not None else (entry.npv, t.dtype, tuple(t.shape))
+            if entry.ring_at >= 0:
                 st.fin["margin"] = [entry.ring_at, entry.dtype, list(entry.shape)]
-            if self._rr is not None and self.config.ring:
-                # The ring's bytes are reused once drained; the logits ring keeps its own copy.
-                host_copy = host_copy.clone()
+            # The ring's bytes are reused once drained: the logits ring keeps its own copy.
+            host_copy = entry.host if self._rr is None and entry.host is not None else t.detach().clone()
         if self.config.ring:
             dtype, shape = dtype_to_str(t.dtype), tuple(t.shape)
             if t.device.type == "cuda":
@@ -464,7 +459,10 @@ class Recorder:
             if coll_meta:
                 j.body["collectives"] = _assemble_collectives(j.body, coll_meta)
             if margin_src is not None:
-                top = margin_src.float().topk(2, dim=-1).values
+                m = margin_src
+                if isinstance(m, tuple):
+                    m = torch.from_numpy(m[0]).view(m[1]).view(m[2])
+                top = m.float().topk(2, dim=-1).values
                 j.body["margin"] = float((top[..., 0] - top[..., 1]).min())
             accepted = entry_tensor(accepted_entry) if accepted_entry is not None else None
             if accepted is not None:
@@ -764,6 +762,8 @@ def _job_meta(job: Job, rjob: RingJob) -> dict[str, Any]:
         for e in entries:
             if e.packed is not None:
                 n = e.packed[2]
+            elif e.npv is not None:
+                n = e.npv.nbytes
             elif e.host is not None:
                 n = e.host.numel() * e.host.element_size()
             else:

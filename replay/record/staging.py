@@ -17,6 +17,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from replay.digest import local_tensor
@@ -44,6 +45,15 @@ class RingJob:
     external: bool = False  # some bytes are outside the ring: the step waits for the writer
     dropped: bool = False  # the ring was full (policy "drop"): the job is not recorded
     cuda: Any = None  # the device of the job's CUDA work, if any
+
+
+def _np_bytes(t: torch.Tensor):  # noqa: ANN202 - a flat uint8 numpy array, or None
+    """The tensor's bytes in row-major order as numpy sees them (None: a dtype numpy lacks)."""
+    try:
+        a = t.numpy()
+    except (TypeError, RuntimeError):
+        return None  # bfloat16 and friends
+    return a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
 
 
 @dataclass(slots=True)
@@ -126,8 +136,15 @@ class Staging:
                     out.append(host_entry(name, kind, t, store=store))
                     continue
                 e = Entry(name=name, kind=kind, dtype=dtype_to_str(t.dtype), shape=tuple(t.shape), store=store)
-                e.host = self._ring_view(at, t.dtype, e.shape, nbytes)
-                e.host.copy_(t)
+                src = _np_bytes(t)
+                if src is not None:
+                    # numpy's copy costs far less per call than torch views of the ring.
+                    dst = self.ring.data[at : at + nbytes]  # type: ignore[union-attr]
+                    dst[...] = src
+                    e.npv = dst
+                else:
+                    e.host = self._ring_view(at, t.dtype, e.shape, nbytes)
+                    e.host.copy_(t)
                 e.ring_at = at
                 out.append(e)
                 continue

@@ -46,6 +46,7 @@ class Entry:
     packed: Any = None  # (pinned uint8 buffer, offset, nbytes): bytes packed with other small tensors
     device_copy: Any = None  # a device copy (the logits ring), moved to the host only when written
     ring_at: int = -1  # where the bytes lie in the record ring's data area (-1: not in the ring)
+    npv: Any = None  # a uint8 numpy view of the bytes in the ring (CPU tensors)
 
 
 @dataclass(slots=True)
@@ -241,6 +242,8 @@ class Writer:
                     if whole is None:
                         whole = views[id(buf)] = buf.numpy()
                     arr = whole[off : off + n]
+                elif e.npv is not None:
+                    arr = e.npv
                 elif e.host is not None:
                     arr = _as_bytes(e.host)
                 items.append((e, arr, {"name": e.name, "dtype": e.dtype, "shape": list(e.shape)}))
