@@ -174,6 +174,7 @@ def test_clean_close_removes_the_ring(tmp_path):
     rec.end_step()
     rec.close()
     assert not path.exists() and not (tmp_path / "r" / "run-000" / "rank-00000.ring").exists()
+    assert rec.ring_stats()["enabled"], "what the ring did stays readable after close"
 
 
 def test_salvage_never_touches_a_file_the_pointer_names_outside_its_pattern(tmp_path):

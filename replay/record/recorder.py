@@ -117,6 +117,7 @@ class Recorder:
         self._deferred: list[Job] = []  # host-only jobs that came during a step: after its record
         self._dropped: list[int] = []  # steps not recorded: the ring was full (policy "drop")
         self._gaps: list[Job] = []  # their notes, when not even a note had room
+        self._ring_final: dict[str, Any] | None = None
         self._writer: Writer | None = None
         self._lock_fd: int | None = None
         self.part_dir = config.out / config.part
@@ -717,7 +718,7 @@ class Recorder:
         """The record ring's size, its full-ring policy, the waits for room and the dropped steps."""
         r = self._rr
         if r is None:
-            return {"enabled": False}
+            return self._ring_final or {"enabled": False}
         return {"enabled": True, "bytes": r.capacity, "policy": self.config.ring_full, "full_waits": r.full_waits,
                 "full_wait_s": round(r.full_wait_s, 6), "dropped_steps": len(self._dropped), "dropped": self._dropped[:100],
                 "cuda_registered": r.registered}
@@ -725,12 +726,14 @@ class Recorder:
     def _close_ring(self, w: Writer | None) -> None:
         """Remove the ring once the drain has stopped (what it held is in the journal, or the
         journal ends with why recording stopped); a stuck drain leaves it for ``replay seal``."""
-        ring, self._rr = self._rr, None
-        if ring is None:
+        if self._rr is None:
             return
+        self._ring_final = self.ring_stats()  # what the ring did, still readable after close
+        ring, self._rr = self._rr, None
         if w is not None and w._thread.is_alive():
             return
-        ring_pointer(w.journal.journal_path).unlink(missing_ok=True) if w is not None else None
+        if w is not None:
+            ring_pointer(w.journal.journal_path).unlink(missing_ok=True)
         ring.close(unlink=True)
 
     def _mark_stopped(self, w: Writer) -> None:
