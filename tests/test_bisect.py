@@ -214,10 +214,12 @@ def test_layers_name_the_layer_the_stale_padding_corrupts(recs: dict[str, Path],
     step = bisect(run_cli, recs["stale"], "--steps", "--against-rerun", "--no-save")["first"]
     assert step is not None
     d = bisect(run_cli, recs["stale"], "--rank", 0, "--step", step, "--between", "eager,cudagraph", "--no-save")
-    assert re.fullmatch(r"layers\.\d+\.(attn|recurrent)", d["maker"]) and d["first"].startswith(d["maker"])
-    mixer = d["maker"]
-    assert all(m["verdict"] == "bitwise equal" for m in d["modules"][: [m["name"] for m in d["modules"]].index(d["first"])])
-    assert mixer.split(".")[1] == d["first"].split(".")[1]
+    assert re.fullmatch(r"layers\.\d+\.(attn|recurrent)", d["maker"])
+    # The mixer turns bitwise equal inputs into outputs beyond tolerance. Modules before it may
+    # differ by rounding only: a GEMM over the graph's padded batch can round differently from the
+    # eager one on some CPUs (seen on AMD EPYC with MKL); that must not hide the mixer.
+    mixer = next(m for m in d["modules"] if m["name"] == d["maker"])
+    assert mixer["inputs_equal"] and mixer["verdict"] == "different" and mixer["max_abs"] > 1e-3
     # The graph ran a padded batch (4 rows for 3 requests): outputs are compared on the real rows.
     assert any("padding" in m["note"] for m in d["modules"])
 

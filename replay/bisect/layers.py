@@ -149,10 +149,12 @@ class LayersBisection:
                 return head + f"the step's outputs differ but none of the {len(compared)} tapped module outputs does"
             return head + f"all {len(compared)} module outputs are bitwise equal"
         n_eq = sum(1 for m in self.before_first() if not m.differs)
-        line = head + f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
+        first = f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
         if self.maker is not None and self.maker is not self.first:
-            line += f"; first to differ from equal inputs: {self.maker.name} ({self.maker.figures()})"
-        return line
+            # Lead with the module that makes the difference: the first one to differ may only
+            # pass on a difference made elsewhere, or differ by rounding.
+            return head + f"the difference is made in {self.maker.name} ({self.maker.figures()}) from bitwise equal inputs; " + first
+        return head + first
 
     def before_first(self) -> list[ModuleVerdict]:
         if self.first is None:
@@ -353,6 +355,14 @@ def compare_captures(a: SideRun, b: SideRun) -> list[ModuleVerdict]:
     return rows
 
 
+def _encloses(outer: ModuleVerdict, inner: ModuleVerdict, run: SideRun) -> bool:
+    """Whether ``inner``'s call ran inside ``outer``'s (side A's frames)."""
+    if outer.frame is None or inner.frame is None:
+        return False
+    ev = next((e for e in run.capture.events if e.frame == inner.frame), None)
+    return ev is not None and any(f.id == outer.frame for f in ev.ancestors())
+
+
 def _origin(first: ModuleVerdict | None, rows: list[ModuleVerdict], a: SideRun) -> str:
     """Where the first difference is made: inside the module, in a parent's code, or before."""
     if first is None:
@@ -400,7 +410,14 @@ def bisect_layers(
     ra, rb = runs
     rows = compare_captures(ra, rb)
     first = next((m for m in rows if m.differs and not m.rank_local), None)
-    maker = next((m for m in rows if m.differs and not m.rank_local and m.inputs_equal), None)
+    makers = [m for m in rows if m.differs and not m.rank_local and m.inputs_equal]
+    # A module that turns equal inputs into outputs that differ only within tolerance is rounding
+    # (a GEMM whose blocking depends on the batch size, say a padded graph batch against the eager
+    # one): name it, but the module that makes the real difference is the first that turns equal
+    # inputs into outputs beyond tolerance.
+    # A parent whose child already makes a difference only passes it on.
+    inner = [m for m in makers if not any(_encloses(m, c, ra) for c in makers if c is not m)]
+    maker = next((m for m in inner if m.verdict == str(Verdict.DIFFERENT)), makers[0] if makers else None)
     before: list[ModuleVerdict] = []
     if first is not None:
         i = rows.index(first)
@@ -418,6 +435,10 @@ def bisect_layers(
         notes += [f"{r.side.label}: {n}" for n in r.capture.notes]
         if not r.capture.events:
             notes.append(f"{r.side.label}: no tap fired at all in step {step}")
+    rounding = [m for m in makers if m is not maker and rows.index(m) < (rows.index(maker) if maker else len(rows))]
+    if rounding:
+        notes.append(f"{rounding[0].name} already turns equal inputs into outputs that differ within tolerance "
+                     f"({rounding[0].figures()}): rounding, not the difference {maker.name if maker else 'that matters'} makes")
     only = {m.module for m in rows if m.verdict == MISSING}
     if only:
         notes.append(f"{len(only)} module(s) have outputs on one side only: their taps never fired on the other ({', '.join(sorted(only)[:5])})")
