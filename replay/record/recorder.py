@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import errno
 import fcntl
 import functools
 import os
@@ -49,6 +50,7 @@ from replay.record.writer import Entry, Job, Writer, entry_tensor
 __all__ = ["Recorder"]
 
 log = get_logger("replay.record")
+_SMALL_RING = 8 << 20  # the ring's size when /dev/shm has no room for the configured one
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -175,8 +177,16 @@ class Recorder:
         cfg = self.config
         if not cfg.record_ring_bytes:
             return []
+        notes = []
         try:
-            ring = ShmRing(cfg.record_ring_dir, cfg.record_ring_bytes, rank=cfg.rank)
+            try:
+                ring = ShmRing(cfg.record_ring_dir, cfg.record_ring_bytes, rank=cfg.rank)
+            except OSError as e:
+                if e.errno != errno.ENOSPC or cfg.record_ring_bytes <= _SMALL_RING:
+                    raise
+                # A small /dev/shm (a container's 64 MB): a smaller ring still keeps steps durable.
+                ring = ShmRing(cfg.record_ring_dir, _SMALL_RING, rank=cfg.rank)
+                notes.append(f"no room for a {cfg.record_ring_bytes >> 20} MiB record ring in {cfg.record_ring_dir}: using {_SMALL_RING >> 20} MiB")
         except Exception as e:  # noqa: BLE001 - no /dev/shm, or no room in it
             return [f"no record ring in {cfg.record_ring_dir} ({e.__class__.__name__}: {e}): steps go to the writer thread"]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -191,7 +201,7 @@ class Recorder:
         self._rr = ring
         self._staging = Staging(ring, block=cfg.ring_full == "block", timeout=cfg.sync_timeout_s)
         self._staging.pool = self._pool
-        return []
+        return notes
 
     @property
     def enabled(self) -> bool:
