@@ -261,3 +261,18 @@ def test_salvaged_steps_equal_drained_steps(tmp_path):
 
 def _rng_ids(t) -> list[int]:  # noqa: ANN001
     return [i for i in range(len(t.strings)) if t.strings[i].startswith("rng.")]
+
+
+def test_live_ring_steps_are_readable_while_the_drain_is_behind(tmp_path, gate):
+    from replay.format.ring_salvage import live_ring_steps
+
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_bytes=RING))
+    for s in range(3):
+        rec.begin_step()
+        rec.record_inputs(x=torch.ones(3) * s)
+        rec.end_step()
+    journal = tmp_path / "r" / "run-000" / "rank-00000.journal"
+    assert live_ring_steps(journal) == [0, 1, 2]  # none drained yet, all durable in the ring
+    gate.set()
+    rec.close()
+    assert live_ring_steps(journal) == []

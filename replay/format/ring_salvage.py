@@ -257,3 +257,45 @@ def assemble_collectives(body: dict[str, Any], meta: list[dict[str, Any]]) -> li
             d["out_refs"] = stored
         out.append(d)
     return out
+
+
+def live_ring_steps(journal: Path) -> list[int]:
+    """The step indices of whole step records in a journal's ring, read-only (the rank may still
+    be recording): what a reader of a live journal cannot see yet but a kill would not lose."""
+    ring = _ring_path(ring_pointer(journal))
+    if ring is None:
+        return []
+    try:
+        fd = os.open(ring, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER_BYTES + (1 << 20):
+            return []
+        import mmap
+
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        if bytes(buf[:8]) != RING_MAGIC:
+            return []
+        head = buf[:HEADER_BYTES].view(np.int64)
+        cap = int(head[H_CAPACITY])
+        if cap <= 0 or cap % 64 or HEADER_BYTES + cap > st.st_size:
+            return []
+        data = buf[HEADER_BYTES : HEADER_BYTES + cap]
+        steps = []
+        for _seq, meta in _walk(data, cap, int(head[H_TAIL_POS]), int(head[H_TAIL_SEQ])):
+            body = meta.get("b") or {}
+            if meta.get("k") == int(FrameKind.STEP) and isinstance(body.get("step"), int):
+                steps.append(body["step"])
+        return steps
+    finally:
+        del buf, head
+        try:
+            mm.close()
+        except BufferError:
+            pass
