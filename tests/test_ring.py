@@ -276,3 +276,15 @@ def test_live_ring_steps_are_readable_while_the_drain_is_behind(tmp_path, gate):
     gate.set()
     rec.close()
     assert live_ring_steps(journal) == []
+
+
+def test_drain_waits_until_the_journal_holds_every_step(tmp_path):
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_bytes=RING))
+    for s in range(5):
+        rec.begin_step()
+        rec.record_inputs(x=torch.ones(3) * s)
+        rec.end_step()
+    assert rec.drain()
+    steps = [f.body["step"] for f in read_journal(tmp_path / "r" / "run-000" / "rank-00000.journal").frames if f.kind == FrameKind.STEP]
+    assert steps == [0, 1, 2, 3, 4]
+    rec.close()

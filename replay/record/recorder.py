@@ -668,6 +668,13 @@ class Recorder:
     def note(self, message: str) -> None:
         self._post(Job(kind=FrameKind.NOTE, body={"step": self.step_index, "message": message}))
 
+    @_failsafe(default=False)
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every record handed over so far is in the journal (not needed for
+        durability: the record ring already holds them; for copying a live journal, say)."""
+        w = self._writer
+        return w is not None and w.barrier(self.config.sync_timeout_s if timeout is None else timeout)
+
     @_failsafe()
     def flush_ring(self, reason: str = "") -> int:
         """Write the full logits of the last ``ring`` steps now; returns how many were written."""

@@ -142,6 +142,19 @@ class Writer:
         except queue.Full:
             return False
 
+    def barrier(self, timeout: float) -> bool:
+        """Wait until every job handed over so far is written; False on timeout."""
+        ev = threading.Event()
+        if self.ring is not None:
+            self._dq.append(ev)  # type: ignore[arg-type]
+            self._wake.set()
+        else:
+            try:
+                self._q.put(ev, timeout=timeout)  # type: ignore[arg-type]
+            except queue.Full:
+                return False
+        return ev.wait(timeout)
+
     def stop(self, timeout: float) -> bool:
         """Finish queued jobs and stop; False if the thread did not end in time."""
         if self.ring is not None:
@@ -168,6 +181,9 @@ class Writer:
             job = self._q.get()
             if job is None:
                 return
+            if isinstance(job, threading.Event):
+                job.set()
+                continue
             self._one(job)
 
     def _run_ring(self) -> None:
@@ -183,6 +199,10 @@ class Writer:
             if job is None:
                 dq.popleft()
                 return
+            if isinstance(job, threading.Event):  # a barrier: everything before it is written
+                dq.popleft()
+                job.set()
+                continue
             if len(dq) == 1 and self.lag_s and job.kind == FrameKind.STEP and job.ack is None:
                 if job.t_hand is None:
                     job.t_hand = time.monotonic()
