@@ -132,6 +132,9 @@ class Recorder:
         # recorder can still be collected.
         ref = weakref.ref(self)
         atexit.register(lambda: (r := ref()) is not None and r.close())
+        # A recorder that never closed: its ring leaves /dev/shm with the process when the drain
+        # had moved everything to the journal (else it stays, for `replay seal` to salvage).
+        atexit.register(lambda: (r := ref()) is not None and r._drop_drained_ring())
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -730,6 +733,16 @@ class Recorder:
             w.journal.close()
         self._close_ring(w)
         self._release_lock()
+
+    def _drop_drained_ring(self) -> None:
+        ring = self._rr
+        if ring is None or ring.tail != ring.head:
+            return
+        try:
+            ring.path.unlink(missing_ok=True)
+            ring_pointer(self.part_dir / f"{rank_stem(self.config.rank)}.journal").unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def ring_stats(self) -> dict[str, Any]:
         """The record ring's size, its full-ring policy, the waits for room and the dropped steps."""
