@@ -16,6 +16,7 @@ from pathlib import Path
 
 from replay.format.h5 import write_rank_file
 from replay.format.journal import reserve_path, scan_journal
+from replay.format.ring_salvage import salvage_ring  # issue 15
 from replay.format.schema import parse_rank_stem
 from replay.format.tables import TablesBuilder
 
@@ -101,7 +102,7 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False) -> SealResult |
 def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int) -> SealResult:
     # The reserve of a writer that is gone (killed, or closing): its room helps the seal fit.
     reserve_path(journal).unlink(missing_ok=True)
-    __import__("replay.format.ring_salvage", fromlist=["x"]).salvage_ring(journal, payload)  # issue 15: a killed rank's record ring
+    salvage_ring(journal, payload)  # issue 15: a killed rank's record ring, into its journal
     builder = TablesBuilder()
     scan = scan_journal(journal, builder.add)
     payload_size = payload.stat().st_size if payload.exists() else 0

@@ -167,7 +167,9 @@ class ShmRing:
             w[7] = expected  # last: the job is whole from here on
 
     def commit_view(self, at: int):  # noqa: ANN201 - a torch int64 view of the job's commit word
-        return self.torch_data()[at + 56 : at + 64].view(__import__("torch").int64)
+        import torch
+
+        return self.torch_data()[at + 56 : at + 64].view(torch.int64)
 
     # -- drain side ------------------------------------------------------------------------
 
