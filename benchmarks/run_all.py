@@ -23,6 +23,7 @@ BENCHES = [
     ("digest throughput", ["benchmarks/bench_digest.py"]),
     ("recorder overhead and writer throughput", ["benchmarks/bench_record.py"]),
     ("finding the first divergence (8 ranks x 100,000 steps)", ["benchmarks/bench_info.py"]),
+    ("comparing two runs: replay diff (8 ranks x 100,000 steps each)", ["benchmarks/bench_diff.py"]),  # issue 17
     ("re-running a step: early vs late", ["benchmarks/bench_rerun.py"]),
     ("reference engine: eager vs graphs", ["benchmarks/bench_mtp.py"] + (["--device", "cuda", "--preset", "small"] if GPU else [])),
 ]

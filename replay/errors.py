@@ -16,6 +16,7 @@ __all__ = [
     "OutOfRange",
     "FactoryError",
     "RerunError",
+    "UntrustedRecording",
 ]
 
 
@@ -67,3 +68,12 @@ class RerunError(ReplayError):
     """A re-run cannot be set up (missing keyframe, collective recorded as digest only, ...)."""
 
     exit_code = 7
+
+
+# issue 16: the trust model (replay/trust.py, docs/security.md)
+class UntrustedRecording(ReplayError):
+    """A re-run would import code that a recording names, and nothing says the user trusts it:
+    the recording is not this user's signed, unchanged recording, and the names are neither
+    ones the user chose nor under a trusted prefix. ``--trust`` consents."""
+
+    exit_code = 8

@@ -123,7 +123,8 @@ def evil(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def worker(evil: dict[str, Path]) -> Any:
     # The evil module is importable in every case: no command that reads a recording may import it.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(evil["dir"]), str(REPO)]), REPLAY_EVIL_MARKER=str(evil["marker"]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(evil["dir"]), str(REPO)]), REPLAY_EVIL_MARKER=str(evil["marker"]),
+               REPLAY_FUZZ_SECRET=SECRET)
     w = Worker(env=env)
     yield w
     w.close()
@@ -171,6 +172,8 @@ def commands(rec: Path, case: Path, *, report: bool = True) -> list[tuple[str, l
     ]
     if report and importlib.util.find_spec("replay.cli.report") is not None:
         cmds.append(("report --json", ["report", "--json", p, "-o", str(case / "report.html")]))
+    if importlib.util.find_spec("replay.cli.diff") is not None:  # issue 17
+        cmds.append(("diff --json", ["diff", "--json", p, p]))
     if importlib.util.find_spec("replay.cli.bisect") is not None:
         cmds.append(("bisect --steps", ["bisect", p, "--steps", "--no-save"]))
     if importlib.util.find_spec("replay.cli.step") is not None:
@@ -537,10 +540,21 @@ def m_layout(case: Path, rng: random.Random) -> str:
     return f"layout: {how}"
 
 
+def m_h5_hostile(case: Path, rng: random.Random) -> str:
+    """What the writer never writes (issue 16): external storage, links, virtual datasets, sparse
+    tables (the named cases below, applied at random among the other mutations)."""
+    if not _rank0(case).is_file() or _rank0(case).is_symlink():
+        return m_h5_table(case, rng)
+    fn = rng.choice([_external_strings, _external_link, _soft_link, _virtual, _sparse_chunked])
+    fn(case)
+    return f"hostile: {fn.__name__.strip('_')}"
+
+
 MUTATORS: list[tuple[Callable[[Path, random.Random], str], int]] = [
     (m_truncate, 3), (m_flip, 4), (m_overwrite, 2), (m_append, 1),
     (m_h5_table, 3), (m_h5_rows, 3), (m_h5_attrs, 2), (m_newer_version, 1),
     (m_journal_json, 4), (m_journal_length, 1), (m_manifest, 2), (m_special_file, 2), (m_layout, 2),
+    (m_h5_hostile, 2),
 ]
 
 
@@ -774,11 +788,19 @@ def test_opening_a_recording_imports_nothing_it_names(worker: Worker, evil: dict
     m.update(factory="evil_factory:build", settings={"factory": "evil_factory:build", "steps": ["evil_factory:build"]})
     (rec / "manifest.json").write_text(json.dumps(m))
     for name, argv in commands(rec, tmp_path):
-        if name in ("step", "seal"):
-            continue  # step is the one command that may import a factory, after showing it
+        if name == "seal":
+            continue
+        # Run inside the directory holding the module (it is on the path), as a user who ran
+        # `python -m replay step .` beside a shipped .py would.
         res = worker.run(argv, cwd=evil["dir"])
         assert judge(res, worker) is None, (name, res)
         assert not marker.exists(), f"`replay {name}` imported the factory named in the recording"
+        if name == "step":
+            # An edited recording: the signature no longer matches, so the re-run says what it
+            # would import and from where, and how to consent (exit 8), and imports nothing.
+            line = _one_line(res, worker)
+            assert res["code"] == 8 and "evil_factory:build" in line and "evil_factory.py" in line, line
+            assert "changed after it was signed" in line and "--trust" in line, line
     # The check would have seen an import.
     env = dict(os.environ, PYTHONPATH=str(evil["dir"]), REPLAY_EVIL_MARKER=str(marker))
     subprocess.run([sys.executable, "-c", "import evil_factory"], env=env, cwd=tmp_path, check=True)
@@ -859,3 +881,209 @@ def test_missing_rank_or_part_is_not_in_the_mapping(small: dict[str, Path]) -> N
         part = rec["run-000"]
         assert 0 in part and 7 not in part and part.get(7) is None and part.get(0) is part[0]
         assert "run-000" in rec and "nosuch" not in rec and rec.get("nosuch") is None
+
+
+# -- hostile recordings (issue 16): the reader accepts only what the writer writes -------------------
+
+
+SECRET = "replay-fuzz-secret-token-6b1f"
+
+
+def _rank0(case: Path) -> Path:
+    return case / "run-000" / "rank-00000.h5"
+
+
+def _external_strings(case: Path) -> None:
+    """/strings declared as external raw storage in /proc/self/environ: the user's tokens."""
+    with h5py.File(_rank0(case), "r+") as h:
+        del h["strings"]
+        h.create_dataset("strings", shape=(64,), dtype="S64", external=[("/proc/self/environ", 0, 64 * 64)])
+
+
+def _external_link(case: Path) -> None:
+    """/steps an ExternalLink into another file (rank 1's)."""
+    other = case / "other.h5"
+    shutil.copy(case / "run-000" / "rank-00001.h5", other)
+    with h5py.File(_rank0(case), "r+") as h:
+        del h["steps"]
+        h["steps"] = h5py.ExternalLink(str(other), "/steps")
+
+
+def _soft_link(case: Path) -> None:
+    with h5py.File(_rank0(case), "r+") as h:
+        h.move("steps", "steps_elsewhere")
+        h["steps"] = h5py.SoftLink("/steps_elsewhere")
+
+
+def _virtual(case: Path) -> None:
+    """/steps a virtual dataset mapping another file's table."""
+    other = case / "other.h5"
+    shutil.copy(case / "run-000" / "rank-00001.h5", other)
+    with h5py.File(other, "r") as o:
+        n, dtype = o["steps"].shape[0], o["steps"].dtype
+    layout = h5py.VirtualLayout(shape=(n,), dtype=dtype)
+    layout[:] = h5py.VirtualSource(str(other), "steps", shape=(n,))
+    with h5py.File(_rank0(case), "r+") as h:
+        del h["steps"]
+        h.create_virtual_dataset("steps", layout)
+
+
+SPARSE_BYTES = 3 << 30
+
+
+def _sparse_huge(case: Path) -> None:
+    """/steps contiguous and 3 GiB long, storage allocated in the file but never written: a file
+    of kilobytes on disk that claims 3 GiB."""
+    f = _rank0(case)
+    with h5py.File(f, "r+") as h:
+        dtype = h["steps"].dtype
+        del h["steps"]
+        n = SPARSE_BYTES // dtype.itemsize
+        ds = h.create_dataset("steps", shape=(n,), dtype=dtype, fill_time="never")
+        ds[n - 1] = np.zeros((), dtype=dtype)
+    st = os.stat(f)
+    assert st.st_size > SPARSE_BYTES and st.st_blocks * 512 < 64 << 20, (st.st_size, st.st_blocks)
+
+
+def _sparse_chunked(case: Path) -> None:
+    """/strings chunked and compressed, claiming 3 GiB of which no chunk is written."""
+    with h5py.File(_rank0(case), "r+") as h:
+        del h["strings"]
+        h.create_dataset("strings", shape=(SPARSE_BYTES // 64,), dtype="S64", chunks=(1 << 16,),
+                         compression="gzip", fletcher32=True)
+
+
+def _escapes_in_names(case: Path) -> None:
+    """Control characters in what names code and in the manifest: every line shows them escaped."""
+    with h5py.File(_rank0(case), "r+") as h:
+        h.attrs["target"] = json.dumps({"step": "x:Engine.step", "factory": "evil\x1b]0;pwned\x07:build", "config": {}})
+        h.attrs["host"] = "host\x1b[2J"
+    m = json.loads((case / "manifest.json").read_text())
+    m["command"] = ["python", "\x1b]0;owned\x07run.py"]
+    (case / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        pytest.param(_external_strings, "external storage", id="external-storage-proc-environ"),
+        pytest.param(_external_link, "external link", id="external-link"),
+        pytest.param(_soft_link, "soft link", id="soft-link"),
+        pytest.param(_virtual, "virtual dataset", id="virtual-dataset"),
+        pytest.param(_sparse_huge, "more than the file holds", id="sparse-3GiB-contiguous"),
+        pytest.param(_sparse_chunked, "more than the file holds", id="sparse-3GiB-chunked"),
+    ],
+)
+def test_hostile_rank_file_is_left_out(worker: Worker, bases: dict[str, Path], tmp_path: Path,
+                                       mutate: Callable[[Path], None], reason: str) -> None:
+    """What the writer never writes is never read: that rank is left out with one line naming
+    the reason, exit 4; nothing from elsewhere (the environment, another file) is shown, and a
+    sparse file is refused at once, within its real size in memory."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["sealed"], case, symlinks=True)
+    mutate(case)
+    for argv in (["info", str(case)], ["info", "--json", str(case)], ["verify", str(case)],
+                 ["report", "--json", str(case), "-o", str(tmp_path / "report.html")]):
+        if argv[0] == "report" and importlib.util.find_spec("replay.cli.report") is None:
+            continue
+        before = worker.base_rss
+        res = worker.run(argv, cwd=tmp_path)
+        assert judge(res, worker) is None, (argv, res)
+        assert res["code"] == 4, (argv, res)
+        text = res["out"] + res["err"]
+        assert "rank 0" in text or "rank-00000" in text, (argv, text)
+        assert reason in text, (argv, reason, text)
+        assert SECRET not in text, "the environment was read through the rank file"
+        assert res["secs"] < 1.0 or argv[0] == "report", (argv, res["secs"])
+        assert res["rss_mb"] - before < 200, (argv, res["rss_mb"], before)
+    html = tmp_path / "report.html"
+    if html.exists():
+        assert SECRET not in html.read_text(errors="replace")
+
+
+def test_control_characters_in_names_reach_no_error_line(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """A factory name carrying an OSC title-set: the line that refuses to import it shows it escaped."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["sealed"], case, symlinks=True)
+    _escapes_in_names(case)
+    res = worker.run(["step", str(case), "--rank", "0", "--step", "1", "--mode", "eager", "--device", "cpu", "--no-save"],
+                     cwd=tmp_path)
+    line = _one_line(res, worker)
+    assert res["code"] == 8 and "\x1b" not in line and "\\x1b]0;pwned" in line, line
+    res = worker.run(["info", "--json", str(case)], cwd=tmp_path)
+    assert "\x1b" not in res["out"], "JSON output must escape control characters"
+
+
+def test_planted_default_recording_is_not_chosen(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """A ``recordings/99999999-...`` planted beside real recordings (sorting last by name, and
+    claiming to start in the future) is not every command's default: the newest by start time is."""
+    import time
+
+    root = tmp_path / "recordings"
+    root.mkdir()
+    planted = root / "99999999-999999-planted"
+    shutil.copytree(bases["sealed"], planted, symlinks=True)
+    m = json.loads((planted / "manifest.json").read_text())
+    m["started_at"] = time.time() + 10 ** 8
+    (planted / "manifest.json").write_text(json.dumps(m))
+    os.utime(planted / "manifest.json", (1.0, 1.0))
+    real = root / "20261201-120000-real"
+    shutil.copytree(bases["sealed"], real, symlinks=True)
+    m = json.loads((real / "manifest.json").read_text())
+    m["started_at"] = time.time()
+    (real / "manifest.json").write_text(json.dumps(m))
+    res = worker.run(["info", "--root", str(root)], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 0, res
+    assert f"using the newest recording, {real}" in res["err"], res["err"]
+
+
+def test_results_symlink_out_of_the_recording(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """``results`` a link to a directory elsewhere: ``bisect --steps`` (which saves its result)
+    writes nothing there."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["sealed"], case, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (case / "results").symlink_to(outside)
+    res = worker.run(["bisect", str(case), "--steps"], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 0, res
+    assert list(outside.iterdir()) == [], "a result was written through the link"
+
+
+def test_sparse_payload_is_not_read(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """A crashed journal whose payload is a sparse 3 GiB file and names one tensor of 3 GiB:
+    `verify` (which reads every stored tensor) reports it, without allocating for it."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["journal"], case)
+    j = case / "run-000" / "rank-00000.journal"
+    payload = j.with_suffix(".payload")
+    size = payload.stat().st_size
+
+    def edit(frames: list[tuple[int, Any]]) -> None:
+        for i, (kind, body) in enumerate(frames):
+            if kind == int(FrameKind.STEP) and body.get("inputs"):
+                body["inputs"][0] = {"name": "huge", "dtype": "uint8", "shape": [SPARSE_BYTES], "dig": "0" * 16,
+                                     "off": size, "n": SPARSE_BYTES}
+                return
+
+    _rewrite_journal(j, edit)
+    os.truncate(payload, size + SPARSE_BYTES)
+    assert payload.stat().st_blocks * 512 < 64 << 20
+    res = worker.run(["verify", "--json", str(case)], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 4, res
+    ranks = {r["rank"]: r for r in json.loads(res["out"])["ranks"]}
+    assert any("sparse" in p for p in ranks[0]["problems"]), ranks[0]
+    assert res["secs"] < 1.0 and res["rss_mb"] - worker.base_rss < 200, res
+
+
+def test_table_in_tiny_chunks_is_refused(worker: Worker, bases: dict[str, Path], tmp_path: Path) -> None:
+    """A table cut into one chunk per row: a read per row is refused as not what the writer writes."""
+    case = tmp_path / "case"
+    shutil.copytree(bases["sealed"], case, symlinks=True)
+    with h5py.File(_rank0(case), "r+") as h:
+        data = h["fields"][()]
+        del h["fields"]
+        h.create_dataset("fields", data=np.resize(data, 5000), chunks=(1,), maxshape=(None,), fletcher32=True)
+    res = worker.run(["info", str(case)], cwd=tmp_path)
+    assert judge(res, worker) is None and res["code"] == 4, res
+    assert "split into 5000 chunks" in res["out"], res["out"]

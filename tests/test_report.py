@@ -270,7 +270,12 @@ def test_help_has_an_example(run_cli):
     assert res.code == 0 and "replay report recordings/" in res.out and "--json" in res.out
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None and not Path("/usr/bin/chromium").exists(), reason="needs chromium")
+_NO_BROWSER = Path(__file__).resolve().parents[1] / ".make" / "browser-unavailable"  # issue 17: written by scripts/install_browser.sh
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None and not Path("/usr/bin/chromium").exists(),
+                    reason="needs chromium: " + (_NO_BROWSER.read_text().strip() if _NO_BROWSER.exists()
+                                                 else "run scripts/install_browser.sh"))  # issue 17: say why
 def test_page_renders_in_headless_chromium(diverged, tmp_path):
     from scripts.report_check import screenshot
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from replay.format.results import read_inside, remove_inside, write_inside  # issue 16
 from replay.log import get_logger
 
 __all__ = ["BisectState", "state_path"]
@@ -43,13 +43,17 @@ class BisectState:
         self.resumed = False
         self.data: dict[str, Any] = {"kind": STATE_KIND, "version": STATE_VERSION, "key": self.key,
                                      "baseline": None, "probes": {}, "done": False}
+        # issue 16: the state is read, written and removed inside <recording>/results only, never
+        # through a symbolic link out of the recording (replay/format/results.py).
+        self._recording = Path(recording)
         if fresh:
-            self.path.unlink(missing_ok=True)
+            remove_inside(self._recording, self.path.name)
             return
         try:
-            old = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return
+            raw = read_inside(self._recording, self.path.name)
+            if raw is None:
+                return
+            old = json.loads(raw.decode("utf-8"))
         except (OSError, ValueError) as e:
             log.warning("ignoring unreadable bisection state %s (%s)", self.path, e)
             return
@@ -64,11 +68,9 @@ class BisectState:
     def save(self) -> None:
         if not self.writable:
             return
-        tmp = self.path.with_suffix(".json.tmp")
         try:
-            self.path.parent.mkdir(exist_ok=True)
-            tmp.write_text(json.dumps(self.data, indent=1, default=str), encoding="utf-8")
-            os.replace(tmp, self.path)  # a reader, or a kill, never sees half a file
+            # issue 16: whole or not at all, and never through a link (replay/format/results.py)
+            write_inside(self._recording, self.path.name, json.dumps(self.data, indent=1, default=str).encode("utf-8"))
         except OSError as e:
             self.writable = False
             log.warning("cannot keep bisection state in %s (%s): an interruption will start over", self.path, e)

@@ -91,12 +91,14 @@ def split_list(items: tuple[str, ...]) -> list[str]:
 @click.option("--factory", default=None, metavar="MODULE:QUALNAME", help="Rebuild the target with this factory instead.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a target toggle in every re-run (JSON value).")
 @click.option("--no-save", is_flag=True, help="Do not save the result beside the recording.")
+@click.option("--trust", is_flag=True,  # issue 16
+              help="Import the code this recording names even though it is not your own signed recording (see docs/security.md).")
 @json_option
 def bisect(run: Path | None, root: str, part: str | None, by_steps: bool, ranks_text: str | None, against_rerun: bool,
            exhaustive: bool, between: str | None, modules_text: tuple[str, ...], context: int, by_config: bool,
            toggles_text: tuple[str, ...], criterion: str | None, against: int | None, max_probes: int | None, fresh: bool,
            probe_timeout: float, rank: int | None, step_index: int | None, mode: str | None, device: str | None,
-           factory: str | None, sets: tuple[str, ...], no_save: bool, as_json: bool) -> int:
+           factory: str | None, sets: tuple[str, ...], no_save: bool, as_json: bool, trust: bool = False) -> int:
     """Bisect RUN (default: the newest recording) across steps, layers or settings."""
     chosen_modes = [name for name, on in (("--steps", by_steps), ("--between", between is not None), ("--config", by_config)) if on]
     if len(chosen_modes) != 1:
@@ -106,6 +108,12 @@ def bisect(run: Path | None, root: str, part: str | None, by_steps: bool, ranks_
     say: Callable[[str], None] = (lambda s: None) if as_json else (lambda s: click.echo(f"replay: {s}", err=True))
     with open_run(run, root, quiet=as_json) as rec:
         p = choose_part(rec, part)
+        if not (by_steps and not against_rerun):  # issue 16: a re-run imports code; say what, before it does
+            from replay.trust import admit_part
+
+            imports = admit_part(p, factory=factory, trust=trust, recording=rec.path)
+            if imports:
+                say(f"importing {', '.join(imports[:3])}{' and more' if len(imports) > 3 else ''} (named by the recording)")
         target = p[next(iter(p))].attrs.get("target") or {}
         dev = device or default_device(target.get("device") if isinstance(target, dict) else None)
         result: Any

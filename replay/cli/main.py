@@ -28,6 +28,7 @@ COMMANDS = {
     "report": "replay.cli.report",
     "verify": "replay.cli.verify",
     "seal": "replay.cli.seal",
+    "diff": "replay.cli.diff",  # issue 17
 }
 
 EPILOG = """\b
@@ -81,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except MemoryError:
+        # issue 16: never an internal error. What ran out is this process's memory; a damaged or
+        # hostile recording that claims more than it stores is refused before it gets here.
+        click.echo("replay: error: out of memory (this command needs more memory than the process may use; "
+                   "`replay verify` checks the recording's files)", err=True)
+        return 4
     except OSError as e:
         # The file system said no (permissions, a full disk, a path that is not a directory):
         # the user's environment, not a bug, so one line that names the path.

@@ -47,18 +47,32 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--stop-on-divergence", is_flag=True, default=None, help="With --check-lockstep: stop at the first mismatch.")
 @click.option("--node-rank", type=int, default=None, help="This node's rank, for multi-node runs sharing --out.")
 @click.option("--grace", type=float, default=30.0, show_default=True, help="Seconds to wait for ranks that outlive CMD.")
+@click.option("--add", is_flag=True, help="Add to the recording already in --out (refused otherwise).")  # issue 16
+@click.option("--run-anyway", is_flag=True,  # issue 16
+              help="Run CMD even when nothing can be recorded (the recording directory cannot be written).")
+@click.option("--permissions", type=click.Choice(["private", "group", "world"]), default=None,  # issue 16
+              help="Who may read the recording: private (0600/0700, the default), group, world. [tool.replay] permissions.")
 @click.option("--quiet", is_flag=True, help="Do not print the summary at the end.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(out, name, steps, profile, state, config_attr, factory, tuner, modules, graph_capture, graph_replay, probes, outputs,
            keyframe_every, ring, collectives, durability, max_bytes, check_lockstep, stop_on_divergence, node_rank,
-           grace, quiet, as_json, cmd) -> int:
+           grace, quiet, as_json, cmd, add=False, run_anyway=False, permissions=None) -> int:
     """Run CMD (after --) and record every rank of every Python process it starts."""
     cmd = list(cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("no command to record: replay record -- CMD ...")
+    # issue 16: recordings are owner-only unless widened; the mode goes to every rank through
+    # the environment (replay/format/perms.py), and the program's umask is left alone.
+    from replay.format import perms as _perms
+
+    try:
+        mode = _perms.Permissions.parse(permissions or _pyproject_permissions() or os.environ.get(_perms.ENV_PERMISSIONS, "private"))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    os.environ[_perms.ENV_PERMISSIONS] = mode.value
     try:
         base = RecordSettings(**load_pyproject_settings(Path.cwd()))
         settings = base.merged(
@@ -76,21 +90,33 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
             if os.environ.get(var, "").isdigit():
                 node_rank = int(os.environ[var])
                 break
+    # issue 16: an --out holding a recording is refused (unless --add, or another node of the
+    # same multi-node run); when nothing can be recorded, --run-anyway decides whether CMD runs.
+    from replay.format.manifest import claim_recording
+
     try:
         if out is not None:
+            fresh = not out.exists()
             out.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                os.chmod(out, _perms.dir_mode())
+            refused = claim_recording(out, node_rank, add=add)
+            if refused is not None:
+                raise UsageError(f"{refused}: give a new --out, or --add to add to it")
             path = out
         else:
             path = recording_dir_for(cmd, Path(default_root()), name)
     except OSError as e:
         where = out if out is not None else Path(default_root())
-        raise UsageError(
-            f"cannot write the recording to {where} ({e.strerror or e}): choose a writable directory with --out"
-        ) from None
+        return _unrecordable(cmd, f"cannot write the recording to {where} ({e.strerror or e})", run_anyway)
     try:
         result = record_command(cmd, settings, out=path, node=node_rank, grace_s=grace)
     except FileNotFoundError:
         raise UsageError(f"command not found: {cmd[0]}") from None
+    except UsageError as e:
+        if "cannot write the recording" not in str(e):
+            raise
+        return _unrecordable(cmd, str(e).split(": choose")[0], run_anyway)
     summary = None
     try:
         with Recording(path) as rec:
@@ -118,3 +144,34 @@ def _node_rank_from_command(cmd: list[str]) -> int | None:
             if a.startswith(flag + "=") and a.split("=", 1)[1].isdigit():
                 return int(a.split("=", 1)[1])
     return None
+
+
+def _pyproject_permissions() -> str | None:
+    """issue 16: ``permissions`` under [tool.replay] of the user's pyproject.toml."""
+    import tomllib
+
+    for d in [Path.cwd(), *Path.cwd().parents]:
+        p = d / "pyproject.toml"
+        if p.is_file():
+            try:
+                v = tomllib.loads(p.read_text()).get("tool", {}).get("replay", {}).get("permissions")
+            except (OSError, ValueError) as e:
+                raise UsageError(f"{p}: cannot read [tool.replay] ({e})") from None
+            return v if isinstance(v, str) else None
+    return None
+
+
+def _unrecordable(cmd: list[str], why: str, run_anyway: bool) -> int:
+    """issue 16: nothing can be recorded. CMD runs unrecorded only if the user said so, and the
+    one line says which happened."""
+    import subprocess
+
+    if not run_anyway:
+        raise UsageError(f"{why}: {cmd[0]} was not run; choose a writable directory with --out, "
+                         "or pass --run-anyway to run it unrecorded")
+    click.echo(f"replay: {why}: running {cmd[0]} unrecorded (--run-anyway)", err=True)
+    try:
+        rc = subprocess.call(cmd)
+    except FileNotFoundError:
+        raise UsageError(f"command not found: {cmd[0]}") from None
+    return rc if rc >= 0 else 128 - rc

@@ -14,6 +14,7 @@ Examples:
   replay report                                   newest recording -> <recording>/report.html
   replay report recordings/20261130-120000-test_mtp -o /tmp/drift.html
   replay report --json | jq .first_divergence
+  replay report recordings/tonight --against recordings/last-night
 """
 
 
@@ -24,8 +25,10 @@ Examples:
     help="Where to write the page (default: report.html inside the recording).",
 )
 @part_option
+@click.option("--against", default=None, metavar="B",  # issue 17
+              help="Add a diff section: this recording against run B (PATH, PATH:PART or PATH:PART/RANK).")
 @json_option
-def report(run: Path | None, root: str, output: Path | None, part: str | None, as_json: bool) -> int:
+def report(run: Path | None, root: str, output: Path | None, part: str | None, against: str | None, as_json: bool) -> int:
     """Write an HTML report of RUN (default: the newest recording) and print its path.
 
     The page shows where ranks first disagree, a ranks x steps agreement map, accepted tokens,
@@ -35,9 +38,17 @@ def report(run: Path | None, root: str, output: Path | None, part: str | None, a
     """
     with open_run(run, root, quiet=as_json) as rec:
         data = build_report(rec, part)
+        if against is not None:  # issue 17
+            from replay.analysis.diff import diff
+
+            data.diff = diff(f"{rec.path}:{data.part}", against).to_json()
     path = write_report(data, output)
     if as_json:
         emit_json({"report": str(path), **data.to_json()})
     else:
+        if data.diff is not None:  # issue 17: the verdict first
+            from replay.textsafe import escape
+
+            click.echo(escape(data.diff["headline"]))
         click.echo(str(path))
     return unreadable_exit(data.summary)

@@ -21,8 +21,11 @@ def seal(run: Path | None, root: str, as_json: bool) -> int:
     if not path.is_dir():
         raise RecordingDamaged(f"{path} is a file, not a recording: give the directory `replay record` wrote")
     results = []
+    from replay.trust import seal_sign_after  # issue 16: sign only what this user's `replay record` started
+
+    sign_after = seal_sign_after(path)
     for part in sorted(p for p in path.iterdir() if p.is_dir()):
-        for r in seal_part(part):
+        for r in seal_part(part, sign_after=sign_after):  # issue 16
             results.append({"part": part.name, "rank": r.rank, "steps": r.steps, "complete": r.complete,
                             "problem": r.problem, "error": r.error})
         live = sorted(j.name for j in part.glob("rank-*.journal") if journal_is_live(j))

@@ -70,10 +70,12 @@ def default_device(recorded: str | None) -> str:
 @click.option("--factory", default=None, metavar="MODULE:QUALNAME", help="Rebuild the target with this factory instead.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a target toggle (JSON value).")
 @click.option("--no-save", is_flag=True, help="Do not save the result beside the recording.")
+@click.option("--trust", is_flag=True,  # issue 16
+              help="Import the code this recording names even though it is not your own signed recording (see docs/security.md).")
 @json_option
 def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_text: str | None, step_index: int,
          mode: str, device: str | None, devices: str | None, repeat: int, factory: str | None, sets: tuple[str, ...],
-         no_save: bool, as_json: bool) -> int:
+         no_save: bool, as_json: bool, trust: bool = False) -> int:
     """Re-run step STEP of a rank of RUN (default: the newest recording) and compare it."""
     if (rank is None) == (ranks_text is None):
         raise UsageError("give --rank R (one rank) or --ranks LIST (several)")
@@ -81,6 +83,10 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
     modes = ["eager", "cudagraph"] if mode == "both" else [mode]
     with open_run(run, root, quiet=as_json) as rec:
         chosen = choose_part(rec, part)
+        from replay.trust import admit_part  # issue 16: one line before anything is imported
+
+        admit_part(chosen, factory=factory, trust=trust, recording=rec.path,
+                   ranks=[rank] if rank is not None else parse_ranks(ranks_text or ""))
         if ranks_text is not None:
             from replay.rerun.multi import rerun_ranks
 

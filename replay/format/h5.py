@@ -143,9 +143,27 @@ def _plain(v: Any) -> Any:
     return str(v)[:1000]
 
 
+# The most bytes one attribute may claim: the largest we write (the target's JSON) is far less.
+_MAX_ATTR_BYTES = 16 << 20
+
+
+def _attr_size_ok(f: h5py.File, name: str) -> bool:
+    """True when attribute ``name`` claims a size worth reading (checked before it is read)."""
+    try:
+        aid = h5py.h5a.open(f.id, name.encode("utf-8"))
+        n = 1
+        for d in aid.shape or ():
+            n *= int(d)
+        return n * max(int(aid.dtype.itemsize), 1) <= _MAX_ATTR_BYTES
+    except (OSError, TypeError, ValueError, KeyError, RuntimeError):
+        return False
+
+
 def _attrs(f: h5py.File) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k in list(f.attrs):
+        if not _attr_size_ok(f, k):
+            continue  # claims more than any attribute we write: not ours, and not worth memory
         try:
             v = _plain(f.attrs[k])
         except (OSError, TypeError, ValueError, KeyError, RuntimeError):
@@ -167,10 +185,91 @@ def _check_header(f: h5py.File, path: Path) -> dict[str, Any]:
 
 
 def _open(path: Path) -> h5py.File:
-    # h5py would block forever opening a FIFO, and read a device: only regular files.
-    if not stat.S_ISREG(os.stat(path).st_mode):
+    # h5py would block forever opening a FIFO, and read a device: only regular files. A link
+    # out of the part directory is not what the writer writes either.
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{path.name} is a symbolic link, not a rank file")
+    if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path.name} is not a regular file")
     return h5py.File(path, "r")
+
+
+# What the writer stores, and nothing else is read: datasets inside the file (contiguous or
+# chunked; never external raw storage, which could name /proc/self/environ, nor a virtual
+# dataset, which maps other files), reached by hard links only (an external link names another
+# file, a soft link another place), with the filters the writer uses.
+_TABLE_FILTERS = frozenset({h5py.h5z.FILTER_FLETCHER32})
+_STRING_FILTERS = frozenset({h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32})
+_LAYOUTS = frozenset({h5py.h5d.CONTIGUOUS, h5py.h5d.CHUNKED})
+# Fixed-length string tables are gzip-compressed padding: they may expand this much, no more.
+_MAX_EXPANSION = 1100  # deflate cannot do better than about 1032:1
+
+
+def _dataset(f: h5py.File, name: str) -> h5py.Dataset | None:
+    """``/name`` if it is a dataset reached by a hard link; None if absent. Links are checked
+    before anything is opened through them: following an external link opens another file."""
+    key = name.encode()
+    if not f.id.links.exists(key):
+        return None
+    kind = f.id.links.get_info(key).type
+    if kind == h5py.h5l.TYPE_SOFT:
+        raise ValueError(f"/{name} is a soft link (the writer never writes links)")
+    if kind != h5py.h5l.TYPE_HARD:
+        raise ValueError(f"/{name} is an external link to another file (the writer never writes links)")
+    ds = f[name]
+    if not isinstance(ds, h5py.Dataset):
+        raise ValueError(f"table /{name} is not a dataset")
+    return ds
+
+
+def _check_storage(ds: h5py.Dataset, name: str, filters: frozenset[int], stored_limit: int) -> int:
+    """Refuse what the writer never writes; the bytes reading ``ds`` would allocate.
+
+    ``stored_limit``: the bytes the file really holds on disk. A dataset is read only if what
+    it claims is backed by storage allocated in the file (``get_storage_size``), and that
+    storage by blocks on disk: a sparse file (kilobytes on disk, gigabytes apparent) is refused
+    at once, not read.
+    """
+    if ds.is_virtual:
+        raise ValueError(f"/{name} is a virtual dataset (it maps other files; the writer never writes one)")
+    if ds.external:
+        raise ValueError(f"/{name} has external storage in {ds.external[0][0]!r} (the writer keeps tables inside the file)")
+    dcpl = ds.id.get_create_plist()
+    if dcpl.get_layout() not in _LAYOUTS:
+        raise ValueError(f"/{name} has a storage layout the writer never uses")
+    used = {dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())}
+    if not used <= filters:
+        raise ValueError(f"/{name} uses a filter the writer never uses ({sorted(used - filters)})")
+    claimed = int(ds.shape[0]) * max(int(ds.dtype.itemsize), 1) if ds.ndim == 1 else 0
+    if claimed == 0:
+        return 0
+    if ds.chunks:
+        # The writer cuts tables into chunks of 16,384 rows: a table split into many more chunks
+        # than that would cost a read per row.
+        rows = int(ds.shape[0])
+        n_chunks = -(-rows // max(int(ds.chunks[0]), 1))
+        if n_chunks > 64 + rows // 1024:
+            raise ValueError(f"/{name} is split into {n_chunks} chunks (the writer uses chunks of {_CHUNK_ROWS} rows)")
+    stored = int(ds.id.get_storage_size())
+    expand = _MAX_EXPANSION if h5py.h5z.FILTER_DEFLATE in used else 1
+    if claimed > stored * expand or stored > stored_limit:
+        raise ValueError(
+            f"table /{name} claims {ds.shape[0]} rows ({claimed} bytes), more than the file holds "
+            f"({min(stored, stored_limit)} bytes stored): a damaged, sparse or hostile file"
+        )
+    return claimed
+
+
+def _stored_bytes(path: Path) -> int:
+    """What the file holds on disk: its size, or its allocated blocks if fewer (a sparse file).
+
+    A file system that compresses can hold more than its blocks say: some slack is allowed.
+    """
+    st = os.stat(path)
+    blocks = getattr(st, "st_blocks", None)
+    on_disk = st.st_size if blocks is None else min(st.st_size, 16 * blocks * 512)
+    return on_disk + (1 << 20)
 
 
 def read_rank_header(path: Path) -> dict[str, Any]:
@@ -178,21 +277,51 @@ def read_rank_header(path: Path) -> dict[str, Any]:
         return _check_header(f, path)
 
 
-def _strings(ds: Any, name: str, limit: int) -> list[str]:
-    if not isinstance(ds, h5py.Dataset) or ds.ndim != 1:
-        raise ValueError(f"table /{name} is missing")
-    # Compressed padding can legitimately hold many times the file's size, but not without bound.
-    if ds.shape[0] > limit or ds.shape[0] * max(ds.dtype.itemsize, 1) > 64 * limit:
+def _strings(f: h5py.File, name: str, limit: int, *, required: bool = True) -> list[str]:
+    ds = _dataset(f, name)
+    if ds is None:
+        if required:
+            raise ValueError(f"table /{name} is missing")
+        return []
+    if ds.ndim != 1:
+        raise ValueError(f"table /{name} has the wrong layout")
+    if ds.dtype.kind != "S" and h5py.check_string_dtype(ds.dtype) is None:
+        raise ValueError(f"table /{name} is not a table of strings")
+    if ds.dtype.kind != "S" and ds.shape[0] * 16 > limit:
+        # Variable-length strings (files sealed before fixed-length ones) live in the global
+        # heap: the entries' own size is what bounds them.
         raise ValueError(f"table /{name} claims {ds.shape[0]} entries, more than the file holds")
+    _check_storage(ds, name, _STRING_FILTERS, limit)
     return [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s) for s in ds[()]]
+
+
+def _payload_size(f: h5py.File, path: Path) -> int:
+    """The size /payload declares. It is the one dataset with external storage, and only in
+    the rank's own payload file beside it (read directly, never through HDF5)."""
+    ds = _dataset(f, "payload")
+    if ds is None or ds.ndim != 1:
+        return 0
+    if ds.is_virtual:
+        raise ValueError("/payload is a virtual dataset (it maps other files; the writer never writes one)")
+    ext = ds.external
+    size = int(ds.shape[0])
+    if ext:
+        want = path.with_suffix(".payload").name
+        if len(ext) != 1 or ext[0][0] != want or int(ext[0][1]) != 0:
+            raise ValueError(f"/payload is stored in {str(ext[0][0])[:100]!r}, not in its own {want}")
+    elif size:
+        # The writer stores a non-empty payload only externally; inside the file it would be read
+        # from the wrong place.
+        raise ValueError("/payload is stored inside the file (the writer keeps it in the .payload file)")
+    return size
 
 
 def read_rank_file(path: Path, *, tables: tuple[str, ...] | None = None) -> RankTables:
     """Read a sealed rank file. ``tables`` limits which tables are loaded (the rest are empty)."""
     with _open(path) as f:
-        # Tables are stored contiguous and uncompressed: one that claims more bytes than the
-        # file holds is damaged or hostile, and reading it could allocate without bound.
-        limit = os.stat(path).st_size + (1 << 20)
+        # Every table must be backed by bytes the file really stores: one that claims more is
+        # damaged or hostile, and reading it could allocate without bound.
+        limit = _stored_bytes(path)
         attrs = _check_header(f, path)
         version = attrs.get("format_version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -201,23 +330,23 @@ def read_rank_file(path: Path, *, tables: tuple[str, ...] | None = None) -> Rank
             # Raised before any table is read, so a newer layout is never misread.
             raise _VersionError(version)
         loaded: dict[str, np.ndarray] = {}
+        budget = limit
         for name, dtype in TABLES.items():
             if tables is not None and name not in tables:
                 loaded[name] = np.zeros(0, dtype=dtype)
                 continue
-            if name not in f:
+            ds = _dataset(f, name)
+            if ds is None:
                 raise ValueError(f"table /{name} is missing")
-            ds = f[name]
-            if not isinstance(ds, h5py.Dataset) or ds.dtype != dtype or ds.ndim != 1:
+            if ds.dtype != dtype or ds.ndim != 1:
                 raise ValueError(f"table /{name} has the wrong layout")
-            if ds.shape[0] * dtype.itemsize > limit:
-                raise ValueError(f"table /{name} claims {ds.shape[0]} rows, more than the file holds")
+            budget -= _check_storage(ds, name, _TABLE_FILTERS, limit)
+            if budget < 0:
+                raise ValueError(f"the tables of {path.name} claim more bytes than the file holds")
             loaded[name] = ds[()]
-        strings = _strings(f.get("strings"), "strings", limit)
-        events_ds = f.get("events")
-        events = _strings(events_ds, "events", limit) if isinstance(events_ds, h5py.Dataset) else []
-        payload = f.get("payload")
-        payload_size = int(payload.shape[0]) if isinstance(payload, h5py.Dataset) and payload.ndim == 1 else 0
+        strings = _strings(f, "strings", limit)
+        events = _strings(f, "events", limit, required=False)
+        payload_size = _payload_size(f, path)
     t = RankTables(attrs=attrs, strings=strings, events=events, payload_size=payload_size, **loaded)
     check_payload_bounds(t)
     return t

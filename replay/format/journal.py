@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from replay.format import perms as _perms  # issue 16
+
 __all__ = [
     "FrameKind",
     "Frame",
@@ -78,9 +80,9 @@ class JournalWriter:
         self.max_bytes = max_bytes
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
         # O_EXCL: two processes that believe they are the same rank must not interleave frames.
-        self._jfd = os.open(journal_path, flags, 0o644)
+        self._jfd = _perms.open_new(journal_path, flags)  # issue 16: owner-only unless widened
         try:
-            self._pfd = os.open(payload_path, flags, 0o644)
+            self._pfd = _perms.open_new(payload_path, flags)  # issue 16: owner-only unless widened
         except BaseException:
             os.close(self._jfd)
             raise
@@ -101,7 +103,7 @@ class JournalWriter:
         flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         self._jfd = os.open(journal_path, flags)
         try:
-            self._pfd = os.open(payload_path, flags | os.O_CREAT, 0o644)
+            self._pfd = os.open(payload_path, flags) if payload_path.exists() else _perms.open_new(payload_path, flags)
         except BaseException:
             os.close(self._jfd)
             raise
@@ -215,7 +217,7 @@ def reserve_path(journal_path: Path) -> Path:
 
 
 def _write_reserve(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = _perms.open_new(path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0))  # issue 16: mode
     try:
         _write_all(fd, memoryview(bytes(RESERVE_BYTES)))
     except BaseException:
@@ -268,7 +270,7 @@ def scan_journal(path: Path, on_frame: Callable[[Frame], None]) -> JournalScan:
     pos = 0
     problem: str | None = None
     # O_NONBLOCK: opening a FIFO put where a journal should be must not block forever.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))  # issue 16: no links
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)

@@ -7,6 +7,7 @@ elsewhere) so nodes sharing a filesystem never overwrite each other; readers mer
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from replay.format import perms
 from replay.format.schema import FORMAT_VERSION
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "numerics_env",
     "versions",
     "create_exclusive",
+    "manifest_name",
+    "claim_recording",
 ]
 
 RECORDING_KIND = "replay-recording"
@@ -126,7 +130,8 @@ def _int_env(name: str, default: int | None) -> int | None:
 def create_exclusive(path: Path, text: str) -> bool:
     """Write ``text`` to ``path`` only if it does not exist yet, atomically. True if written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    tmp.unlink(missing_ok=True)
+    perms.write_new(tmp, text.encode())
     try:
         os.link(tmp, path)
         return True
@@ -147,12 +152,45 @@ def write_manifest(recording: Path, data: dict[str, Any], *, node: int | None = 
         return path
     tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
+        tmp.unlink(missing_ok=True)
+        perms.write_new(tmp, text.encode())  # the recording's file mode, whatever the umask
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not leave a stray empty file behind
         raise
     return path
+
+
+def manifest_name(node: int | None) -> str:
+    return "manifest.json" if not node else f"manifest.node{node}.json"
+
+
+def claim_recording(out: Path, node: int | None, *, add: bool = False) -> str | None:
+    """Make ``out`` this launcher's recording, atomically; None if done, else why it cannot be.
+
+    A directory that already holds a recording is refused, so that two commands never share one
+    recording and a last-writer manifest: unless ``add`` (the user asks to add to it), or this
+    is another node of the same multi-node run (each node claims its own manifest file, and
+    only a node rank says there are several). The claim is a manifest saying the recording is
+    starting, created only if absent; ``replay record`` then rewrites it.
+    """
+    name = manifest_name(node)
+    if not add:
+        existing = sorted(p.name for p in out.glob("manifest*.json"))
+        parts = sorted(p.name for p in out.iterdir() if p.is_dir() and any(p.glob("rank-*.*")))
+        if name in existing:
+            return f"{out} already holds a recording ({name})"
+        if node is None and (existing or parts):
+            return f"{out} already holds a recording ({', '.join((existing + parts)[:3])})"
+    body = {"format_version": FORMAT_VERSION, "kind": RECORDING_KIND, "status": "starting", "node": node,
+            "started_at": time.time(), "written_at": time.time()}
+    if add:
+        if not (out / name).exists():
+            create_exclusive(out / name, json.dumps(body, indent=2, sort_keys=True))
+        return None
+    if not create_exclusive(out / name, json.dumps(body, indent=2, sort_keys=True)):
+        return f"{out} already holds a recording ({name}, written just now by another command)"
+    return None
 
 
 def read_manifests(recording: Path) -> list[dict[str, Any]]:
@@ -162,12 +200,15 @@ def read_manifests(recording: Path) -> list[dict[str, Any]]:
         try:
             # Only a regular file, read with a bound: a manifest that is a link to /dev/zero or a
             # FIFO must neither fill memory nor block.
-            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            # O_NOFOLLOW: the writer never writes links, and one could name any JSON file of the user's.
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
             with os.fdopen(fd, "rb") as fh:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     raise ValueError(f"{p.name} is not a regular file")
                 raw = fh.read(_MAX_MANIFEST_BYTES + 1)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ValueError(f"{p.name} is a symbolic link, not a manifest") from None
             raise ValueError(f"{p.name} cannot be read ({e.strerror or e.__class__.__name__})") from None
         if len(raw) > _MAX_MANIFEST_BYTES:
             raise ValueError(f"{p.name} is implausibly large")

@@ -8,6 +8,7 @@ line naming the file.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import stat
@@ -45,16 +46,50 @@ _SUMMARY_TABLES = ("steps", "fields", "graphs", "kernels", "tuner")
 
 
 def find_recordings(root: Path) -> list[Path]:
-    """Recordings directly under ``root``, oldest first (by their manifest or directory time)."""
+    """Recordings directly under ``root``, oldest first, by when they started.
+
+    The time is the manifest's ``started_at`` (``created_at`` for a recording made by a
+    ``Recorder`` alone), never the directory's name: a planted ``recordings/99999999-...`` must
+    not become every command's default. A recorded time later than the manifest file's own
+    change time (which a user cannot set) is not believed. Symbolic links are not followed.
+    """
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _looks_like_recording(p)]
+    found = []
+    for p in root.iterdir():
+        try:
+            if p.is_symlink() or not p.is_dir() or not _looks_like_recording(p):
+                continue
+        except OSError:
+            continue
+        found.append((_started(p), p.name, p))
+    return [p for _, _, p in sorted(found)]
 
-    def when(p: Path) -> float:
-        m = p / "manifest.json"
-        return (m if m.exists() else p).stat().st_mtime
 
-    return sorted(found, key=lambda p: (p.name, when(p)))
+def _started(p: Path) -> float:
+    """When recording ``p`` started, as far as can be believed (see ``find_recordings``)."""
+    m = p / "manifest.json"
+    try:
+        st = os.lstat(m) if m.exists() else os.lstat(p)
+    except OSError:
+        return 0.0
+    claimed = None
+    if stat.S_ISREG(st.st_mode):
+        try:
+            manifests = read_manifests(p)
+        except ValueError:
+            manifests = []
+        for data in manifests[:1]:
+            for key in ("started_at", "created_at"):
+                v = data.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    claimed = float(v)
+                    break
+    if claimed is not None and claimed <= st.st_ctime + 2.0:
+        return claimed
+    # No start time, or one after the file was last changed (so not true): the modification
+    # time, which a file's owner can set, but never later than what the system recorded.
+    return min(st.st_mtime, st.st_ctime)
 
 
 def _looks_like_recording(p: Path) -> bool:
@@ -79,7 +114,6 @@ def resolve_recording(path: str | os.PathLike | None, root: str | os.PathLike = 
         raise RecordingNotFound(
             f"no recording under {root}/: make one with `replay record -- CMD`, or give its path"
         )
-    # Names start with a sortable timestamp, so the last by name is the newest.
     return rec[-1], True
 
 
@@ -185,6 +219,10 @@ class RankFile:
             ) from None
         except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, OverflowError) as e:
             raise RecordingDamaged(f"{self.path}: cannot be read ({_describe(e)}); `replay verify` says more") from None
+        except MemoryError:
+            raise RecordingDamaged(
+                f"{self.path}: cannot be read (it needs more memory than this process may use); `replay verify` says more"
+            ) from None
 
     def _load_journal(self) -> RankTables:
         builder = TablesBuilder()
@@ -259,16 +297,28 @@ class RankFile:
             # O_NONBLOCK and the checks below: a FIFO or device put where the payload should be
             # must not block, and a row claiming more bytes than the file has must not make us
             # allocate them.
-            fd = os.open(self.payload_path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            # O_NOFOLLOW: the writer never writes links; one could point at any file of the user's.
+            fd = os.open(self.payload_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
             with os.fdopen(fd, "rb") as fh:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise RecordingDamaged(f"{self.payload_path}: is not a regular file")
                 if offset + nbytes > st.st_size:
                     raise RecordingDamaged(f"{self.payload_path}: ends before tensor {name!r} (file truncated)")
+                # The payload is written front to back, never with holes: a sparse one (a file of
+                # kilobytes claiming gigabytes) is not what the writer writes, and reading a
+                # tensor from it would allocate memory for bytes that are not there.
+                blocks = getattr(st, "st_blocks", None)
+                if blocks is not None and nbytes > 16 * blocks * 512 + (1 << 20):
+                    raise RecordingDamaged(
+                        f"{self.payload_path}: tensor {name!r} claims {nbytes} bytes but the file stores only "
+                        f"{blocks * 512} (a sparse or hostile file)"
+                    )
                 fh.seek(offset)
                 data = fh.read(nbytes)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RecordingDamaged(f"{self.payload_path}: is a symbolic link, not a payload file") from None
             raise RecordingDamaged(f"{self.payload_path}: cannot be read ({_describe(e)})") from None
         if len(data) != nbytes:
             raise RecordingDamaged(f"{self.payload_path}: ends before tensor {name!r} (file truncated)")
@@ -393,6 +443,11 @@ class Recording(Mapping[str, Part]):
                 )
         parts = sorted(p for p in self.path.iterdir() if p.is_dir() and _is_part_dir(p))
         if not parts:
+            if self.manifests and self.manifest.get("status") in ("starting", "recording") and "exit_code" not in self.manifest:
+                raise RecordingDamaged(
+                    f"{self.path}: no rank has started recording yet: the command{_started_note(self.manifest)} is "
+                    "still starting (or its `replay record` was killed before any rank began); try again in a moment"
+                )
             if self.manifests:
                 raise RecordingDamaged(
                     f"{self.path}: nothing was recorded: the command ended before any rank started recording"
@@ -447,6 +502,18 @@ def open_recording(path: str | os.PathLike | None = None, root: str | os.PathLik
 def _exit_note(manifest: dict[str, Any]) -> str:
     code = manifest.get("exit_code")
     return f" (its exit code was {code})" if isinstance(code, int) and not isinstance(code, bool) else ""
+
+
+def _started_note(manifest: dict[str, Any]) -> str:
+    t = manifest.get("started_at")
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+        import time
+
+        try:
+            return f" (started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))})"
+        except (OverflowError, OSError, ValueError):
+            return ""
+    return ""
 
 
 def _describe(e: BaseException) -> str:

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from replay.format import perms
 from replay.format.h5 import write_rank_file
 from replay.format.journal import reserve_path, scan_journal
 from replay.format.ring_salvage import salvage_ring  # issue 15
@@ -32,6 +33,7 @@ class SealResult:
     problem: str | None  # why the journal ended early (a kill mid-frame), if it did
     lost_bytes: int
     error: str | None = None  # why it could not be sealed (its journal is kept, still readable)
+    signed: bool = False  # signed with this user's key (see replay/trust.py)
 
 
 def rank_paths(part_dir: Path, rank: int) -> tuple[Path, Path, Path]:
@@ -79,10 +81,13 @@ def _lock_for_sealing(journal: Path) -> int | None:
     return fd
 
 
-def seal_rank(part_dir: Path, rank: int, *, force: bool = False) -> SealResult | None:
+def seal_rank(part_dir: Path, rank: int, *, force: bool = False, sign_after: float | None = None) -> SealResult | None:
     """Seal one rank's journal. Returns None when there is nothing to seal (or it is live).
 
-    ``force``: the caller is the journal's own writer, which holds its lock.
+    ``force``: the caller is the journal's own writer, which holds its lock; the sealed file is
+    signed with this user's key (``replay.trust``): it names only what this process recorded.
+    ``sign_after``: sign it too if the journal was last written at or after this time (a
+    ``replay record`` sealing the ranks its own command left behind).
     """
     journal, payload, h5 = rank_paths(part_dir, rank)
     if not journal.exists():
@@ -93,13 +98,18 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False) -> SealResult |
         if fd is None:
             return None
     try:
-        return _seal_locked(journal, payload, h5, rank)
+        try:
+            written = os.stat(journal).st_mtime
+        except OSError:
+            written = 0.0
+        sign = force or (sign_after is not None and written >= sign_after - 1.0)
+        return _seal_locked(journal, payload, h5, rank, sign=sign)
     finally:
         if fd is not None:
             os.close(fd)
 
 
-def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int) -> SealResult:
+def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int, *, sign: bool = False) -> SealResult:
     # The reserve of a writer that is gone (killed, or closing): its room helps the seal fit.
     reserve_path(journal).unlink(missing_ok=True)
     salvage_ring(journal, payload)  # issue 15: a killed rank's record ring, into its journal
@@ -112,12 +122,13 @@ def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int) -> SealResul
         tables.attrs["journal_problem"] = scan.problem
         tables.attrs["lost_bytes"] = scan.total_bytes - scan.valid_bytes
     if not payload.exists():
-        payload.touch()
+        os.close(perms.open_new(payload, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)))
     # A name of our own: a sealer killed half-way leaves only its own temporary file behind.
     tmp = h5.with_name(f"{h5.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
         write_rank_file(tables, tmp, payload.name)
+        perms.set_file_mode(tmp)  # h5py creates with the umask's mode; a recording is the user's
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, h5)
@@ -125,6 +136,11 @@ def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int) -> SealResul
         tmp.unlink(missing_ok=True)
         raise
     journal.unlink()
+    signed = False
+    if sign:
+        from replay.trust import sign_rank
+
+        signed = sign_rank(h5, tables.attrs.get("target"))
     return SealResult(
         rank=rank,
         path=h5,
@@ -132,11 +148,12 @@ def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int) -> SealResul
         complete=bool(tables.attrs.get("complete")),
         problem=scan.problem,
         lost_bytes=scan.total_bytes - scan.valid_bytes,
+        signed=signed,
     )
 
 
-def seal_part(part_dir: Path) -> list[SealResult]:
-    """Seal every journal of a part whose process has ended.
+def seal_part(part_dir: Path, *, sign_after: float | None = None) -> list[SealResult]:
+    """Seal every journal of a part whose process has ended (``sign_after``: see ``seal_rank``).
 
     A journal that cannot be sealed (a full disk, an unwritable directory, a damaged header) is
     left as it is, still readable, and reported with ``error`` set: one bad rank never stops the
@@ -148,7 +165,7 @@ def seal_part(part_dir: Path) -> list[SealResult]:
         if rank is None:
             continue
         try:
-            r = seal_rank(part_dir, rank)
+            r = seal_rank(part_dir, rank, sign_after=sign_after)
         except Exception as e:  # noqa: BLE001 - whatever is wrong with one journal, the others are sealed
             r = SealResult(rank=rank, path=j, steps=0, complete=False, problem=None, lost_bytes=0, error=_describe(e))
         if r is not None:

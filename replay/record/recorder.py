@@ -38,6 +38,7 @@ from replay.digest import local_tensor
 from replay.format.journal import FrameKind, JournalWriter
 from replay.format.manifest import host_facts, numerics_env, numerics_flags, versions, write_manifest
 from replay.format.schema import FORMAT_VERSION, TensorKind, dtype_to_str, rank_stem
+from replay.format import perms as _perms  # issue 16
 from replay.format.ring_salvage import assemble_collectives as _assemble_collectives
 from replay.format.seal import seal_rank
 from replay.log import get_logger
@@ -140,7 +141,9 @@ class Recorder:
 
     def _open(self) -> None:
         cfg = self.config
-        self.part_dir.mkdir(parents=True, exist_ok=True)
+        # issue 16: the recording and part directories are owner-only unless widened (replay/format/perms.py)
+        _perms.mkdir(self.part_dir.parent, parents=True, exist_ok=True)
+        _perms.mkdir(self.part_dir, exist_ok=True)
         stem = rank_stem(cfg.rank)
         journal = JournalWriter(
             self.part_dir / f"{stem}.journal", self.part_dir / f"{stem}.payload", max_bytes=cfg.max_bytes
@@ -199,7 +202,8 @@ class Recorder:
                 return [f"the record ring could not be registered with CUDA ({why}): steps go to the writer thread"]
         pointer = ring_pointer(journal_path)
         tmp = pointer.with_name(pointer.name + ".tmp")
-        tmp.write_text(str(ring.path) + "\n")
+        tmp.unlink(missing_ok=True)
+        _perms.write_new(tmp, (str(ring.path) + "\n").encode())
         os.replace(tmp, pointer)
         self._rr = ring
         self._staging = Staging(ring, block=cfg.ring_full == "block", timeout=cfg.sync_timeout_s)

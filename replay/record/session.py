@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from replay.format import perms as _perms  # issue 16
 from replay.log import get_logger
 from replay.record.config import RecorderConfig
 from replay.record.calls import access, call_key, capturing, name_outputs, split_arguments, weakrefable
@@ -45,7 +46,7 @@ def allocate_part(out: Path) -> str:
     for i in range(100_000):
         name = f"run-{i:03d}"
         try:
-            (out / name).mkdir()
+            _perms.mkdir(out / name)  # issue 16: owner-only unless widened, whatever the umask
             return name
         except FileExistsError:
             continue

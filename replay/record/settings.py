@@ -119,6 +119,8 @@ def load_pyproject_settings(start: Path) -> dict[str, Any]:
             except (OSError, ValueError) as e:
                 raise ValueError(f"{p}: cannot read [tool.replay] ({e})") from None
             table = {k.replace("-", "_"): v for k, v in data.get("tool", {}).get("replay", {}).items()}
+            # issue 16: keys read elsewhere: `trusted` by replay/trust.py, `permissions` by replay record
+            table = {k: v for k, v in table.items() if k not in ("trusted", "permissions")}
             known = {f.name for f in fields(RecordSettings)}
             unknown = sorted(set(table) - known)
             if unknown:

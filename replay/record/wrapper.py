@@ -22,6 +22,7 @@ from typing import Any
 
 import replay
 from replay.errors import UsageError
+from replay.format import perms as _perms  # issue 16
 from replay.format.manifest import write_manifest
 from replay.format.seal import SealResult, journal_is_live, seal_part
 from replay.log import get_logger
@@ -67,7 +68,7 @@ def recording_dir_for(cmd: list[str], root: Path, name: str | None = None) -> Pa
     for i in range(1, 1000):
         p = root / (base if i == 1 else f"{base}-{i}")
         try:
-            p.mkdir()
+            _perms.mkdir(p)  # issue 16: owner-only unless widened, whatever the umask
             return p
         except FileExistsError:
             continue
@@ -118,7 +119,7 @@ def record_command(
         "replay_version": replay.__version__,
     }
     try:
-        write_manifest(out, manifest, node=node)
+        _sign_manifest(write_manifest(out, manifest, node=node))  # issue 16: this user started it
     except OSError as e:
         raise UsageError(
             f"cannot write the recording to {out} ({e.strerror or e}): choose a writable directory with --out"
@@ -172,7 +173,7 @@ def record_command(
             signal.signal(sig, h)
     result = RecordResult(path=out, exit_code=rc if rc >= 0 else 128 - rc, signal=-rc if rc < 0 else None)
     try:
-        _finish(out, result, grace_s)
+        _finish(out, result, grace_s, sign_after=started)  # issue 16: sign what this command recorded
     except OSError as e:
         _warn(f"could not finish the recording in {out} ({e}); its journals are kept and readable")
     manifest.update(
@@ -187,14 +188,14 @@ def record_command(
     return result
 
 
-def _finish(out: Path, result: RecordResult, grace_s: float) -> None:
+def _finish(out: Path, result: RecordResult, grace_s: float, sign_after: float | None = None) -> None:
     """Wait for ranks that outlive CMD, seal what they left, tidy empty parts."""
     # Rank processes can outlive CMD (a launcher killed first): give them a moment to finish.
     deadline = time.monotonic() + grace_s
     while _any_live(out) and time.monotonic() < deadline:
         time.sleep(0.1)
     for part in sorted(p for p in out.iterdir() if p.is_dir()):
-        for r in seal_part(part):
+        for r in seal_part(part, sign_after=sign_after):  # issue 16
             if r.error is not None:
                 _warn(f"could not seal {part.name} rank {r.rank} ({r.error}); its journal is kept and readable")
             result.sealed.append((part.name, r))
@@ -215,9 +216,16 @@ def _parts(out: Path) -> list[str]:
         return []
 
 
+def _sign_manifest(path: Path) -> None:
+    # issue 16: a manifest signed by this user says `replay seal` may sign what it seals here
+    from replay.trust import sign_manifest
+
+    sign_manifest(path)
+
+
 def _try_write_manifest(out: Path, manifest: dict[str, Any], node: int | None) -> None:
     try:
-        write_manifest(out, manifest, node=node)
+        _sign_manifest(write_manifest(out, manifest, node=node))  # issue 16
     except OSError as e:
         _warn(f"could not write the manifest of {out} ({e.strerror or e}); the rank files are kept")
 

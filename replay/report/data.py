@@ -127,6 +127,7 @@ class Report:
     kernel_tables: list[dict[str, Any]]
     results: list[dict[str, Any]] = field(default_factory=list)
     skipped_results: list[str] = field(default_factory=list)
+    diff: dict[str, Any] | None = None  # issue 17: `replay diff` against another run (--against), as its JSON
 
     @property
     def bin_size(self) -> int:
@@ -186,6 +187,7 @@ class Report:
             "kernels": self.kernel_tables,
             "results": self.results,
             "skipped_results": self.skipped_results,
+            **({"diff": self.diff} if self.diff is not None else {}),  # issue 17
         }
 
 
@@ -579,10 +581,15 @@ def load_results(recording: Path) -> tuple[list[dict[str, Any]], list[str]]:
     skipped and named in the second list.
     """
     folder = Path(recording) / "results"
+    if folder.is_symlink():  # issue 16: never read (and embed in a shareable page) files from outside the recording
+        return [], ["results: a symbolic link out of the recording, not read"]
     if not folder.is_dir():
         return [], []
     results, skipped = [], []
     for p in sorted(folder.glob("*.json"))[:_MAX_RESULTS]:
+        if p.is_symlink():  # issue 16: as above
+            skipped.append(f"{p.name}: a symbolic link, not read")
+            continue
         try:
             if p.stat().st_size > _MAX_RESULT_BYTES:
                 skipped.append(f"{p.name}: larger than {_MAX_RESULT_BYTES >> 20} MiB")

@@ -425,6 +425,11 @@ def render_html(rep: Report) -> str:
     body = "".join(
         [_summary(rep), _agreement(rep), _accepted(rep), _margins(rep), _timeline(rep), _tuner(rep), _results(rep)]
     )
+    if rep.diff is not None:  # issue 17: `replay report A --against B` leads with the diff
+        from replay.report.diff_section import SECTION_ID, SECTION_TITLE, render_diff_section
+
+        nav = f'<a href="#{SECTION_ID}">{SECTION_TITLE}</a>' + nav
+        body = render_diff_section(rep.diff) + body
     made = time.strftime("%Y-%m-%d %H:%M:%S")
     return (
         "<!DOCTYPE html>\n"
@@ -448,7 +453,10 @@ def write_report(rep: Report, out: str | os.PathLike | None = None) -> Path:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(page)
-            os.chmod(tmp, 0o644)
+            # issue 16: inside the recording the page gets the recording's mode (owner-only by default)
+            from replay.format import perms as _perms
+
+            os.chmod(tmp, _perms.file_mode() if out is None else 0o644)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -39,6 +39,8 @@ class TargetSpec:
     outputs: list[str] = field(default_factory=list)
     profile: str | None = None
     probes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    # issue 16: the rank file the names came from (None: a spec the caller built), for replay.trust
+    origin: Any = None
 
     @classmethod
     def from_rank_file(cls, rf: RankFile) -> "TargetSpec":
@@ -59,6 +61,7 @@ class TargetSpec:
             profile=t.get("profile") if isinstance(t.get("profile"), str) else None,
             probes=[(str(p[0]), tuple(str(n) for n in p[1])) for p in t.get("probes") or []
                     if isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)],
+            origin=rf,  # issue 16
         )
 
 
@@ -70,7 +73,7 @@ def _import_qualified(name: str, what: str) -> Any:
         obj: Any = importlib.import_module(mod)
     except ImportError as e:
         raise FactoryError(f"cannot import {mod} for {what} {name} ({e}); is the package installed here?") from None
-    except Exception as e:  # noqa: BLE001 - user code failed while importing
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - user code failed while importing (issue 16: exits too)
         raise FactoryError(f"importing {mod} for {what} {name} failed: {e.__class__.__name__}: {e}") from None
     for part in qual.split("."):
         try:
@@ -165,6 +168,12 @@ def build_target(
     mod, _, qual = spec.step.partition(":")
     is_method = "." in qual
     fac_name = factory or spec.factory
+    # issue 16: nothing a recording names is imported without the user's consent (replay/trust.py)
+    if spec.origin is not None:
+        from replay import trust
+
+        named = ([] if factory or fac_name is None else [fac_name]) + ([] if is_method else [spec.step])
+        trust.admit(spec.origin, named + [p for p, _ in spec.probes], user_names=[factory] if factory else [])
     obj: Any = None
     if fac_name is None:
         if is_method:
@@ -182,7 +191,7 @@ def build_target(
             ) from None
         try:
             obj = fac(spec.config, rank=rank, world_size=world_size, device=device, options=options)
-        except Exception as e:  # noqa: BLE001 - the factory is user code
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - the factory is user code (issue 16: exits too)
             raise FactoryError(f"factory {fac_name} failed: {e.__class__.__name__}: {e}") from None
     if is_method:
         method = qual.split(".")[-1]

@@ -8,7 +8,10 @@ reading a hostile file), hangs, or allocates without bound is counted and the fu
 with a fresh worker, instead of taking pytest down. torch and h5py are imported once, so a case
 costs milliseconds, not the seconds an interpreter takes to start. The address space is capped
 (``--max-gb`` above what the imports took): a case that tries to allocate more gets a
-MemoryError, which the CLI reports as an internal error, and the fuzzer counts as one.
+MemoryError, which the CLI must report as one error line (exit 4), never an internal error; the
+reader refuses a file that claims more than it stores before it allocates anything. The worker
+inherits ``$REPLAY_FUZZ_SECRET``, so a case that reads the environment through a rank file
+(external storage in ``/proc/self/environ``) is seen by the fuzzer.
 """
 
 from __future__ import annotations

@@ -1,0 +1,326 @@
+"""``replay diff A B``: two runs compared, what differs first, then what else differs.
+
+A and B are recordings, parts or ranks (``recA``, ``recA:run-000``, ``recA:run-000/3``). The
+comparison is organised in streams, one per pair of ranks (rank r of A with rank r of B when the
+runs have as many ranks; every rank of the wider run with a rank of the narrower one otherwise).
+Per stream (``replay.analysis.diff_streams``): the first (step, field) whose bits differ, the first
+token divergence and the margin there, how many steps differ. Fields laid out differently in the
+two runs (TP=N against TP=M) are taken out of the streams and compared whole, once their shards
+are put back together (``replay.analysis.unshard``). Runs that batched differently are aligned by
+request and position where they can be (``replay.analysis.align``). Then what else differs, most
+likely cause first (``replay.analysis.diff_context``).
+
+Verdicts are never claimed beyond what was compared: a step that raised, a step one side did not
+record, a field that could not be read back whole, each keeps the verdict from "the same".
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay.analysis.align import BatchAlignment, align_batches
+from replay.analysis.diff_context import Category, RankMeta, context_differences, first_numerics_difference, rank_meta
+from replay.analysis.diff_records import (
+    DiffOptions, DiffVerdict, FirstDifference, RecordingDiff, RunDiff, StreamDiff, UnshardedField, worst,
+)
+from replay.analysis.diff_sides import Side, open_sides
+from replay.analysis.diff_streams import Names, compare_stream, used_ids, within_tolerance
+from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_shape, whole_tensor
+from replay.format.reader import RankFile
+
+__all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "RecordingDiff",
+           "diff_runs", "diff"]
+
+
+# -- fields laid out differently ----------------------------------------------------------------
+
+
+def _field_names(rf: RankFile) -> list[str]:
+    t = rf.tables
+    return [t.string(int(i)) for i in used_ids(t.fields["field"])]
+
+
+def _unsharded(name: str, a: Side, b: Side, la: Layout, lb: Layout, opts: DiffOptions, worlds: tuple[int, int]) -> UnshardedField:
+    fa, fb = [a.part[r] for r in a.part], [b.part[r] for r in b.part]
+    common = np.intersect1d(fa[0].tables.steps["step"], fb[0].tables.steps["step"])
+    u = UnshardedField(field=name, layout_a=la.describe(), layout_b=lb.describe(), verdict=DiffVerdict.SAME)
+    for w, files, lay, world in (("A", fa, la, worlds[0]), ("B", fb, lb, worlds[1])):
+        if lay.kind is LayoutKind.SHARDED and [rf.rank for rf in files] != list(range(world)):
+            u.verdict = DiffVerdict.INCOMPLETE
+            u.note = (f"{w}: sharded over {world} ranks but rank files {', '.join(str(rf.rank) for rf in files)} are "
+                      "all there is: it cannot be unsharded; not compared")
+            return u
+    from replay.analysis.compare import Verdict, compare_tensors
+
+    for step in common[: opts.max_tensor_compares]:
+        step = int(step)
+        ta, tb = whole_tensor(fa, step, name, la), whole_tensor(fb, step, name, lb)
+        if isinstance(ta, Missing) or isinstance(tb, Missing):
+            u.verdict = DiffVerdict.INCOMPLETE
+            u.note = f"{'A' if isinstance(ta, Missing) else 'B'}: {ta if isinstance(ta, Missing) else tb}; not compared"
+            return u
+        u.compared_steps += 1
+        rtol, atol = opts.tolerances()
+        c = compare_tensors(ta, tb, name_a="A", name_b="B", rtol=rtol, atol=atol, k=opts.topk)
+        if c.verdict is Verdict.BITWISE_EQUAL or (opts.tolerant and within_tolerance(c, opts)):
+            if c.verdict is not Verdict.BITWISE_EQUAL and u.verdict is DiffVerdict.SAME:
+                u.verdict = DiffVerdict.WITHIN_TOLERANCE
+            continue
+        u.differing_steps += 1
+        if u.first_step is None:
+            u.first_step, u.comparison = step, c.to_json()
+        u.verdict = DiffVerdict.DIFFERENT
+    if common.size == 0:
+        u.verdict, u.note = DiffVerdict.INCOMPLETE, "no step recorded in both"
+    elif common.size > opts.max_tensor_compares and u.verdict is not DiffVerdict.DIFFERENT:
+        u.verdict = DiffVerdict.INCOMPLETE
+        u.note = f"compared the first {opts.max_tensor_compares} of {common.size} steps (--max-tensor-compares)"
+    return u
+
+
+# -- the whole diff -----------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _PairJob:
+    """One stream to compare, by paths: a worker process opens the two rank files itself."""
+
+    dir_a: Path
+    rank_a: int
+    dir_b: Path
+    rank_b: int
+    excluded: frozenset[str]
+    opts: DiffOptions
+    same_layout: bool
+
+
+def _run_pair(job: _PairJob) -> tuple[StreamDiff, RankMeta, RankMeta, dict[str, Any] | None]:
+    ra, rb = RankFile(job.dir_a, job.rank_a), RankFile(job.dir_b, job.rank_b)
+    s = compare_stream(ra, rb, Names(), lambda n: n not in job.excluded, job.opts, job.same_layout)
+    return s, rank_meta(ra), rank_meta(rb), first_numerics_difference(ra, rb)
+
+
+# Rank files larger than this in all (bytes of .h5/.journal) are compared in parallel processes:
+# reading the tables is most of the time, and one process reads one file at a time.
+_PARALLEL_BYTES = 32 << 20
+
+
+def _idle_cores() -> int:
+    """Cores this process may use that nothing else is busy on: on a machine already loaded,
+    more processes only add the cost of starting them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:
+        busy = 0.0
+    return max(1, min(cores, int(cores - busy + 1)))  # +1: this process is one of the busy ones
+
+
+def _compare_pairs(jobs: list[_PairJob]) -> list[tuple[StreamDiff, RankMeta, RankMeta, dict[str, Any] | None]]:
+    def size(d: Path, r: int) -> int:
+        for suffix in (".h5", ".journal"):
+            p = d / f"rank-{r:05d}{suffix}"
+            if p.exists():
+                return p.stat().st_size
+        return 0
+
+    total = sum(size(j.dir_a, j.rank_a) + size(j.dir_b, j.rank_b) for j in jobs)
+    workers = min(len(jobs), _idle_cores())
+    if total < _PARALLEL_BYTES or workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_run_pair(j) for j in jobs]
+    # fork: the workers start in milliseconds and need nothing from the parent but the job (the
+    # parent has read no rank file yet, so no HDF5 state is shared).
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_run_pair, jobs))
+
+
+def _worlds(a: Side, b: Side) -> tuple[int, int]:
+    """The parts' world sizes. When both list ranks 0..n-1 for the same n, that is n, known from
+    the listing alone; otherwise what a rank file of each declares, so that a missing rank file
+    is told apart from a smaller layout."""
+    if len(a.part) == len(b.part) and all(list(s.part) == list(range(len(s.part))) for s in (a, b)):
+        return len(a.part), len(b.part)
+    return _declared_world(a), _declared_world(b)
+
+
+def _declared_world(side: Side) -> int:
+    ws = side.part[next(iter(side.part))].attrs.get("world_size")
+    return ws if isinstance(ws, int) and not isinstance(ws, bool) and 0 < ws <= 1 << 16 else len(side.part)
+
+
+def _pairs(a: Side, b: Side, same_world: bool) -> tuple[list[tuple[int, int]], list[str]]:
+    """The rank pairs compared, and a note per rank that only one run has a file for."""
+    if same_world and not a.rank_given and not b.rank_given:
+        both = sorted(set(a.ranks) & set(b.ranks))
+        notes = [f"rank {r}: no rank file in {w}, not compared" for w, mine, other in (("B", a.ranks, b.ranks), ("A", b.ranks, a.ranks))
+                 for r in sorted(set(mine) - set(other))]
+        if both:
+            return [(r, r) for r in both], notes
+    return _spread(a, b), []
+
+
+def _spread(a: Side, b: Side) -> list[tuple[int, int]]:
+    if len(a.ranks) == len(b.ranks):
+        return list(zip(a.ranks, b.ranks))
+    if len(a.ranks) > len(b.ranks):
+        return [(r, b.ranks[i % len(b.ranks)]) for i, r in enumerate(a.ranks)]
+    return [(a.ranks[i % len(a.ranks)], r) for i, r in enumerate(b.ranks)]
+
+
+def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
+    """Compare two opened sides (see ``replay.analysis.diff_sides.open_side``)."""
+    opts = options or DiffOptions()
+    wa, wb = _worlds(a, b)
+    pairs, missing = _pairs(a, b, wa == wb)
+    files = [(a.part[x], b.part[y]) for x, y in pairs]
+    notes: list[str] = list(missing)
+    unsharded: list[UnshardedField] = []
+    excluded: set[str] = set()
+    a0, b0 = a.part[next(iter(a.part))], b.part[next(iter(b.part))]
+    if wa != wb:
+        # Laid out differently: a sharded field's per-rank digests differ by design, so such a
+        # field is compared whole instead of rank by rank; and collectives belong to a layout (a
+        # TP=1 run has no all-reduce), so they are not compared at all.
+        names_ab = sorted(set(_field_names(a0)) | set(_field_names(b0)))
+        coll = [n for n in names_ab if n.startswith("collective.")]
+        excluded.update(coll)
+        if coll:
+            notes.append(f"{len(coll)} collective field(s) not compared: collectives differ with the layout")
+        for name in (n for n in names_ab if not n.startswith("collective.")):
+            la, lb = field_layout(a0.attrs, name, opts.shards), field_layout(b0.attrs, name, opts.shards)
+            if la.kind is LayoutKind.REPLICATED and lb.kind is LayoutKind.REPLICATED:
+                continue
+            excluded.add(name)
+            unsharded.append(_unsharded(name, a, b, la, lb, opts, (wa, wb)))
+        notes.append(f"A has {wa} rank(s) and B {wb}: replicated fields are compared rank against rank, "
+                     "sharded fields whole" + ("" if unsharded else " (no field has a recorded or declared shard layout)"))
+        notes += _shape_notes(files[0], excluded)
+    elif opts.shards:
+        notes.append("--shard ignored: A and B have the same layout, so shards are compared shard against shard")
+    jobs = [_PairJob(dir_a=a.part.path, rank_a=x, dir_b=b.part.path, rank_b=y, excluded=frozenset(excluded),
+                     opts=opts, same_layout=wa == wb) for x, y in pairs]
+    done = _compare_pairs(jobs)
+    streams = [s for s, _, _, _ in done]
+    batching = _batching(streams[0], files[0])
+    context = context_differences([(ma, mb) for _, ma, mb, _ in done], a.recording.manifest, b.recording.manifest,
+                                  same_layout=wa == wb, numerics_per_step=next((n for *_, n in done if n), None))
+    weights = next(c for c in context if c.category is Category.WEIGHTS)
+    verdict = worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
+                     + ([DiffVerdict.DIFFERENT] if weights.differs else [])
+                     + ([DiffVerdict.INCOMPLETE] if missing else []))
+    rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
+                 layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
+                 batching=batching if batching.batched_differently else None, context=context, notes=notes)
+    rd.headline = _headline(rd)
+    return rd
+
+
+def _batching(s: StreamDiff, pair: tuple[RankFile, RankFile]) -> BatchAlignment:
+    """Another batching changes the inputs' shapes, so their digests at the first common step:
+    only then are the /tensors tables read to look."""
+    f = s.first
+    if f is None or not s.facts.common.size or f.step != int(s.facts.common[0]) or not f.field.startswith("input."):
+        return BatchAlignment(batched_differently=False)
+    ra, rb = pair
+    return align_batches(ra, rb, ra.tables.steps["step"], rb.tables.steps["step"])
+
+
+def _shape_notes(pair: tuple[RankFile, RankFile], excluded: set[str]) -> list[str]:
+    """Fields whose shapes differ across layouts with no layout to rebuild them by."""
+    ra, rb = pair
+    common = np.intersect1d(ra.tables.steps["step"], rb.tables.steps["step"])
+    if not common.size:
+        return []
+    s = int(common[0])
+    out = []
+    for name in sorted((set(_field_names(ra)) & set(_field_names(rb))) - excluded):
+        sa, sb = field_shape(ra, s, name), field_shape(rb, s, name)
+        if sa is not None and sb is not None and sa != sb:
+            out.append(f"{name} has shape {sa} in A and {sb} in B and no layout is recorded: it cannot be unsharded "
+                       f"(declare it: --shard {name}=DIM)")
+    return out
+
+
+def _fmt_margin(m: float | None) -> str:
+    return "unknown" if m is None else f"{m:.3g}"
+
+
+def _headline(rd: RunDiff) -> str:
+    """The first line of the output: the verdict, then the one fact that says most."""
+    v = rd.verdict
+    n_steps = max((s.facts.common.size for s in rd.streams), default=0)
+    if v is DiffVerdict.SAME:
+        return (f"the same: every field of every step has the same bits ({len(rd.streams)} stream"
+                f"{'s' if len(rd.streams) != 1 else ''} x {n_steps} steps"
+                + (f", {len(rd.unsharded)} field(s) compared unsharded" if rd.unsharded else "") + ")")
+    if v is DiffVerdict.WITHIN_TOLERANCE:
+        n = sum(s.differing_rows for s in rd.streams)
+        return f"the same within tolerance ({rd.tolerance}): {n} field(s) differ in bits, every one within tolerance"
+    first, tok = rd.first, rd.first_token
+    if v is DiffVerdict.DIFFERENT:
+        if first is not None:
+            s, f = first
+            steps = sum(x.differing_steps for x in rd.streams if x is s)
+            text = f"different: {s.name} step {f.step}: {f.field} first differs; {steps} of {s.facts.common.size} steps differ"
+            if tok is not None:
+                ts, t = tok
+                text += f"; first token divergence step {t.step} ({t.field}, margin A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
+            else:
+                text += "; no token divergence"
+            if rd.batching is not None:
+                text += "; the runs batched differently" + (" (rows aligned below)" if rd.batching.aligned else "")
+            weights = next((c for c in rd.context if c.category is Category.WEIGHTS and c.differs), None)
+            if weights is not None:  # the likeliest cause, named on the first line
+                text += f"; weights differ: {weights.items[0]['name']}" + (f" and {weights.count - 1} more" if weights.count > 1 else "")
+            return text
+        bad = [u for u in rd.unsharded if u.verdict is DiffVerdict.DIFFERENT]
+        if bad:
+            return f"different: {bad[0].field} (compared unsharded) first differs at step {bad[0].first_step}"
+        weights = next((c for c in rd.context if c.category is Category.WEIGHTS and c.differs), None)
+        if weights is not None:
+            names = ", ".join(str(i["name"]) for i in weights.items[:3])
+            return f"different: weights differ ({names}{', ...' if weights.count > 3 else ''}); every step's fields have the same bits"
+        s = next(x for x in rd.streams if x.verdict is DiffVerdict.DIFFERENT)
+        return f"different: {s.name}: {'; '.join(s.reasons) or 'fields differ'}"
+    reasons = ([f"{s.name}: {r}" for s in rd.streams for r in s.reasons] + [f"{u.field}: {u.note}" for u in rd.unsharded if u.note]
+               + [n for n in rd.notes if n.endswith("not compared")])
+    return f"not shown to be the same: {reasons[0] if reasons else 'nothing was compared'}"
+
+
+def diff(a: str, b: str, options: DiffOptions | None = None) -> RunDiff | RecordingDiff:
+    """``replay diff A B`` as a library call: open both sides and compare them.
+
+    A ``RunDiff`` for one part against another; a ``RecordingDiff`` when A and B are whole
+    recordings of several parts each (compared part by part, by name)."""
+    pairs, only_a, only_b = open_sides(a, b)
+    try:
+        if len(pairs) == 1 and not only_a and not only_b:
+            return diff_runs(pairs[0][0], pairs[0][1], options)
+        parts = {sa.part.name: diff_runs(sa, sb, options) for sa, sb in pairs}
+        return _recording_diff(a, b, parts, only_a, only_b)
+    finally:
+        for sa, sb in pairs:
+            sa.recording.close()
+            sb.recording.close()
+
+
+def _recording_diff(a: str, b: str, parts: dict[str, RunDiff], only_a: list[str], only_b: list[str]) -> RecordingDiff:
+    verdict = worst([d.verdict for d in parts.values()] + ([DiffVerdict.INCOMPLETE] if only_a or only_b else []))
+    bad = [(n, d) for n, d in parts.items() if d.exit_code]
+    if verdict.exit_code == 0:
+        head = f"{verdict}: all {len(parts)} parts ({', '.join(parts)})"
+    elif bad:
+        n, d = bad[0]
+        head = f"{verdict}: {len(bad)} of {len(parts)} parts; first {n}: {d.headline}"
+    else:
+        missing = [f"{n} (in A only)" for n in only_a] + [f"{n} (in B only)" for n in only_b]
+        common = "the common part is" if len(parts) == 1 else f"the {len(parts)} common parts are"
+        head = f"{verdict}: {common} the same, but not compared: {', '.join(missing[:6])}"
+    return RecordingDiff(a=a, b=b, verdict=verdict, headline=head, parts=parts, only_a=only_a, only_b=only_b)

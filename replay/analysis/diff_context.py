@@ -1,0 +1,335 @@
+"""What else differs between two runs, beside the steps: ranked by how likely it is the cause.
+
+The order is the order in which a difference changes what the same code computes: weights change
+the function itself; the target's config changes the model or the engine; the numerics context
+(TF32, deterministic mode, SDPA backend, the numerics env vars) changes how the same kernels
+compute; tuner choices and the kernels captured inside graphs change which kernels run; versions
+change everything a little and are often the same on both sides; the environment (hosts, command)
+rarely matters by itself. Only metadata is read: rank file attributes and the small tables.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from replay.analysis.summary import short_kernel_name
+from replay.format.reader import RankFile
+
+__all__ = ["Category", "ContextDiff", "RankMeta", "rank_meta", "context_differences", "first_numerics_difference"]
+
+NUMERICS_ARG = "__numerics__"  # the step argument holding the digest of the step's numerics context
+
+
+@dataclass(slots=True)
+class RankMeta:
+    """What the comparison of settings needs from one rank file: small, and cheap to pass between
+    processes (the streams of a large diff are compared in worker processes)."""
+
+    rank: int
+    attrs: dict[str, Any]
+    tuner: dict[str, str]
+    kernels: dict[str, list[str]]
+
+
+def rank_meta(rf: RankFile) -> RankMeta:
+    return RankMeta(rank=rf.rank, attrs=dict(rf.attrs), tuner=rf.tuner_choices(), kernels=_graph_kernels(rf))
+
+_CAP = 20  # items listed per category; the count says how many there are
+
+
+class Category(enum.Enum):
+    WEIGHTS = "weights"
+    CONFIG = "config"
+    NUMERICS = "numerics"
+    TUNER = "tuner choices"
+    KERNELS = "graph kernels"
+    VERSIONS = "versions"
+    ENVIRONMENT = "environment"
+
+
+RANKED = list(Category)
+
+
+@dataclass(slots=True)
+class ContextDiff:
+    """One category: what differs (capped), or why it could not be compared."""
+
+    category: Category
+    items: list[dict[str, Any]] = field(default_factory=list)
+    count: int = 0
+    note: str = ""  # "weights not recorded", "different layouts: ...", ...
+    compared: bool = True
+
+    @property
+    def differs(self) -> bool:
+        return self.count > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"category": self.category.value, "differs": self.differs, "count": self.count,
+                "compared": self.compared, "note": self.note, "items": self.items}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def _dict_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[dict[str, Any]]:
+    fa, fb = _flatten(a), _flatten(b)
+    out = []
+    for k in sorted(set(fa) | set(fb)):
+        va, vb = fa.get(k, "<unset>"), fb.get(k, "<unset>")
+        if json.dumps(va, sort_keys=True, default=str) != json.dumps(vb, sort_keys=True, default=str):
+            out.append({"name": k, "a": _short(va), "b": _short(vb)})
+    return out
+
+
+def _short(v: Any) -> Any:
+    if isinstance(v, (int, float, bool)) or v is None:
+        return v
+    s = v if isinstance(v, str) else json.dumps(v, default=str)
+    return s if len(s) <= 120 else s[:117] + "..."
+
+
+def _target(rf: RankMeta) -> dict[str, Any]:
+    t = rf.attrs.get("target")
+    return t if isinstance(t, dict) else {}
+
+
+def _capped(cat: Category, items: list[dict[str, Any]], note: str = "") -> ContextDiff:
+    return ContextDiff(category=cat, items=items[:_CAP], count=len(items), note=note)
+
+
+def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> ContextDiff:
+    wa = [_target(a).get("weights") for a, _ in pairs]
+    wb = [_target(b).get("weights") for _, b in pairs]
+    have_a = all(isinstance(w, dict) and w for w in wa)
+    have_b = all(isinstance(w, dict) and w for w in wb)
+    if not have_a or not have_b:
+        which = "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
+        return ContextDiff(category=Category.WEIGHTS, compared=False, note=f"weights not recorded in {which}")
+    items: list[dict[str, Any]] = []
+    for (ra, rb), da, db in zip(pairs, wa, wb):
+        for name in sorted(set(da) | set(db)):
+            pa, pb = da.get(name), db.get(name)
+            if pa is None or pb is None:
+                items.append({"name": name, "ranks": [ra.rank, rb.rank], "a": "absent" if pa is None else "present",
+                              "b": "absent" if pb is None else "present"})
+                continue
+            if not isinstance(pa, dict) or not isinstance(pb, dict):
+                continue
+            if pa.get("shape") != pb.get("shape") or pa.get("dtype") != pb.get("dtype"):
+                items.append({"name": name, "ranks": [ra.rank, rb.rank],
+                              "a": f"{pa.get('dtype')} {pa.get('shape')}", "b": f"{pb.get('dtype')} {pb.get('shape')}",
+                              "why": "shape or dtype" + ("" if same_layout else " (the runs are laid out differently: may be a shard)")})
+            elif same_layout and pa.get("digest") != pb.get("digest"):
+                items.append({"name": name, "ranks": [ra.rank, rb.rank], "a": _short(pa.get("digest")),
+                              "b": _short(pb.get("digest")), "why": "digest"})
+    # The same parameter on every rank pair is one difference, named once with its ranks.
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for it in items:
+        key = (it["name"], it.get("why", ""))
+        if key in merged:
+            merged[key]["ranks_a"].append(it["ranks"][0])
+        else:
+            merged[key] = {**{k: v for k, v in it.items() if k != "ranks"}, "ranks_a": [it["ranks"][0]]}
+    if same_layout:
+        return _capped(Category.WEIGHTS, list(merged.values()))
+    if not merged:
+        # Digests of shards cannot be compared across layouts: do not call the weights the same.
+        return ContextDiff(category=Category.WEIGHTS, compared=False,
+                           note="names, shapes and dtypes the same; digests are per shard, so the values cannot be "
+                                "compared across layouts")
+    return _capped(Category.WEIGHTS, list(merged.values()),
+                   "the runs are laid out differently: only names, shapes and dtypes compared")
+
+
+def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
+    ta, tb = _target(a), _target(b)
+    ca, cb = ta.get("config"), tb.get("config")
+    if ca is None and cb is None:
+        ca, cb = a.attrs.get("config"), b.attrs.get("config")
+    if ca is None and cb is None:
+        return ContextDiff(category=Category.CONFIG, compared=False, note="no target config recorded")
+    items = _dict_diff(ca if isinstance(ca, dict) else {"config": ca}, cb if isinstance(cb, dict) else {"config": cb})
+    for k in ("factory", "step"):
+        if ta.get(k) != tb.get(k):
+            items.append({"name": f"target.{k}", "a": _short(ta.get(k)), "b": _short(tb.get(k))})
+    return _capped(Category.CONFIG, items)
+
+
+def _numerics(a: RankMeta, b: RankMeta, per_step: dict[str, Any] | None) -> ContextDiff:
+    items = _dict_diff({"flags": a.attrs.get("numerics") or {}, "env": a.attrs.get("env") or {}},
+                       {"flags": b.attrs.get("numerics") or {}, "env": b.attrs.get("env") or {}})
+    la, lb = (_target(a).get("launch") or {}), (_target(b).get("launch") or {})
+    if isinstance(la, dict) and isinstance(lb, dict):
+        items += _dict_diff({"launch_env": la.get("env_numerics") or {}}, {"launch_env": lb.get("env_numerics") or {}})
+    # Per-step numerics contexts (optional): every distinct context each rank ran a step under.
+    na, nb = _target(a).get("numerics"), _target(b).get("numerics")
+    note = ""
+    if isinstance(na, dict) and isinstance(nb, dict):
+        ctx_a = _contexts(na)
+        ctx_b = _contexts(nb)
+        if per_step is not None:
+            changes = per_step["changes"] or [{"name": "step_context", "a": "?", "b": "?"}]
+            for c in changes:
+                items.append({**c, "name": f"step {per_step['step']}: {c['name']}", "steps": per_step["steps_differ"]})
+            note = f"the step contexts first differ at step {per_step['step']} ({per_step['steps_differ']} steps differ)"
+        elif ctx_a != ctx_b:
+            first_a, first_b = na.get("first"), nb.get("first")
+            items += _dict_diff({"step_context": (na.get("contexts") or {}).get(first_a) or {}},
+                                {"step_context": (nb.get("contexts") or {}).get(first_b) or {}})
+            if len(ctx_a) != len(ctx_b):
+                items.append({"name": "step_context.distinct", "a": len(ctx_a), "b": len(ctx_b)})
+    elif na is None and nb is None:
+        note = "no per-step numerics context recorded"
+    else:
+        note = f"per-step numerics context recorded in run {'A' if na is not None else 'B'} only"
+    return _capped(Category.NUMERICS, items, note)
+
+
+def _contexts(n: dict[str, Any]) -> list[str]:
+    c = n.get("contexts")
+    if not isinstance(c, dict):
+        return []
+    return sorted(json.dumps(v, sort_keys=True, default=str) for v in c.values())
+
+
+def _step_contexts(rf: RankFile) -> tuple[np.ndarray, np.ndarray, list[str]] | None:
+    """(steps, index into names, names): the numerics context digest each step ran under."""
+    t = rf.tables
+    s = t.steps
+    ids = s["args"].astype(np.int64)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    names = []
+    for i in uniq:
+        d = None
+        if i >= 0:
+            try:
+                args = json.loads(t.string(int(i)))
+                d = args.get(NUMERICS_ARG) if isinstance(args, dict) else None
+            except ValueError:
+                d = None
+        names.append(d if isinstance(d, str) else "")
+    return s["step"].astype(np.int64), inv.reshape(-1), names
+
+
+def first_numerics_difference(a: RankFile, b: RankFile) -> dict[str, Any] | None:
+    """The first common step whose recorded numerics contexts differ, and what differs there.
+
+    Contexts are named by a hash of their canonical JSON, so two runs' steps ran under the same
+    context exactly when their digests are equal."""
+    na, nb = _target_of(a).get("numerics"), _target_of(b).get("numerics")
+    if not isinstance(na, dict) or not isinstance(nb, dict):
+        return None
+    ca, cb = _step_contexts(a), _step_contexts(b)
+    if ca is None or cb is None:
+        return None
+    sa, ia, names_a = ca
+    sb, ib, names_b = cb
+    common, xa, xb = np.intersect1d(sa, sb, return_indices=True)
+    da = np.array(names_a, dtype=object)[ia[xa]] if common.size else np.zeros(0, dtype=object)
+    db = np.array(names_b, dtype=object)[ib[xb]] if common.size else np.zeros(0, dtype=object)
+    known = (da != "") & (db != "")
+    differ = np.flatnonzero(known & (da != db))
+    if not differ.size:
+        return None
+    i = int(differ[0])
+    ctx_a = (na.get("contexts") or {}).get(da[i]) or {}
+    ctx_b = (nb.get("contexts") or {}).get(db[i]) or {}
+    return {"step": int(common[i]), "steps_differ": int(differ.size),
+            "changes": _dict_diff(ctx_a if isinstance(ctx_a, dict) else {}, ctx_b if isinstance(ctx_b, dict) else {})}
+
+
+def _target_of(rf: RankFile) -> dict[str, Any]:
+    t = rf.attrs.get("target")
+    return t if isinstance(t, dict) else {}
+
+
+def _tuner(pairs: list[tuple[RankMeta, RankMeta]]) -> ContextDiff:
+    items = []
+    for a, b in pairs:
+        ca, cb = a.tuner, b.tuner
+        for op in sorted(set(ca) | set(cb)):
+            if ca.get(op) != cb.get(op):
+                items.append({"name": op, "rank_a": a.rank, "rank_b": b.rank,
+                              "a": ca.get(op, "default"), "b": cb.get(op, "default")})
+    return _capped(Category.TUNER, items)
+
+
+def _graph_kernels(rf: RankFile) -> dict[str, list[str]]:
+    t = rf.tables
+    out: dict[str, list[str]] = {}
+    for g in t.graphs:
+        ks = t.kernels[t.kernels["graph"] == g["graph"]]
+        out[t.string(int(g["key"]))] = [short_kernel_name(t.string(int(k["name"]))) for k in np.sort(ks, order="ordinal")]
+    return out
+
+
+def _kernels(pairs: list[tuple[RankMeta, RankMeta]]) -> ContextDiff:
+    items = []
+    for a, b in pairs:
+        ga, gb = a.kernels, b.kernels
+        for key in sorted(set(ga) | set(gb)):
+            ka, kb = ga.get(key), gb.get(key)
+            if ka == kb:
+                continue
+            if ka is None or kb is None:
+                items.append({"name": key, "rank_a": a.rank, "rank_b": b.rank,
+                              "a": "not captured" if ka is None else f"{len(ka)} kernels",
+                              "b": "not captured" if kb is None else f"{len(kb)} kernels"})
+                continue
+            i = next(i for i in range(max(len(ka), len(kb)) + 1) if ka[i:i + 1] != kb[i:i + 1])
+            items.append({"name": key, "rank_a": a.rank, "rank_b": b.rank, "first_difference": i,
+                          "a": ka[i] if i < len(ka) else "(end)", "b": kb[i] if i < len(kb) else "(end)",
+                          "counts": [len(ka), len(kb)]})
+    return _capped(Category.KERNELS, items)
+
+
+def _versions(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
+    items = _dict_diff(a.attrs.get("versions") or {}, b.attrs.get("versions") or {})
+    items += _dict_diff({"manifest": {k: ma.get(k) for k in ("versions", "replay_version") if k in ma}},
+                        {"manifest": {k: mb.get(k) for k in ("versions", "replay_version") if k in mb}})
+    return _capped(Category.VERSIONS, items)
+
+
+def _environment(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
+    items = []
+    for k in ("command", "exit_code", "host"):
+        if ma.get(k) != mb.get(k):
+            items.append({"name": f"manifest.{k}", "a": _short(ma.get(k)), "b": _short(mb.get(k))})
+    for k in ("world_size", "host", "platform", "gpus"):
+        if a.attrs.get(k) != b.attrs.get(k):
+            items.append({"name": k, "a": _short(a.attrs.get(k)), "b": _short(b.attrs.get(k))})
+    ta, tb = _target(a), _target(b)
+    if ta.get("device") != tb.get("device"):
+        items.append({"name": "target.device", "a": _short(ta.get("device")), "b": _short(tb.get("device"))})
+    # What the recorder kept (digests or full tensors) decides what can be compared, not what ran.
+    items += _dict_diff({"recorder": a.attrs.get("recorder") or {}}, {"recorder": b.attrs.get("recorder") or {}})
+    return _capped(Category.ENVIRONMENT, [i for i in items if not i["name"].startswith(("recorder.out", "recorder.rank", "recorder.part", "recorder.world_size"))])
+
+
+def context_differences(
+    pairs: list[tuple[RankMeta, RankMeta]], manifest_a: Mapping[str, Any], manifest_b: Mapping[str, Any], *, same_layout: bool,
+    numerics_per_step: dict[str, Any] | None = None,
+) -> list[ContextDiff]:
+    """Every category, most likely cause first. ``pairs`` are the rank files compared."""
+    a0, b0 = pairs[0]
+    return [
+        _weights(pairs, same_layout),
+        _config(a0, b0),
+        _numerics(a0, b0, numerics_per_step),
+        _tuner(pairs),
+        _kernels(pairs),
+        _versions(a0, b0, manifest_a, manifest_b),
+        _environment(a0, b0, manifest_a, manifest_b),
+    ]
