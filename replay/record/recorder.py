@@ -133,9 +133,6 @@ class Recorder:
         # recorder can still be collected.
         ref = weakref.ref(self)
         atexit.register(lambda: (r := ref()) is not None and r.close())
-        # A recorder that never closed: its ring leaves /dev/shm with the process when the drain
-        # had moved everything to the journal (else it stays, for `replay seal` to salvage).
-        atexit.register(lambda: (r := ref()) is not None and r._drop_drained_ring())
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -206,6 +203,9 @@ class Recorder:
         _perms.write_new(tmp, (str(ring.path) + "\n").encode())
         os.replace(tmp, pointer)
         self._rr = ring
+        # A recorder that is dropped or exits without closing: its ring leaves /dev/shm with it
+        # when the drain had moved everything to the journal (else it stays for `replay seal`).
+        self._ring_finalizer = weakref.finalize(self, _drop_drained_ring, ring, pointer)
         self._staging = Staging(ring, block=cfg.ring_full == "block", timeout=cfg.sync_timeout_s)
         self._staging.pool = self._pool
         return notes
@@ -738,16 +738,6 @@ class Recorder:
         self._close_ring(w)
         self._release_lock()
 
-    def _drop_drained_ring(self) -> None:
-        ring = self._rr
-        if ring is None or ring.tail != ring.head:
-            return
-        try:
-            ring.path.unlink(missing_ok=True)
-            ring_pointer(self.part_dir / f"{rank_stem(self.config.rank)}.journal").unlink(missing_ok=True)
-        except OSError:
-            pass
-
     def ring_stats(self) -> dict[str, Any]:
         """The record ring's size, its full-ring policy, the waits for room and the dropped steps."""
         r = self._rr
@@ -764,6 +754,7 @@ class Recorder:
             return
         self._ring_final = self.ring_stats()  # what the ring did, still readable after close
         ring, self._rr = self._rr, None
+        self._ring_finalizer.detach()
         if w is not None and w._thread.is_alive():
             return
         if w is not None:
@@ -788,6 +779,16 @@ class Recorder:
             except OSError:
                 pass
             self._lock_fd = None
+
+
+def _drop_drained_ring(ring: ShmRing, pointer: Any) -> None:
+    if ring.tail != ring.head:
+        return
+    try:
+        ring.path.unlink(missing_ok=True)
+        pointer.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _job_meta(job: Job, rjob: RingJob) -> dict[str, Any]:
