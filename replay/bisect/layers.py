@@ -60,12 +60,13 @@ class SideRun:
     side: Side
     capture: TapCapture
     outputs: dict[str, torch.Tensor]
-    reproduces: bool  # the step's outputs have the rank's recorded digests
+    reproduces: bool | None  # the step's outputs have the rank's recorded digests; None: nothing to compare
     departed: str | None  # first fast-forward step that left the recording
     keyframe: int
     ran_as: str
-    params: dict[str, int]
+    params: dict[str, "ParamSig"]
     seconds: float
+    error: str | None = None  # the step raised in this re-run (and not as it did when recorded)
 
     def to_json(self) -> dict[str, Any]:
         cap = self.capture
@@ -75,6 +76,7 @@ class SideRun:
             "tapped": len(cap.tapped), "fired": len(cap.fired), "events": len(cap.events),
             "graph_events": sum(1 for e in cap.events if e.source == "graph"),
             "graphs_replayed": cap.graphs_replayed, "notes": cap.notes, "seconds": round(self.seconds, 3),
+            "error": self.error,
         }
 
 
@@ -144,17 +146,45 @@ class LayersBisection:
         head = f"rank {self.sides[0].side.rank}" if self.sides[0].side.rank == self.sides[1].side.rank else f"ranks {self.sides[0].side.rank} and {self.sides[1].side.rank}"
         head += f", step {self.step}, {a} vs {b}: "
         compared = [m for m in self.modules if not m.rank_local]
+        raised = next((s for s in self.sides if s.error), None)
         if self.first is None:
+            if raised is not None:
+                return head + (f"{raised.side.label} raised {raised.error} in the step; none of the {len(compared)} module "
+                               "outputs compared before that differs, nothing after it was compared")
+            if not compared:
+                return head + "no module output could be compared (no tap fired on both sides)"
+            local = [m for m in self.modules if m.rank_local and m.differs]
+            if local:
+                # Never "nothing differs" over a table that shows a difference: say what differs.
+                eq = next((m for m in local if m.inputs_equal), local[0])
+                return head + (f"no replicated module output differs; {len(local)} rank-local (shard) outputs differ, as "
+                               f"shards do, the first from {'equal' if eq.inputs_equal else 'different'} inputs: {eq.name} "
+                               f"({eq.figures()}); if {eq.module} is not sharded, it makes the difference")
             if any(not c.equal for c in self.outputs):
                 return head + f"the step's outputs differ but none of the {len(compared)} tapped module outputs does"
+            if not self.outputs:
+                return head + f"all {len(compared)} module outputs are bitwise equal; the step returned no output to compare"
             return head + f"all {len(compared)} module outputs are bitwise equal"
         n_eq = sum(1 for m in self.before_first() if not m.differs)
         first = f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
         if self.maker is not None and self.maker is not self.first:
             # Lead with the module that makes the difference: the first one to differ may only
             # pass on a difference made elsewhere, or differ by rounding.
-            return head + f"the difference is made in {self.maker.name} ({self.maker.figures()}) from bitwise equal inputs; " + first
-        return head + first
+            line = head + f"the difference is made in {self.maker.name} ({self.maker.figures()}) from bitwise equal inputs; " + first
+        else:
+            line = head + first
+        if raised is not None:
+            line += f"; {raised.side.label} raised {raised.error} in the step"
+        return line
+
+    def problem(self) -> str | None:
+        """Why the two executions could not both be compared in full; None if they were."""
+        raised = next((s for s in self.sides if s.error), None)
+        if raised is not None:
+            return f"{raised.side.label}: step {self.step} raised {raised.error}"
+        if not [m for m in self.modules if not m.rank_local] and not self.outputs:
+            return f"step {self.step}: nothing was compared (no tap fired and no output on both sides)"
+        return None
 
     def before_first(self) -> list[ModuleVerdict]:
         if self.first is None:
@@ -244,11 +274,17 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
             outs = rp.run(step)
         finally:
             capture = taps.disarm()
-        params: dict[str, int] = {}
+        params: dict[str, ParamSig] = {}
         model = target.module()
         if want_params and model is not None:
             params = _param_digests(model)
-        reproduces = rp.departure(step, outs) is None
+        reproduces: bool | None = rp.departure(step, outs) is None
+        if reproduces and not rp.compared(step, outs) and rp.last_error is None:
+            reproduces = None  # nothing recorded to compare with: neither reproduced nor not
+        view = part[side.rank].step(step)
+        error = rp.last_error
+        if error is not None and not view.ok and error.split(":")[0] == view.reason.split(":")[0]:
+            error = None  # raised as it did when recorded
         info = getattr(target.obj, "last_run_info", None)
         ran_as = ""
         if isinstance(info, dict):
@@ -261,7 +297,7 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
         taps.close()
     return SideRun(side=side, capture=capture, outputs=outs, reproduces=reproduces,
                    departed=str(departed) if departed else None, keyframe=kf, ran_as=ran_as or side.mode,
-                   params=params, seconds=time.perf_counter() - t0)
+                   params=params, seconds=time.perf_counter() - t0, error=error)
 
 
 def _align(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -284,28 +320,78 @@ def _inputs_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool | None:
     return True
 
 
-def _param_digests(model: torch.nn.Module) -> dict[str, int]:
-    """Digests of the parameters, by which ranks' shards are told apart (``_sharded``).
+@dataclass(frozen=True, slots=True)
+class ParamSig:
+    """What tells a shard from a replicated weight across two ranks: bits, shape, a sample of values."""
 
-    A model sharded with DTensor says which parameters are shards: those placed ``Shard``. Its
-    other parameters (replicated DTensors, plain tensors) are the same by construction on every
-    rank, so they count as equal here and one perturbed on one rank is not taken for a shard."""
+    digest: int
+    shape: tuple[int, ...]
+    sample: torch.Tensor  # up to SAMPLE leading elements, float64 on the CPU
+    declared_shard: bool | None = None  # a DTensor says (Shard placement); None: plain tensor
+
+
+SAMPLE = 4096
+# Two plain-tensor shards of one weight are different slices: their values are unrelated. A
+# replicated weight that differs on one rank (a bug, a rounding, a perturbation) is close to the
+# other rank's. Mean relative difference above this: unrelated values, a shard.
+SHARD_REL_DIFF = 0.05
+
+
+def _param_digests(model: torch.nn.Module) -> dict[str, ParamSig]:
+    """Signatures of the parameters, by which ranks' shards are told apart (``_sharded``).
+
+    A model sharded with DTensor says which parameters are shards: those placed ``Shard``; its
+    other parameters are replicated by construction. Plain tensors say nothing: ``_sharded``
+    tells a shard by shape and values."""
     named = list(model.named_parameters())
-    declared = any(callable(getattr(type(p), "to_local", None)) for _, p in named)
-    out: dict[str, int] = {}
+    out: dict[str, ParamSig] = {}
     for n, p in named:
         placements = getattr(p, "placements", None)
-        shard = placements is not None and any(pl.is_shard() for pl in placements)
-        out[n] = 0 if declared and not shard else digest(p.detach())
+        declared = None if placements is None else any(pl.is_shard() for pl in placements)
+        t = p.detach()
+        local = t.to_local() if callable(getattr(t, "to_local", None)) else t
+        flat = local.reshape(-1)[:SAMPLE].to("cpu", torch.float64) if local.is_floating_point() else torch.zeros(0, dtype=torch.float64)
+        out[n] = ParamSig(digest=digest(local), shape=tuple(local.shape), sample=flat, declared_shard=declared)
     return out
+
+
+def _is_shard(x: ParamSig, y: ParamSig) -> bool:
+    """Whether two ranks' differing values of one parameter are shards (not a replicated weight
+    that differs): declared so (DTensor), of other shapes, or with unrelated values."""
+    if x.declared_shard is not None or y.declared_shard is not None:
+        return bool(x.declared_shard or y.declared_shard)
+    if x.shape != y.shape or x.sample.numel() == 0:
+        return True
+    diff = (x.sample - y.sample).abs()
+    scale = torch.maximum(x.sample.abs(), y.sample.abs()).clamp_min(1e-30)
+    return float((diff / scale).mean()) > SHARD_REL_DIFF
 
 
 def _made_collectives(run: SideRun) -> bool:
     return any(f.coll_exit > 0 for e in run.capture.events for f in e.frames.values())
 
 
-def _sharded(a: dict[str, int], b: dict[str, int]) -> set[str]:
-    return {n for n in a.keys() | b.keys() if a.get(n) != b.get(n)}
+def _sig(p: "ParamSig | int") -> ParamSig:
+    """A bare digest (all a caller may know) as a signature that says nothing but the bits."""
+    return p if isinstance(p, ParamSig) else ParamSig(digest=int(p), shape=(), sample=torch.zeros(0, dtype=torch.float64))
+
+
+def _sharded(a: dict[str, "ParamSig | int"], b: dict[str, "ParamSig | int"]) -> set[str]:
+    """Parameters that are shards: present on one rank only, or differing as shards do."""
+    out = set()
+    for n in a.keys() | b.keys():
+        x, y = a.get(n), b.get(n)
+        if x is None or y is None:
+            out.add(n)
+        elif _sig(x).digest != _sig(y).digest and _is_shard(_sig(x), _sig(y)):
+            out.add(n)
+    return out
+
+
+def replicated_differing(a: dict[str, "ParamSig | int"], b: dict[str, "ParamSig | int"]) -> list[str]:
+    """Replicated parameters whose bits differ across the two ranks (a rank's weights differ)."""
+    return sorted(n for n in a.keys() & b.keys()
+                  if _sig(a[n]).digest != _sig(b[n]).digest and not _is_shard(_sig(a[n]), _sig(b[n])))
 
 
 def _rank_local(e: TapEvent, sharded_params: set[str]) -> bool:
@@ -427,7 +513,9 @@ def bisect_layers(
     silent = [m for m in ra.capture.tapped if m not in ra.capture.called and m not in rb.capture.called]
     notes: list[str] = []
     for r in runs:
-        if not r.reproduces:
+        if r.reproduces is None:
+            notes.append(f"{r.side.label}: step {step} has no recorded output to compare this re-run with")
+        elif not r.reproduces:
             notes.append(f"{r.side.label}: the re-run of step {step} does not reproduce rank {r.side.rank}'s recorded outputs"
                          + (" (as expected: it runs with other settings than recorded)" if r.side.label in ("rerun", "eager", "cudagraph") else ""))
         if r.departed:
@@ -439,6 +527,11 @@ def bisect_layers(
     if rounding:
         notes.append(f"{rounding[0].name} already turns equal inputs into outputs that differ within tolerance "
                      f"({rounding[0].figures()}): rounding, not the difference {maker.name if maker else 'that matters'} makes")
+    if a.rank != b.rank:
+        odd = replicated_differing(ra.params, rb.params)
+        if odd:
+            notes.append(f"{len(odd)} replicated parameter(s) differ across ranks {a.rank} and {b.rank} "
+                         f"(same shape, close values: not shards): {', '.join(odd[:6])}")
     only = {m.module for m in rows if m.verdict == MISSING}
     if only:
         notes.append(f"{len(only)} module(s) have outputs on one side only: their taps never fired on the other ({', '.join(sorted(only)[:5])})")

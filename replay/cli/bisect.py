@@ -28,7 +28,8 @@ from replay.cli.common import json_option, open_run, part_option, run_argument, 
 from replay.cli.progress import progress
 from replay.cli.render import fmt_verdict, style, table
 from replay.cli.step import default_device, parse_options, parse_ranks
-from replay.errors import UsageError
+from replay.errors import RerunError, UsageError  # [foreign] RerunError: exit code of a bisection that compared nothing
+from replay.textsafe import escape
 from replay.format.reader import Part
 
 EPILOG = """\b
@@ -162,6 +163,11 @@ def bisect(run: Path | None, root: str, part: str | None, by_steps: bool, ranks_
     # An incomplete configuration search is not a result to keep.
     save = not no_save and not (isinstance(result, ConfigBisection) and result.status == "incomplete")
     save_and_emit(rec.path, result.to_json(), "" if as_json else render(result), save=save, as_json=as_json)
+    # [foreign: truthful verdicts] a layer bisection whose step raised, or that compared nothing, is not a result.
+    problem = result.problem() if isinstance(result, LayersBisection) else None
+    if problem is not None:
+        click.echo(f"replay: {escape(problem)}", err=True)
+        return RerunError.exit_code
     return 0
 
 

@@ -11,7 +11,9 @@ from replay.cli.common import default_root, emit_json
 from replay.cli.info import info_data, render_info
 from replay.errors import ReplayError, UsageError
 from replay.format.reader import Recording
+from replay.record.discovery import read_reports, summary_lines
 from replay.record.settings import RecordSettings, load_pyproject_settings
+from replay.textsafe import escape
 from replay.record.wrapper import record_command, recording_dir_for
 
 EPILOG = """\b
@@ -74,7 +76,14 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
         raise UsageError(str(e)) from None
     os.environ[_perms.ENV_PERMISSIONS] = mode.value
     try:
-        base = RecordSettings(**load_pyproject_settings(Path.cwd()))
+        table = load_pyproject_settings(Path.cwd())
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        base = RecordSettings(**table)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"[tool.replay] of the nearest pyproject.toml: {e}") from None
+    try:
         settings = base.merged(
             steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
             modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), outputs=list(outputs),
@@ -118,16 +127,24 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
             raise
         return _unrecordable(cmd, str(e).split(": choose")[0], run_anyway)
     summary = None
+    nothing = None
     try:
         with Recording(path) as rec:
             summary = info_data(rec)
     except ReplayError as e:
-        click.echo(f"replay: recorded nothing readable ({e})", err=True)
+        nothing = str(e)
+    steps = summary_lines(read_reports(path))
     if as_json:
         emit_json({"recording": str(path), "exit_code": result.exit_code, "signal": result.signal,
-                   "still_live": result.still_live, "info": summary})
+                   "still_live": result.still_live, "info": summary, "steps": steps, "nothing_recorded": nothing})
     elif not quiet:
-        click.echo(f"\nreplay: recorded {path} (command exit code {result.exit_code})", err=True)
+        if summary is not None:
+            click.echo(f"\nreplay: recorded {escape(str(path))} (command exit code {result.exit_code})", err=True)
+        else:
+            # One line, not "recorded nothing" followed by "recorded DIR".
+            click.echo(f"\nreplay: {escape(nothing or f'nothing was recorded in {path}')}", err=True)
+        for line in steps:
+            click.echo(line, err=True)
         if summary is not None:
             click.echo(render_info(summary), err=True)
         for j in result.still_live:

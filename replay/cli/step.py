@@ -12,8 +12,12 @@ import torch
 from replay.analysis.summary import choose_part
 from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument, save_and_emit
 from replay.cli.render import style, table
-from replay.errors import UsageError
-from replay.rerun.runner import StepRerun, rerun_step
+from replay.errors import ReplayError, RerunError, UsageError
+from replay.format.reader import Part
+from replay.textsafe import escape
+from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
+from replay.rerun.streams import check_stream, target_info
+from replay.rerun.runner import ModeRun, RerunOptions, StepRerun, default_modes, rerun_step
 
 EPILOG = """\b
 Examples:
@@ -63,24 +67,28 @@ def default_device(recorded: str | None) -> str:
 @click.option("--rank", type=int, default=None, help="The rank to re-run.")
 @click.option("--ranks", "ranks_text", default=None, help="Several ranks (0-7 or 0,3): one process each.")
 @click.option("--step", "step_index", type=int, required=True, help="The step to re-run.")
-@click.option("--mode", type=click.Choice(["eager", "cudagraph", "both"]), default="both", show_default=True)
+@click.option("--mode", type=click.Choice(["eager", "cudagraph", "compiled", "both"]), default=None,
+              help="eager, cudagraph, compiled (torch.compile again, as recorded) or both (eager and cudagraph). "
+                   "Default: what the recording and this machine can run (eager on a CPU; eager and cudagraph on a GPU).")
 @click.option("--device", default=None, help="cpu or cuda:N (default: cuda:0 if the run was on a GPU and one is here).")
 @click.option("--devices", default=None, help="With --ranks: devices to spread ranks over (cuda:0,cuda:1 or cpu).")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Run the step N times from the same state.")
 @click.option("--factory", default=None, metavar="MODULE:QUALNAME", help="Rebuild the target with this factory instead.")
+@click.option("--stream", default=None, metavar="NAME",
+              help="The model of the part to rebuild (draft, model, ...; default: the one that holds the step).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a target toggle (JSON value).")
 @click.option("--no-save", is_flag=True, help="Do not save the result beside the recording.")
 @click.option("--trust", is_flag=True,  # issue 16
               help="Import the code this recording names even though it is not your own signed recording (see docs/security.md).")
 @json_option
 def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_text: str | None, step_index: int,
-         mode: str, device: str | None, devices: str | None, repeat: int, factory: str | None, sets: tuple[str, ...],
-         no_save: bool, as_json: bool, trust: bool = False) -> int:
+         mode: str | None, device: str | None, devices: str | None, repeat: int, factory: str | None, stream: str | None,
+         sets: tuple[str, ...], no_save: bool, as_json: bool, trust: bool = False) -> int:
     """Re-run step STEP of a rank of RUN (default: the newest recording) and compare it."""
     if (rank is None) == (ranks_text is None):
         raise UsageError("give --rank R (one rank) or --ranks LIST (several)")
     options = parse_options(sets)
-    modes = ["eager", "cudagraph"] if mode == "both" else [mode]
+    modes = ["eager", "cudagraph"] if mode == "both" else [mode] if mode else None
     with open_run(run, root, quiet=as_json) as rec:
         chosen = choose_part(rec, part)
         from replay.trust import admit_part  # issue 16: one line before anything is imported
@@ -88,70 +96,170 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
         admit_part(chosen, factory=factory, trust=trust, recording=rec.path,
                    ranks=[rank] if rank is not None else parse_ranks(ranks_text or ""))
         if ranks_text is not None:
-            from replay.rerun.multi import rerun_ranks
+            return _step_ranks(rec.path, chosen, parse_ranks(ranks_text), step_index, modes, devices, repeat, factory,
+                               options, as_json)
+        assert rank is not None
+        settings = RerunOptions(modes=tuple(modes or ()), device=device or "", repeat=repeat, factory=factory,
+                                options=options, recording=str(rec.path), stream=stream)
+        data, text, problem = _step_one(chosen, rank, step_index, settings, as_json)
+    save_and_emit(rec.path, data, "" if as_json else text, save=not no_save, as_json=as_json)
+    if problem is not None:
+        # Never exit 0 for a step that could not be re-run or checked: scripts read the code.
+        click.echo(f"replay: {escape(problem)}", err=True)
+        return RerunError.exit_code
+    return 0
 
-            ranks = parse_ranks(ranks_text)
-            results = rerun_ranks(rec.path, chosen.name, ranks, step_index, modes=modes, devices=devices,
-                                  repeat=repeat, factory=factory, options=options)
-            if as_json:
-                emit_json({"kind": "step-ranks", "results": [r for r in results]})
-            else:
-                for r in results:
-                    click.echo(render_step_json(r))
-            return 0
-        rf = chosen[rank]
-        rf.step(step_index)
-        target = rf.attrs.get("target") or {}
-        dev = device or default_device(target.get("device") if isinstance(target, dict) else None)
-        announce = (lambda s: None) if as_json else (lambda s: click.echo(f"replay: {s}", err=True))
-        try:
-            from replay.cli.progress import progress
-        except ImportError:  # pragma: no cover
-            progress = lambda it, label="": it  # noqa: E731
 
-        result = rerun_step(chosen, rank, step_index, modes=modes, device=dev, repeat=repeat, factory=factory,
-                            options=options, recording=str(rec.path), announce=announce, progress=progress)
-    save_and_emit(rec.path, result.to_json(), "" if as_json else render_step(result), save=not no_save, as_json=as_json)
+def _step_one(chosen: Part, rank: int, step_index: int, settings: RerunOptions, as_json: bool) -> tuple[dict[str, Any], str, str | None]:
+    """One rank: with its factory, or (none recorded) inside the re-launched program. (JSON, text, problem)."""
+    rf = chosen[rank]
+    rf.step(step_index)
+    target = rf.attrs.get("target") or {}
+    settings.device = settings.device or default_device(target.get("device") if isinstance(target, dict) else None)
+    stream = check_stream(rf, step_index, settings.stream)
+    relaunch = settings.factory is None and needs_relaunch(target_info(rf, stream), recorded_args(rf, step_index))
+    if not settings.modes:
+        settings.modes = tuple(default_modes(chosen, rank, step_index, settings.device, relaunch=relaunch))
+    announce = (lambda s: None) if as_json else (lambda s: click.echo(f"replay: {escape(s)}", err=True))
+    if relaunch:
+        # No factory: the recorded program, started again in replay mode, is its own factory.
+        spec = RelaunchSpec(recording=settings.recording, part=chosen.name, rank=rank, step=step_index,
+                            modes=list(settings.modes), device=settings.device, repeat=settings.repeat,
+                            options=settings.options, stream=stream)
+        data = relaunch_step(spec, target.get("launch") or {}, world=chosen.world_size, announce=announce)
+        text = str(data.pop("text", ""))
+        if settings.options:
+            note = "--set has no effect on a re-launched program (it has no factory to pass it to)"
+            data.setdefault("notes", []).append(note)
+            text += f"\n  note: {note}"
+        return data, text, data.get("problem")
+    try:
+        from replay.cli.progress import progress
+    except ImportError:  # pragma: no cover
+        progress = lambda it, label="": it  # noqa: E731
+    result = rerun_step(chosen, rank, step_index, settings, announce=announce, progress=progress)
+    return result.to_json(), render_step(result), result.problem()
+
+
+def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, modes: list[str] | None, devices: str | None,
+                repeat: int, factory: str | None, options: dict[str, Any], as_json: bool) -> int:
+    """Several ranks, one process each; exits 7 when any of them could not be re-run."""
+    from replay.rerun.multi import rerun_ranks
+
+    rf = chosen[ranks[0]] if ranks else None
+    if factory is None and rf is not None and needs_relaunch(target_info(rf, check_stream(rf, step_index, None)),
+                                                             recorded_args(rf, step_index)):
+        # No factory: each rank in its own re-launched program, alone on its recorded collectives.
+        results = []
+        for r in ranks:
+            settings = RerunOptions(modes=tuple(modes or ()), device=(devices or "").split(",")[0].strip(),
+                                    repeat=repeat, options=options, recording=str(path))
+            try:
+                data, _, problem = _step_one(chosen, r, step_index, settings, True)
+                results.append({**data, "collectives": "recorded"})
+            except ReplayError as e:
+                results.append({"rank": r, "step": step_index, "error": str(e)})
+    else:
+        if modes is None:
+            first_dev = (devices or "cpu").split(",")[0].strip()
+            modes = default_modes(chosen, ranks[0], step_index, first_dev) if ranks else ["eager"]
+        results = rerun_ranks(path, chosen.name, ranks, step_index, modes=modes, devices=devices,
+                              repeat=repeat, factory=factory, options=options)
+    if as_json:
+        emit_json({"kind": "step-ranks", "results": list(results)})
+    else:
+        for r in results:
+            click.echo(render_step_json(r))
+    failed = [r for r in results if r.get("error") or r.get("problem")]
+    if failed:
+        first = failed[0]
+        click.echo(f"replay: rank {first.get('rank')}: {escape(first.get('error') or first.get('problem'))}", err=True)
+        return RerunError.exit_code
     return 0
 
 
 def render_step(r: StepRerun) -> str:
-    lines = [f"rank {r.rank}, step {r.step} of {r.recording} (part {r.part}) on {r.device}, from the keyframe at step {r.keyframe}"]
+    stream = f", stream {escape(r.stream)}" if r.stream else ""
+    lines = [f"rank {r.rank}, step {r.step} of {escape(r.recording)} (part {escape(r.part)}{stream}) on {r.device}, "
+             f"from the keyframe at step {r.keyframe}"]
+    if r.weights is not None and (any(_departs(m) for m in r.modes.values()) or not r.weights.same):
+        lines.append(style(f"  {escape(r.weights)}", fg=None if r.weights.same else "yellow"))
     for m in r.modes.values():
-        if r.step > r.keyframe:
-            if m.departed is None:
-                lines.append(f"  {m.mode}: steps {r.keyframe}..{r.step - 1} re-ran bit for bit as recorded")
-            else:
-                lines.append(style(f"  {m.mode}: the re-run departed from the recording at {m.departed} (teacher-forced from there)", fg="yellow"))
-        for c in m.collective_mismatches[:3]:
-            lines.append(style(f"  {m.mode}: {c}", fg="yellow"))
-        if m.error or m.recorded_error:
-            kind = (m.error or "").split(":")[0]
-            if m.error and kind == (m.recorded_error or "").split(":")[0]:
-                lines.append(style(f"  {m.mode}: step {r.step} raised {kind}, as it did when recorded: {m.recorded_error}", fg="yellow"))
-            else:
-                what = f"raised {m.error}" if m.error else "completed"
-                rec = f"raised {m.recorded_error}" if m.recorded_error else "completed"
-                lines.append(style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}", fg="red"))
+        lines += _mode_lines(r, m)
+    lines += _verdict_table(r)
+    lines += [f"  {c}" for c in r.comparisons]
+    lines += [style(f"  {m.mode}: repeated runs of the same step from the same state gave different bits: "
+                    "a nondeterministic kernel", fg="red") for m in r.modes.values() if m.repeats_equal is False]
+    lines += [f"  note: {escape(n)}" for n in r.notes]
+    return "\n".join(lines)
+
+
+def _departs(m: ModeRun) -> bool:
+    return m.departed is not None or any(not c.equal for c in m.vs_recording.values())
+
+
+def _mode_lines(r: StepRerun, m: ModeRun) -> list[str]:
+    """What one mode's re-run did before the verdicts: catch-up, how it ran, context, errors."""
+    lines = [_catch_up_line(r, m)] if m.caught_up else []
+    if m.ran_as:
+        lines.append(f"  {m.mode}: ran {escape(m.ran_as)}")
+    if _departs(m) or m.context_differences:
+        lines.append("  " + _context_line(m))
+    lines += [style(f"  {m.mode}: {escape(c)}", fg="yellow") for c in m.collective_mismatches[:3]]
+    if m.error or m.recorded_error:
+        lines.append(_error_line(r, m))
+    return lines
+
+
+def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
+    """The catch-up steps: bit for bit only when every one of them was compared and matched."""
+    n = len(m.caught_up)
+    span = (f"steps {r.keyframe}..{r.step - 1}" if n == r.step - r.keyframe else
+            f"{n} step{'s' if n > 1 else ''} of stream {escape(r.stream)} in {r.keyframe}..{r.step - 1} ({_steps(m.caught_up)})")
+    if m.departed is not None:
+        return style(f"  {m.mode}: the re-run departed from the recording at {escape(m.departed)} (teacher-forced from there)", fg="yellow")
+    if not m.uncompared:
+        return f"  {m.mode}: {span} re-ran bit for bit as recorded"
+    return style(f"  {m.mode}: {span} re-ran; {n - len(m.uncompared)} of {n} matched their recorded outputs bit for bit, "
+                 f"{len(m.uncompared)} had no recorded output to compare with (steps {_steps(m.uncompared)})", fg="yellow")
+
+
+def _error_line(r: StepRerun, m: ModeRun) -> str:
+    kind = (m.error or "").split(":")[0]
+    if m.error and kind == (m.recorded_error or "").split(":")[0]:
+        return style(f"  {m.mode}: step {r.step} raised {escape(kind)}, as it did when recorded: {escape(m.recorded_error)}", fg="yellow")
+    what = f"raised {escape(m.error)}" if m.error else "completed"
+    rec = f"raised {escape(m.recorded_error)}" if m.recorded_error else "completed"
+    return style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}", fg="red")
+
+
+def _verdict_table(r: StepRerun) -> list[str]:
     rows = []
     for m in r.modes.values():
         for name, c in m.vs_recording.items():
             ranks = m.matches_ranks.get(name, [])
             verdict = style(str(c.verdict), fg="green" if c.equal else "red")
             rep = "-" if m.repeats_equal is None else ("same bits" if m.repeats_equal else style("bits vary", fg="red"))
-            rows.append([m.mode, name, verdict, ",".join(map(str, ranks)) or "none", rep, m.graph or "-"])
-    if rows:
-        lines.append(f"step {r.step} against the recording:")
-        lines.append(table(["mode", "output", f"vs rank {r.rank} recorded", "same bits as ranks", "repeats", "ran as"], rows))
-    for c in r.comparisons:
-        lines.append(f"  {c}")
-    for m in r.modes.values():
-        if m.repeats_equal is False:
-            lines.append(style(f"  {m.mode}: repeated runs of the same step from the same state gave different bits: "
-                               "a nondeterministic kernel", fg="red"))
-    for n in r.notes:
-        lines.append(f"  note: {n}")
-    return "\n".join(lines)
+            rows.append([m.mode, escape(name), verdict, ",".join(map(str, ranks)) or "none", rep, escape(m.graph) or "-"])
+    if not rows:
+        return []
+    return [f"step {r.step} against the recording:",
+            table(["mode", "output", f"vs rank {r.rank} recorded", "same bits as ranks", "repeats", "ran as"], rows)]
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:8])) + (" ..." if len(steps) > 8 else "")
+
+
+def _context_line(m: ModeRun) -> str:
+    """Whether the numerics context (SDPA flags, TF32, ...) the step ran under was the recorded one."""
+    if not m.context_recorded:
+        return f"{m.mode}: numerics context: not in the recording, so not restored (grad, autocast, SDPA, TF32 ... as this process has them)"
+    if not m.context_differences:
+        return f"{m.mode}: numerics context: restored as recorded (no setting differs)"
+    shown = "; ".join(escape(d) for d in m.context_differences[:6])
+    more = f" (+{len(m.context_differences) - 6} more)" if len(m.context_differences) > 6 else ""
+    return style(f"{m.mode}: numerics context differs from the recorded one: {shown}{more}", fg="yellow")
 
 
 def render_step_json(d: dict[str, Any]) -> str:

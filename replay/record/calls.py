@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["split_arguments", "name_outputs", "access", "attribute_holding", "call_key", "weakrefable", "capturing"]
+__all__ = ["to_json_safe", "module_state", "split_arguments", "name_outputs", "access", "attribute_holding", "call_key", "weakrefable", "capturing"]
 
 _SCALARS = (int, float, bool, str, type(None))
 
@@ -22,6 +22,86 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, torch.dtype):
         return {"dtype": str(v)}
     return {"unrecorded": type(v).__name__}
+
+
+class NotJSON(TypeError):
+    """A value ``to_json_safe`` cannot turn into JSON (a tensor, a model, an open file, ...)."""
+
+
+def to_json_safe(v: Any, _depth: int = 0) -> Any:
+    """A config as JSON: dataclasses and namespaces as dicts of their fields, enums by value,
+    paths, dtypes and devices as strings, tuples and sets as lists. Raises ``NotJSON`` for
+    anything else (a tensor, a module): a config is data, not objects."""
+    import dataclasses
+    import enum
+    import os
+    import types
+
+    if _depth > 32:
+        raise NotJSON("nested more than 32 levels deep")
+    if isinstance(v, enum.Enum):
+        return to_json_safe(v.value, _depth + 1)
+    if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
+    if isinstance(v, (torch.dtype, torch.device)):
+        return str(v)
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: to_json_safe(getattr(v, f.name), _depth + 1) for f in dataclasses.fields(v)}
+    if isinstance(v, types.SimpleNamespace) or type(v).__name__ == "Namespace":
+        return {str(k): to_json_safe(x, _depth + 1) for k, x in vars(v).items()}
+    if isinstance(v, dict):
+        return {str(k.value if isinstance(k, enum.Enum) else k): to_json_safe(x, _depth + 1) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set, frozenset)):
+        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+        return [to_json_safe(x, _depth + 1) for x in items]
+    if hasattr(v, "_asdict"):
+        return to_json_safe(v._asdict(), _depth + 1)
+    raise NotJSON(f"a {type(v).__name__} is not JSON data")
+
+
+def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What carries over from one step of an ``nn.Module`` to the next, by default: its buffers
+    (KV caches, counters) and the tensors its submodules hold as plain attributes, never its
+    parameters (the weights are rebuilt, and digested once instead). Names are dotted paths
+    from ``module`` (``layers.0.attention.kv_cache.k_cache``), the form a re-run restores by."""
+    out: dict[str, torch.Tensor] = {}
+    for name, b in module.named_buffers(remove_duplicate=True):
+        if b is not None:
+            out[name] = b
+    params = {id(p) for p in module.parameters()}
+    seen = {id(t) for t in out.values()} | params
+    for prefix, m in module.named_modules():
+        for attr, v in vars(m).items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and id(v) not in seen and not attr.startswith("__"):
+                seen.add(id(v))
+                out[f"{prefix}.{attr}" if prefix else attr] = v
+    return out
+
+
+def without_parameters(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``state`` without the tensors that are ``module``'s parameters (by identity or storage)."""
+    params = {id(p) for p in module.parameters()}
+    ptrs = set()
+    for p in module.parameters():
+        try:
+            ptrs.add(p.untyped_storage().data_ptr())
+        except Exception:  # noqa: BLE001
+            pass
+    kept, dropped = {}, []
+    for k, t in state.items():
+        try:
+            same = id(t) in params or (t.untyped_storage().data_ptr() in ptrs and t.numel() > 0)
+        except Exception:  # noqa: BLE001
+            same = id(t) in params
+        if same:
+            dropped.append(k)
+        else:
+            kept[k] = t
+    return kept, dropped
 
 
 def attribute_holding(owner: Any, value: Any) -> str | None:
@@ -43,12 +123,13 @@ def attribute_holding(owner: Any, value: Any) -> str | None:
 
 
 def split_arguments(
-    bound: inspect.BoundArguments, skip_first: bool, owner: Any = None
+    bound: inspect.BoundArguments, skip_first: bool, owner: Any = None, target_arg: Any = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A step's arguments: tensors (recorded as inputs) and the rest (recorded as JSON).
 
     An object that is an attribute of ``owner`` (the step's object) is recorded as
-    ``{"attr": name}``; one that is neither JSON nor such an attribute as ``{"unrecorded": type}``."""
+    ``{"attr": name}``; ``target_arg`` (the step's object when it is an argument of a function
+    step) as ``{"target": true}``; anything else as ``{"unrecorded": type}``."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     items = list(bound.arguments.items())
@@ -73,8 +154,16 @@ def split_arguments(
                 for k, x in v.items():
                     tensors[f"{n}.{k}"] = x
             else:
+                if target_arg is not None and v is target_arg:
+                    # The step's object passed as an argument (``decode_one_token(model, ...)``):
+                    # a re-run passes the object it rebuilt.
+                    scalars[n] = {"target": True, "type": type(v).__name__}
+                    continue
                 attr = attribute_holding(owner, v) if not isinstance(v, (list, tuple, dict, torch.dtype)) else None
-                scalars[n] = {"attr": attr, "type": type(v).__name__} if attr else _jsonable(v)
+                if attr:
+                    scalars[n] = {"attr": attr, "type": type(v).__name__}
+                    continue
+                scalars[n] = _jsonable(v)
     return tensors, scalars
 
 

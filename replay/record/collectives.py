@@ -98,6 +98,8 @@ def _wrap(session: Any, dist: Any, name: str, fn: Callable[..., Any], spec: Coll
     inplace = set(spec.inputs) & set(spec.outputs)
 
     def collective(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)  # traced: the recorder stays out of Dynamo's way
         rec = session.recorder
         if rec is None or session.disabled or _capturing() or getattr(session._local, "in_collective", False):
             return fn(*args, **kwargs)

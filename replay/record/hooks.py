@@ -134,13 +134,17 @@ def _initialising(mod: Any) -> bool:
 def resolve(target: str, root: Any = None) -> tuple[Any, str, Any]:
     """``module:qualname`` -> (owner object, attribute name, current value).
 
-    ``root``: resolve the qualname from this object (a class already in hand) instead of
-    importing the module."""
+    ``root``: resolve the qualname from this object instead of importing the module: a class
+    already in hand (the qualname's first component), or a module object (the script run as
+    ``__main__``, whose own name is not importable)."""
+    import types
+
     modname, _, qual = target.partition(":")
     parts = qual.split(".")
     if root is not None:
         owner: Any = root
-        parts = parts[1:]
+        if not isinstance(root, types.ModuleType):
+            parts = parts[1:]
     else:
         owner = importlib.import_module(modname)
     for p in parts[:-1]:
@@ -152,8 +156,10 @@ def resolve(target: str, root: Any = None) -> tuple[Any, str, Any]:
 
 def patch_callable(target: str, make_wrapper: Callable[[Callable[..., Any], str], Callable[..., Any]], *, root: Any = None) -> bool:
     """Replace the callable named ``target`` by ``make_wrapper(original, target)``. Idempotent."""
+    import types
+
     owner, name, value = resolve(target, root)
-    if root is not None and owner is root and not isinstance(root, type):
+    if root is not None and owner is root and not isinstance(root, (type, types.ModuleType)):
         raise TypeError(f"{target} does not name a method of a class")
     if isinstance(value, type):
         import torch.nn as nn

@@ -25,6 +25,8 @@ class StepSpec:
     modules: str | None = None
     outputs: tuple[str, ...] = ()
     profile: str | None = None
+    kind: str = ""
+    """``function``, ``method``, ``module_forward`` or ``compiled``: set when the step is wrapped."""
 
     def to_json(self) -> dict:
         return {

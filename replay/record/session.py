@@ -9,21 +9,38 @@ per run.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
+import sys
 import threading
 import weakref
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from replay import numerics
 from replay.format import perms as _perms  # issue 16
 from replay.log import get_logger
 from replay.record.config import RecorderConfig
-from replay.record.calls import access, call_key, capturing, name_outputs, split_arguments, weakrefable
+from replay.record.calls import (
+    NotJSON,
+    access,
+    call_key,
+    capturing,
+    module_state,
+    name_outputs,
+    split_arguments,
+    to_json_safe,
+    weakrefable,
+    without_parameters,
+)
 from replay.record.hooks import patch_callable, when_class_defined, when_imported
+from replay.record.launch import launch_info, main_names, module_name
 from replay.record.profiles import PROFILES, Profile, StepSpec
 from replay.record.recorder import Recorder
 from replay.record.settings import RecordSettings
@@ -32,6 +49,41 @@ __all__ = ["Session", "allocate_part"]
 
 log = get_logger("replay.record")
 
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One model of the loop (a target object) inside the current part."""
+
+    name: str
+    ref: Any  # a weak reference, or a function returning the object (not weak-referenceable)
+    weak: bool
+    info: dict[str, Any]
+    state: Callable[[], dict[str, torch.Tensor]] | None = None
+
+    def obj(self) -> Any:
+        return self.ref()
+
+
+@dataclass(slots=True)
+class _PartStreams:
+    streams: list[_Stream] = field(default_factory=list)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for i, st in enumerate(self.streams):
+            if st.state is None:
+                continue
+            prefix = "" if i == 0 else f"{st.name}/"
+            for k, v in st.state().items():
+                out[prefix + k] = v
+        return out
+
+
+def normalize_step(target: str) -> str:
+    """``__main__:f`` -> ``generate:f`` for ``python generate.py``: one name for one callable."""
+    mod, sep, qual = target.partition(":")
+    return f"{module_name(mod)}{sep}{qual}" if sep else target
 
 
 def allocate_part(out: Path) -> str:
@@ -66,10 +118,17 @@ class Session:
         self.disabled = False
         self._lock = threading.RLock()
         self._local = threading.local()
-        self._target_id: int | None = None
-        self._target_ref: Any = None
+        self._streams = _PartStreams()
+        self._numerics: dict[str, dict[str, Any]] = {}
+        self._first_numerics: str | None = None
+        self._launch: dict[str, Any] | None = None
+        self._ran: Counter[str] = Counter()
+        self._chosen: list[dict[str, str]] = []
+        self._inactive: set[str] = set()
+        self._discover = not settings.steps
+        self._main_pending: list[StepSpec] = []
+        self._watcher: Any = None
         self._pg_runs = 0  # runs (engine objects) seen in the current process group
-        self._targets_in_part = 0
         self._pg_generation = 0
         self._graph_counter = 0
         self._key_stack: list[tuple[str, tuple, int]] = []  # (key, ints, graphs captured before)
@@ -103,6 +162,9 @@ class Session:
         ]
         for spec in cli_specs:
             self._arm_step(spec)
+        # A function of the script run as __main__ is never imported by its name: it is
+        # patched in the script's namespace once it exists (see ``_scan_main``).
+        self._main_pending = [spec for spec in cli_specs]
         for t in s.graph_capture:
             self._arm(t, self._wrap_capture)
         for t in s.graph_replay:
@@ -114,7 +176,20 @@ class Session:
         profiles = list(PROFILES.values()) if s.profile == "auto" else [PROFILES[s.profile]] if s.profile in PROFILES else []
         for p in profiles:
             when_imported(p.trigger, lambda _m, p=p: self._activate(p))
-        from replay.record import collectives, cuda_graphs, tuners
+        from replay.record import collectives, compiled, cuda_graphs, tuners
+        from replay.record.discovery import Watcher
+
+        compiled.install(self)
+        self._watcher = Watcher(
+            on_outermost=self._on_outermost if self._discover else None,
+            scan=self._scan_main if self._main_pending else None,
+        )
+        if self._discover or self._main_pending:
+            self._watcher.install()
+        if any("." not in spec.step.partition(":")[2] for spec in self._main_pending):
+            from replay.record.discovery import watch_main_defs
+
+            watch_main_defs({spec.step.partition(":")[2] for spec in self._main_pending}, self._main_defs_found)
 
         when_imported("torch.distributed", lambda m: collectives.install(self, m))
         when_imported("torch.distributed._functional_collectives", lambda m: collectives.install_functional(self, m))
@@ -138,6 +213,10 @@ class Session:
         self._arm(spec.step, lambda fn, t, spec=spec: self._wrap_step(fn, t, spec))
 
     def _activate(self, p: Profile) -> None:
+        # A profile names its steps: nothing is left to discover.
+        self._discover = False
+        if self._watcher is not None:
+            self._watcher.done_discovering()
         for spec in p.steps:
             self._patch(spec.step, lambda fn, t, spec=spec: self._wrap_step(fn, t, spec))
         for t in p.graph_capture:
@@ -180,8 +259,9 @@ class Session:
             max_bytes=s.max_bytes,
         )
         self.part = part
-        self._targets_in_part = 0
-        self._target_id = None
+        self._streams = _PartStreams()
+        self._numerics = {}
+        self._first_numerics = None
         self._cpu_graphs.clear()
         self._last_tuner = None
         self._tuner_dirty = True
@@ -203,6 +283,7 @@ class Session:
         """After ``init_process_group``: agree on a part with the other ranks and start recording."""
         import torch.distributed as dist
 
+        self.scan_main()
         with self._lock:
             self.close_recorder("ok")
             self._pg_generation += 1
@@ -216,14 +297,6 @@ class Session:
             from replay.record.lockstep import Lockstep
 
             self.lockstep = Lockstep(self, dist) if self.settings.check_lockstep else None
-
-    def _is_current_target(self, obj: Any) -> bool:
-        if self._target_id is None:
-            return False
-        if self._target_ref is not None:
-            # A weak reference, not id(): a new engine can reuse a freed one's address.
-            return self._target_ref() is obj
-        return self._target_id == (id(obj) if obj is not None else 0)
 
     def _agree_part(self, dist: Any, run: int = 0) -> str:
         from datetime import timedelta
@@ -247,48 +320,312 @@ class Session:
     # -- steps -------------------------------------------------------------------------------
 
     def _wrap_step(self, fn: Callable[..., Any], target: str, spec: StepSpec) -> Callable[..., Any]:
+        from replay.record.compiled import is_compiled_callable
+
         sig = inspect.signature(fn)
         params = list(sig.parameters)
         is_method = bool(params) and params[0] in ("self", "cls") or "." in target.partition(":")[2]
+        if spec.kind:
+            kind = spec.kind
+        elif is_compiled_callable(fn):
+            kind = "compiled"
+        elif fn.__name__ == "forward" and is_method:
+            kind = "module_forward"
+        else:
+            kind = "method" if is_method else "function"
+        spec = replace(spec, step=normalize_step(spec.step), kind=kind)
 
         def step_wrapper(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self._local, "depth", 0) or self.disabled or capturing():
+            # Traced by Dynamo (the step is called inside a compiled region): only the call
+            # itself, so nothing of the recorder (locks, thread-locals, I/O) is ever traced.
+            if torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
-            self._local.depth = 1
-            try:
-                return self._run_step(spec, fn, sig, is_method, args, kwargs)
-            finally:
-                self._local.depth = 0
+            return self._call_step(spec, fn, sig, is_method, args, kwargs)
 
+        step_wrapper.__replay_step_fn__ = fn  # type: ignore[attr-defined]
+        step_wrapper.__replay_spec__ = spec  # type: ignore[attr-defined]
         return step_wrapper
 
-    def _target_info(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
-        info: dict[str, Any] = {"step": spec.step, "profile": spec.profile, **spec.to_json()}
-        info["factory"] = self.settings.factory or spec.factory
+    def _call_step(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple, kwargs: dict) -> Any:
+        if getattr(self._local, "depth", 0) or self.disabled or capturing() or spec.step in self._inactive:
+            return fn(*args, **kwargs)
+        self._local.depth = 1
         try:
-            info["config"] = access(obj, spec.config)
-            json.dumps(info["config"])
+            return self._run_step(spec, fn, sig, is_method, args, kwargs)
+        finally:
+            self._local.depth = 0
+
+    # -- compiled callables and discovery -----------------------------------------------------
+
+    def boundary(self, original: Callable[..., Any], compiled_fn: Callable[..., Any], *, spec: StepSpec | None = None) -> Callable[..., Any]:
+        """The eager wrapper around a ``torch.compile``d function: a step when it is named (or
+        found), a plain call otherwise. Dynamo never sees more than the call."""
+        try:
+            sig = inspect.signature(original)
+        except (TypeError, ValueError):
+            return compiled_fn
+        target = f"{module_name(getattr(original, '__module__', '') or '?')}:{getattr(original, '__qualname__', '?')}"
+        holder: dict[str, Any] = {"spec": replace(spec, step=normalize_step(spec.step), kind="compiled") if spec else None}
+
+        def boundary_wrapper(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return compiled_fn(*args, **kwargs)
+            s = holder["spec"]
+            if s is None:
+                s = self._boundary_spec(target, holder, args, kwargs)
+                if s is None:
+                    return compiled_fn(*args, **kwargs)
+            return self._call_step(s, compiled_fn, sig, False, args, kwargs)
+
+        functools.update_wrapper(boundary_wrapper, original)
+        boundary_wrapper.__replay_boundary__ = holder  # type: ignore[attr-defined]
+        boundary_wrapper.__replay_step_fn__ = original  # type: ignore[attr-defined]
+        boundary_wrapper.__replay_spec__ = holder["spec"]  # type: ignore[attr-defined]
+        boundary_wrapper.__replay_wrapped__ = True  # type: ignore[attr-defined]
+        return boundary_wrapper
+
+    def module_boundary(self, module: torch.nn.Module, compiled_forward: Callable[..., Any]) -> Callable[..., Any]:
+        """The eager wrapper around an ``OptimizedModule``'s compiled ``forward``: the step of
+        ``module``'s class (named or found), recorded outside the traced frame."""
+        cls = type(module)
+        sig = inspect.signature(cls.forward)
+        target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
+        holder: dict[str, Any] = {"spec": None}
+        ref = weakref.ref(module)
+
+        def call(_obj: Any, *args: Any, **kwargs: Any) -> Any:
+            return compiled_forward(*args, **kwargs)
+
+        def forward_boundary(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return compiled_forward(*args, **kwargs)
+            s = holder["spec"]
+            mod = ref()
+            if s is None and mod is not None:
+                s = self._boundary_spec(target, holder, (mod,), {})
+            if s is None or mod is None:
+                return compiled_forward(*args, **kwargs)
+            return self._call_step(s, call, sig, True, (mod, *args), kwargs)
+
+        functools.update_wrapper(forward_boundary, compiled_forward)
+        forward_boundary.__replay_boundary__ = holder  # type: ignore[attr-defined]
+        return forward_boundary
+
+    def _spec_from_settings(self, step: str, kind: str) -> StepSpec:
+        s = self.settings
+        return StepSpec(step=step, state=s.state, config=s.config, factory=s.factory, tuner=s.tuner, run_info=s.run_info,
+                        modules=s.modules, outputs=tuple(s.outputs), kind=kind)
+
+    def _named_spec(self, target: str) -> StepSpec | None:
+        for t in self.settings.steps:
+            if normalize_step(t) == target:
+                return self._spec_from_settings(target, "compiled")
+        return None
+
+    def _boundary_spec(self, target: str, holder: dict[str, Any], args: tuple, kwargs: dict) -> StepSpec | None:
+        named = self._named_spec(target)
+        if named is not None:
+            holder["spec"] = named
+            return named
+        if getattr(self._local, "depth", 0):
+            return None
+        # A named nn.Module step that runs inside this compiled callable cannot be seen there:
+        # record at the nearest boundary, the compiled call that is given the module, and say so.
+        wanted = {normalize_step(t) for t in self.settings.steps}
+        for v in (*args, *kwargs.values()):
+            if isinstance(v, torch.nn.Module):
+                cls = type(v)
+                mod_target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
+                if mod_target in wanted and mod_target != target:
+                    spec = self._spec_from_settings(target, "compiled")
+                    self._inactive.add(mod_target)
+                    self._chosen.append({"step": target, "kind": "boundary", "inside": mod_target})
+                    holder["spec"] = spec
+                    return spec
+        if not self._discover or getattr(self._local, "depth", 0):
+            return None
+        with self._lock:
+            earlier = [c for c in self._chosen if c["kind"] != "compiled" and not self._ran.get(c["step"])]
+            if self._chosen and not earlier:
+                return None
+            for c in earlier:
+                # Prefill ran the model eagerly, decode runs compiled: the compiled callable is
+                # the step, and the module chosen at prefill (which recorded nothing) is not.
+                self._inactive.add(c["step"])
+                self._chosen.remove(c)
+            spec = self._spec_from_settings(target, "compiled")
+            self._chosen.append({"step": target, "kind": "compiled"})
+            holder["spec"] = spec
+        return spec
+
+    def _on_outermost(self, module: torch.nn.Module) -> None:
+        """The first outermost module call of an undiscovered program: its class's forward is the step."""
+        if not self._discover or self._chosen or self.disabled:
+            if self._watcher is not None:
+                self._watcher.done_discovering()
+            return
+        cls = type(module)
+        if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__:
+            return  # compiled modules and local classes cannot be named: keep looking
+        target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
+        spec = self._spec_from_settings(target, "module_forward")
+        self._chosen.append({"step": target, "kind": "module_forward"})
+        try:
+            patch_callable(f"{cls.__module__}:{cls.__qualname__}", lambda fn, t, spec=spec: self._wrap_step(fn, t, spec))
         except Exception as e:  # noqa: BLE001
-            info["config"] = None
-            self.warn_once(f"config:{spec.step}", f"cannot record the config of {spec.step} ({e}); re-runs will need --factory")
+            self._chosen.pop()
+            self.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
+        if self._watcher is not None:
+            self._watcher.done_discovering()
+
+    def _main_defs_found(self) -> bool:
+        main = sys.modules.get("__main__")
+        if not self._main_pending or main is None:
+            return True
+        names = main_names()
+        wanted = {spec.step.partition(":")[2].split(".")[0] for spec in self._main_pending if spec.step.partition(":")[0] in names}
+        if not wanted:
+            return True  # no --step names the script: stop tracing at once
+        if not wanted & set(main.__dict__):
+            return False
+        self.scan_main()
+        return not self._main_pending
+
+    def scan_main(self) -> None:
+        """Look for the pending ``--step`` functions of ``__main__`` now (from other hooks)."""
+        if self._main_pending and self._scan_main() and self._watcher is not None:
+            self._watcher.done_scanning()
+
+    def _scan_main(self) -> bool:
+        """Patch the ``--step`` functions of the script run as ``__main__`` that exist by now;
+        True once none is left to find."""
+        main = sys.modules.get("__main__")
+        if main is None:
+            return False
+        names = main_names()
+        left = []
+        for spec in self._main_pending:
+            mod, _, qual = spec.step.partition(":")
+            if mod not in names:
+                continue  # a real module: its import hook patches it
+            value = main.__dict__.get(qual.split(".")[0])
+            if value is None:
+                left.append(spec)
+                continue
+            holder = getattr(value, "__replay_boundary__", None)
+            if isinstance(holder, dict) and "." not in qual:
+                if holder.get("spec") is None:
+                    holder["spec"] = replace(spec, step=normalize_step(spec.step), kind="compiled")
+                continue
+            self._patch(spec.step, lambda fn, t, spec=spec: self._wrap_step(fn, t, spec), root=main)
+        self._main_pending = left
+        return not left
+
+    # -- the target and its streams -----------------------------------------------------------
+
+    def _stream_info(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> dict[str, Any]:
+        info: dict[str, Any] = {**spec.to_json(), "step": spec.step, "step_kind": spec.kind or "function", "profile": spec.profile}
+        info["factory"] = self.settings.factory or spec.factory
+        config, config_attr = None, spec.config
+        if spec.config:
+            try:
+                config = to_json_safe(access(obj, spec.config))
+            except Exception as e:  # noqa: BLE001
+                self.warn_once(f"config:{spec.step}", f"cannot record the config of {spec.step} ({e}); re-runs will need --factory")
+        elif obj is not None:
+            # No --config: a model's own ``config`` attribute, when it is data.
+            for attr in ("config", "args", "cfg"):
+                try:
+                    v = getattr(obj, attr, None)
+                except Exception:  # noqa: BLE001 - a property that raises is not a config
+                    continue
+                if v is None or callable(v) and not hasattr(v, "__dataclass_fields__"):
+                    continue
+                try:
+                    config, config_attr = to_json_safe(v), attr
+                    break
+                except NotJSON:
+                    continue
+        info["config"] = config
+        info["config_attr"] = config_attr
         devices = {str(t.device) for t in inputs.values()}
         info["device"] = sorted(devices)[0] if devices else "cpu"
         probes = [[t, []] for t in self.settings.probes]
         if spec.profile in PROFILES:
             probes += [[t, list(names)] for t, names in PROFILES[spec.profile].probes]
         info["probes"] = probes
+        info["object_arg"] = object_arg
+        info["state_from"] = "attribute" if spec.state else None
+        if isinstance(obj, torch.nn.Module):
+            if not spec.state:
+                info["state_from"] = "module_buffers"
+            try:
+                from replay.record.weights import weight_digests
+
+                info["weights"] = weight_digests(obj)
+            except Exception as e:  # noqa: BLE001
+                self.warn_once(f"weights:{spec.step}", f"cannot digest the weights of {spec.step} ({e})")
         return info
 
-    def _recorder_for(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor]) -> Recorder | None:
+    def _stream_state(self, spec: StepSpec, obj: Any) -> Callable[[], dict[str, torch.Tensor]] | None:
+        if obj is None:
+            return None
+        ref = weakref.ref(obj) if weakrefable(obj) else (lambda o=obj: o)
+        if spec.state:
+            def state_fn(ref: Any = ref, name: str = spec.state) -> dict[str, torch.Tensor]:
+                o = ref()
+                if o is None:
+                    return {}
+                st = dict(access(o, name) or {})
+                if isinstance(o, torch.nn.Module):
+                    # Keyframes never hold the weights (a re-run restoring them would undo the
+                    # ones the user loaded): they are digested once, in the target info.
+                    st, dropped = without_parameters(o, st)
+                    if dropped:
+                        self.warn_once(f"state-params:{name}", f"--state {name}: {len(dropped)} parameters (weights) left out of"
+                                       " keyframes; weights are digested once per rank instead")
+                return st
+
+            return state_fn
+        if isinstance(obj, torch.nn.Module):
+            def buffers_fn(ref: Any = ref) -> dict[str, torch.Tensor]:
+                o = ref()
+                return module_state(o) if o is not None else {}
+
+            return buffers_fn
+        return None
+
+    def _merged_info(self) -> dict[str, Any]:
+        streams = self._streams.streams
+        info = dict(streams[0].info)
+        info["stream"] = streams[0].name
+        info["streams"] = {st.name: st.info for st in streams}
+        if self._launch is None:
+            self._launch = launch_info()
+        info["launch"] = self._launch
+        info["numerics"] = {"first": self._first_numerics, "contexts": dict(self._numerics)}
+        return info
+
+    def _find_stream(self, obj: Any, step: str) -> _Stream | None:
+        for st in self._streams.streams:
+            if st.obj() is obj and st.info.get("step") == step:
+                return st
+        return None
+
+    def _recorder_for(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> tuple[Recorder | None, _Stream | None]:
         rec = self.ensure_recorder()
         if rec is None:
-            return None
-        if self._is_current_target(obj):
-            return rec
-        if self._target_id is not None:
-            # A new engine object in the same process: a new run, so a new part. Ranks switch
-            # engines at the same point of the same program, so with a process group they agree
-            # on its name through the group's store; alone, a process takes the next free one.
+            return None, None
+        st = self._find_stream(obj, spec.step)
+        if st is not None:
+            return rec, st
+        # A new target object. While the earlier ones are alive it is another model of the same
+        # loop (a draft beside its target): a new stream of this part. Once they are gone it is
+        # a new run (a new engine after the first), so a new part. Ranks switch engines at the
+        # same point of the same program, so with a process group they agree on its name
+        # through the group's store; alone, a process takes the next free one.
+        alive = [s for s in self._streams.streams if s.weak and s.obj() is not None]
+        if self._streams.streams and not alive:
             import torch.distributed as dist
 
             _, world = self._rank_world()
@@ -305,33 +642,59 @@ class Session:
             rec = self._new_recorder(part)
             if self.lockstep is not None:
                 self.lockstep.prefix = f"replay/ls/{part}"
-        self._target_id = id(obj) if obj is not None else 0
-        self._target_ref = weakref.ref(obj) if obj is not None and weakrefable(obj) else None
-        state_fn = None
-        if spec.state and obj is not None:
-            ref = weakref.ref(obj) if weakrefable(obj) else (lambda o=obj: o)
+        from replay.record.streams import stream_name
 
-            def state_fn(ref: Any = ref, name: str = spec.state) -> dict[str, torch.Tensor]:
-                o = ref()
-                return dict(access(o, name) or {}) if o is not None else {}
+        taken = {s.name for s in self._streams.streams}
+        if any(s.obj() is obj for s in self._streams.streams):
+            # The same object through another step callable (prefill eager, decode compiled).
+            base = spec.step.partition(":")[2].rsplit(".", 1)[-1] or "step"
+            name, i = base, 2
+            while name in taken:
+                name, i = f"{base}{i}", i + 1
+        elif not self._streams.streams:
+            # Named only once a second model appears: reading a caller's variables (f_locals)
+            # keeps them alive in Python 3.11, and a lone engine must be freed when the program
+            # drops it (a new engine is then a new part, not a stream).
+            name = "main"
+        else:
+            name = stream_name(obj, taken)
+            first = self._streams.streams[0]
+            if first.name == "main" and len(self._streams.streams) == 1 and first.obj() is not None:
+                renamed = stream_name(first.obj(), {name})
+                if renamed != type(first.obj()).__name__:
+                    first.name = renamed
+        weak = obj is not None and weakrefable(obj)
+        ref = weakref.ref(obj) if weak else (lambda o=obj: o)
+        st = _Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg), state=self._stream_state(spec, obj))
+        self._streams.streams.append(st)
+        part_streams = self._streams
+        rec.set_target(self._merged_info(), part_streams.state if any(s.state for s in part_streams.streams) else None)
+        if len(part_streams.streams) > 1 and rec.step_index > 0:
+            # The new stream's state must be in a keyframe before its first step.
+            rec.snapshot_state()
+        return rec, st
 
-        rec.set_target(self._target_info(spec, obj, inputs), state_fn)
-        return rec
+    def _recorder_failed(self, e: BaseException) -> None:
+        """The recorder's own code failed around a step: warn once, stop recording, go on."""
+        self.warn_once("session-failed", f"recording stopped: {e.__class__.__name__}: {e}")
+        self.disabled = True
+        try:
+            self.close_recorder("failed")
+        except Exception:  # noqa: BLE001
+            pass
 
     def _run_step(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple, kwargs: dict) -> Any:
         try:
             bound = sig.bind(*args, **kwargs)
         except TypeError:
             return fn(*args, **kwargs)  # let the program see its own error
-        obj = args[0] if is_method and args else None
-        tensors, scalars = split_arguments(bound, skip_first=is_method, owner=obj)
-        rec = self._recorder_for(spec, obj, tensors)
-        if rec is None or not rec.enabled:
+        try:
+            rec, obj = self._before_step(spec, bound, is_method, args)
+        except Exception as e:  # noqa: BLE001 - never into the program
+            self._recorder_failed(e)
             return fn(*args, **kwargs)
-        rec.begin_step()
-        rec.record_inputs(**tensors)
-        if scalars:
-            rec.record_args(**scalars)
+        if rec is None:
+            return fn(*args, **kwargs)
         self._step_replays = 0
         try:
             out = fn(*args, **kwargs)
@@ -339,15 +702,54 @@ class Session:
             rec.end_step(error=e)
             rec.flush_ring(f"step raised {e.__class__.__name__}")
             raise
-        outs = name_outputs(out, spec.outputs or tuple(self.settings.outputs))
-        rec.record_outputs(**outs)
-        self._set_run(rec, spec, obj)
-        if self._tuner_dirty:
-            self._record_tuner(obj=obj, spec=spec)
-        rec.end_step()
+        try:
+            outs = name_outputs(out, spec.outputs or tuple(self.settings.outputs))
+            rec.record_outputs(**outs)
+            self._set_run(rec, spec, obj)
+            if self._tuner_dirty:
+                self._record_tuner(obj=obj, spec=spec)
+            rec.end_step()
+        except Exception as e:  # noqa: BLE001 - the program gets its result
+            self._recorder_failed(e)
+            return out
         if self.lockstep is not None:
-            self.lockstep.check(rec, outs)
+            self.lockstep.check(rec, outs)  # may raise LockstepDivergence on purpose
         return out
+
+    def _before_step(self, spec: StepSpec, bound: inspect.BoundArguments, is_method: bool, args: tuple) -> tuple[Recorder | None, Any]:
+        """Everything recorded before the call: the target (and its stream), inputs, arguments,
+        numerics context. (None, obj) when this step is not recorded."""
+        self._ran[spec.step] += 1
+        object_arg = None
+        if is_method:
+            obj = args[0] if args else None
+        else:
+            # A function step whose argument is the model (``decode_one_token(model, x, pos)``):
+            # that model is the step's object (its state, weights, stream).
+            obj = None
+            for k, v in bound.arguments.items():
+                if isinstance(v, torch.nn.Module):
+                    obj, object_arg = v, k
+                    break
+        tensors, scalars = split_arguments(bound, skip_first=is_method, owner=obj if is_method else None,
+                                           target_arg=obj if object_arg else None)
+        rec, stream = self._recorder_for(spec, obj, tensors, object_arg)
+        if rec is None or not rec.enabled:
+            return None, obj
+        digest, ctx, _changed = numerics.current()
+        if digest not in self._numerics:
+            # A context not seen in this part: written with the target info, before the step.
+            self._numerics[digest] = ctx
+            if self._first_numerics is None:
+                self._first_numerics = digest
+            rec.set_target(self._merged_info())
+        rec.begin_step()
+        rec.record_inputs(**tensors)
+        scalars[numerics.NUMERICS_ARG] = digest
+        if len(self._streams.streams) > 1 and stream is not None:
+            scalars[numerics.STREAM_ARG] = stream.name
+        rec.record_args(**scalars)
+        return rec, obj
 
     def _set_run(self, rec: Recorder, spec: StepSpec, obj: Any) -> None:
         info = None
@@ -495,5 +897,20 @@ class Session:
 
     # -- end ---------------------------------------------------------------------------------
 
+    def report(self) -> dict[str, Any]:
+        """What this process saw: for ``replay record``'s summary (see ``discovery``)."""
+        rank, _ = self._rank_world()
+        return {
+            "pid": os.getpid(),
+            "rank": rank,
+            "named": [normalize_step(t) for t in self.settings.steps],
+            "ran": dict(self._ran),
+            "chosen": list(self._chosen),
+            "seen": dict(self._watcher.seen) if self._watcher is not None else {},
+        }
+
     def shutdown(self) -> None:
         self.close_recorder("ok")
+        from replay.record.discovery import write_report
+
+        write_report(self.out, self.report())

@@ -62,24 +62,58 @@ class RecordSettings:
     """Names for a step's returned values when it returns a tuple (default: out0, out1, ...)."""
 
     keyframe_every: int = 50
+    """A state keyframe every K steps (fewer when the state is large); 0: only the first."""
+
     ring: int = 16
+    """Full logits of the last N steps, written at exit, when a step raises, and at a lockstep trigger."""
+
     inputs: Literal["digest", "full"] = "full"
+    """Step inputs in full (exact bits, what a re-run feeds) or as digests only."""
+
     collectives: Literal["digest", "auto", "full"] = "auto"
+    """Collective outputs: digests, in full, or in full up to 1 MiB each."""
+
     durability: Literal["step", "async"] = "step"
+    """``step``: a step returns once it is in the journal (no completed step lost on SIGKILL)."""
+
     max_bytes: int | None = None
+    """Stop recording a rank past this many bytes (the program goes on)."""
+
     check_lockstep: bool = False
+    """Compare output digests across ranks every step, through the process group's store."""
+
     stop_on_divergence: bool = False
+    """With ``check_lockstep``: the step raises ``LockstepDivergence`` at the first mismatch."""
+
     lockstep_timeout_s: float = 60.0
+    """How long a rank waits for the others' digests."""
+
     cuda_graph_kernels: bool = True
     """Capture CUDA graphs in debug mode to list the kernels inside them."""
 
     def __post_init__(self) -> None:
+        for name, kinds in _TYPES.items():
+            value = getattr(self, name)
+            ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+            if name in _LISTS and ok:
+                ok = all(isinstance(x, str) for x in value)
+            if not ok:
+                want = "a list of strings" if name in _LISTS else " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+                raise ValueError(f"{name} = {value!r} must be {want}")
         for name in ("steps", "graph_capture", "graph_replay", "probes"):
             for target in getattr(self, name):
                 if ":" not in target:
                     raise ValueError(f"{target!r} is not of the form module:qualname")
         if self.keyframe_every < 0 or self.ring < 0:
             raise ValueError("keyframe_every and ring must be >= 0")
+        # Checked where settings enter (command line, [tool.replay], the environment), so a bad
+        # value is one line before the program starts, never an error inside its step.
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} = {value!r} is not one of: {', '.join(map(str, choices))}")
+        if self.max_bytes is not None and (not isinstance(self.max_bytes, int) or self.max_bytes < 1):
+            raise ValueError(f"max_bytes = {self.max_bytes!r} must be a positive integer")
 
     def to_env(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -100,6 +134,30 @@ class RecordSettings:
             else:
                 data[k] = v
         return RecordSettings(**data)
+
+
+_LISTS = ("steps", "graph_capture", "graph_replay", "probes", "outputs")
+_TYPES: dict[str, tuple[type, ...]] = {
+    **{n: (list, tuple) for n in _LISTS},
+    **{n: (str, type(None)) for n in ("state", "config", "factory", "tuner", "run_info", "modules")},
+    "profile": (str,),
+    "keyframe_every": (int,),
+    "ring": (int,),
+    "max_bytes": (int, type(None)),
+    "lockstep_timeout_s": (int, float),
+    "check_lockstep": (bool,),
+    "stop_on_divergence": (bool,),
+    "cuda_graph_kernels": (bool,),
+}
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "inputs": ("digest", "full"),
+    "collectives": ("digest", "auto", "full"),
+    "durability": ("step", "async"),
+    "check_lockstep": (True, False),
+    "stop_on_divergence": (True, False),
+    "cuda_graph_kernels": (True, False),
+}
 
 
 def load_pyproject_settings(start: Path) -> dict[str, Any]:

@@ -57,12 +57,13 @@ def _worker(i: int, args: dict[str, Any]) -> None:
             if device.startswith("cuda"):
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, rank=rank, world_size=args["world"])
-        from replay.rerun.runner import rerun_step
+        from replay.rerun.runner import RerunOptions, rerun_step
 
+        settings = RerunOptions(modes=tuple(args["modes"]), device=device, repeat=args["repeat"], factory=args["factory"],
+                                options=args["options"], recording=args["recording"], live_collectives=live,
+                                keyframe_at=args["keyframe"])
         with Recording(args["recording"]) as rec:
-            r = rerun_step(rec[args["part"]], rank, args["step"], modes=args["modes"], device=device,
-                           repeat=args["repeat"], factory=args["factory"], options=args["options"],
-                           recording=args["recording"], live_collectives=live, keyframe_at=args["keyframe"])
+            r = rerun_step(rec[args["part"]], rank, args["step"], settings)
         data = r.to_json()
         data["collectives"] = "live" if live else "recorded"
     except ReplayError as e:

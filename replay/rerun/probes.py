@@ -7,20 +7,21 @@ import contextlib
 import inspect
 from typing import Any, Callable, Iterator
 
-from replay.record.hooks import resolve
 from replay.record.calls import name_outputs
+from replay.rerun.imports import ImportContext, resolve_recorded
 
 __all__ = ["installed_probes"]
 
 
 @contextlib.contextmanager
-def installed_probes(probes: list[tuple[str, tuple[str, ...]]], sink: Callable[[str, dict[str, Any]], None]) -> Iterator[None]:
+def installed_probes(probes: list[tuple[str, tuple[str, ...]]], sink: Callable[[str, dict[str, Any]], None],
+                     imports: ImportContext | None = None) -> Iterator[None]:
     """Wrap each ``module:qualname`` probe so that its outputs go to ``sink(label, outputs)``."""
     saved: list[tuple[Any, str, Any]] = []
     try:
         for target, names in probes:
             try:
-                owner, attr, value = resolve(target)
+                owner, attr, value = resolve_recorded(target, "probe", imports)
             except Exception:  # noqa: BLE001 - a probe that no longer exists is just not compared
                 continue
             fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value

@@ -28,12 +28,16 @@ from replay.format.schema import TensorKind
 from replay.record.rng import restore_rng
 from replay.record.calls import name_outputs
 from replay.rerun.collectives import RecordedCollectives
+from replay import numerics
+from replay.numerics import strip_reserved
 from replay.rerun.graphs import GraphedStep
-from replay.rerun.target import Target, TargetSpec, build_target
+from replay.rerun.imports import import_context
+from replay.rerun.streams import check_stream, stream_of, stream_state
+from replay.rerun.target import StepKind, Target, TargetSpec, build_target
 
-__all__ = ["MODES", "ModeRun", "Replayer", "StepRerun", "rerun_step", "StepDeparture"]
+__all__ = ["MODES", "ModeRun", "Replayer", "RerunOptions", "StepRerun", "default_modes", "rerun_step", "StepDeparture"]
 
-MODES = ("eager", "cudagraph")
+MODES = ("eager", "cudagraph", "compiled")
 
 
 @dataclass(slots=True)
@@ -45,6 +49,47 @@ class StepDeparture:
         return f"step {self.step} ({self.field})"
 
 
+@dataclass(kw_only=True, slots=True)
+class WeightCheck:
+    """The rebuilt target's parameters against the digests of the weights that ran."""
+
+    checked: int
+    differ: list[str] = field(default_factory=list)  # same name, other bits (or shape, dtype)
+    missing: list[str] = field(default_factory=list)  # recorded, not in the rebuilt module
+    extra: list[str] = field(default_factory=list)  # in the rebuilt module, not recorded
+
+    @property
+    def same(self) -> bool:
+        return not (self.differ or self.missing or self.extra)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checked": self.checked, "same": self.same, "differ": self.differ, "missing": self.missing, "extra": self.extra}
+
+    def __str__(self) -> str:
+        if self.same:
+            return f"weights: all {self.checked} parameters have the digests of the weights that ran"
+        parts = []
+        for what, names in (("differ", self.differ), ("are not in the rebuilt model", self.missing),
+                            ("were not recorded", self.extra)):
+            if names:
+                parts.append(f"{len(names)} {what} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+        return "weights: the rebuilt weights are not the weights that ran: " + "; ".join(parts)
+
+
+def check_weights(target: Target) -> WeightCheck | None:
+    """Compare the rebuilt module's parameters with the recorded per-parameter digests."""
+    recorded = target.spec.weights
+    model = target.module()
+    if not recorded or model is None:
+        return None
+    from replay.record.weights import weight_digests
+
+    live = weight_digests(model)
+    differ = [n for n in recorded if n in live and any(live[n].get(k) != recorded[n].get(k) for k in ("digest", "shape", "dtype"))]
+    return WeightCheck(checked=len(recorded), differ=differ, missing=[n for n in recorded if n not in live],
+                       extra=[n for n in live if n not in recorded])
+
+
 @dataclass(slots=True)
 class ModeRun:
     mode: str
@@ -53,10 +98,15 @@ class ModeRun:
     repeats_equal: bool | None = None  # None: run once
     repeat_digests: list[dict[str, int]] = field(default_factory=list)
     departed: StepDeparture | None = None  # first fast-forward step that left the recording
+    uncompared: list[int] = field(default_factory=list)  # catch-up steps with no recorded output to compare
+    caught_up: list[int] = field(default_factory=list)  # the catch-up steps run, keyframe to step
     collective_mismatches: list[str] = field(default_factory=list)
     vs_recording: dict[str, Comparison] = field(default_factory=dict)
     matches_ranks: dict[str, list[int]] = field(default_factory=dict)  # output -> ranks whose bits it has
     graph: str = ""
+    ran_as: str = ""  # how the step callable ran (the Python function, or compiled again, and how)
+    context_recorded: bool = False  # the recording holds the step's numerics context (restored)
+    context_differences: list[str] = field(default_factory=list)  # ... and how the re-run's differed
     seconds: float = 0.0
     error: str | None = None  # the step raised in the re-run
     recorded_error: str | None = None  # the step raised when recorded
@@ -69,10 +119,14 @@ class ModeRun:
             "digests": {k: f"{v:016x}" for k, v in self.digests.items()},
             "repeats_equal": self.repeats_equal,
             "departed": {"step": self.departed.step, "field": self.departed.field} if self.departed else None,
+            "uncompared": self.uncompared,
+            "caught_up": self.caught_up,
             "collective_mismatches": self.collective_mismatches,
             "vs_recording": {k: c.to_json() for k, c in self.vs_recording.items()},
             "matches_ranks": self.matches_ranks,
             "graph": self.graph,
+            "ran_as": self.ran_as,
+            "numerics": {"recorded": self.context_recorded, "differences": self.context_differences},
             "seconds": self.seconds,
         }
 
@@ -89,6 +143,26 @@ class StepRerun:
     modes: dict[str, ModeRun]
     comparisons: list[Comparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    stream: str | None = None  # the model of the part that was rebuilt (several in one loop)
+    weights: WeightCheck | None = None  # the rebuilt weights against the recorded digests
+
+    def problem(self) -> str | None:
+        """Why step ``step`` could not be re-run or checked against the recording; None if it was.
+
+        The CLI exits with RerunError's code when this is not None: a step that raised, or one
+        whose outputs had nothing recorded to compare with, is never reported as reproduced."""
+        for m in self.modes.values():
+            if m.error is not None:
+                kind = m.error.split(":")[0]
+                if m.recorded_error is None:
+                    return f"{m.mode}: step {self.step} raised {m.error} in the re-run (it completed when recorded)"
+                if kind != m.recorded_error.split(":")[0]:
+                    return f"{m.mode}: step {self.step} raised {m.error} in the re-run; when recorded it raised {m.recorded_error}"
+            elif not m.vs_recording:
+                names = ", ".join(sorted(m.outputs)) or "nothing"
+                return (f"{m.mode}: no output of step {self.step} could be compared with the recording "
+                        f"(the re-run returned {names}; the recording has no output of those names)")
+        return None
 
     def to_json(self) -> dict[str, Any]:
         verdicts = [c.to_json() for c in self.comparisons]
@@ -106,6 +180,9 @@ class StepRerun:
             "modes": {k: m.to_json() for k, m in self.modes.items()},
             "verdicts": verdicts,
             "notes": self.notes,
+            "stream": self.stream,
+            "weights": self.weights.to_json() if self.weights is not None else None,
+            "problem": self.problem(),
         }
 
 
@@ -113,7 +190,10 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     return t.to(device) if device != "cpu" else t
 
 
-def _step_args(rf: RankFile, step: int, obj: Any = None) -> dict[str, Any]:
+def _step_args(rf: RankFile, step: int, obj: Any = None, live: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A step's recorded JSON arguments, with the objects it was called with put back: the
+    target itself, the target's attribute of the recorded name (its KV cache), or the live value
+    the re-launched program passed (``live``)."""
     row = rf.step(step).row
     sid = int(row["args"])
     if sid < 0:
@@ -122,11 +202,18 @@ def _step_args(rf: RankFile, step: int, obj: Any = None) -> dict[str, Any]:
         args = json.loads(rf.tables.string(sid))
     except ValueError:
         return {}
+    args = strip_reserved(args) if isinstance(args, dict) else {}
+    live = live or {}
     for k, v in args.items():
-        # An object the engine held (its KV cache): the rebuilt engine's attribute of that name.
-        if isinstance(v, dict) and isinstance(v.get("attr"), str) and obj is not None and hasattr(obj, v["attr"]):
+        if not isinstance(v, dict):
+            continue
+        if v.get("target") is True and obj is not None:
+            args[k] = obj
+        elif isinstance(v.get("attr"), str) and obj is not None and hasattr(obj, v["attr"]):
             args[k] = getattr(obj, v["attr"])
-    bad = [k for k, v in args.items() if isinstance(v, dict)]
+        elif k in live:
+            args[k] = live[k]
+    bad = [k for k, v in args.items() if isinstance(v, dict) and (v.get("target") is True or "attr" in v or "unrecorded" in v)]
     if bad:
         raise RerunError(f"step {step} was called with arguments that cannot be recorded ({', '.join(bad)}): it cannot be re-run")
     return args
@@ -149,6 +236,10 @@ class _StepDriver:
         self.graphed = graphed
         self.probed: dict[str, torch.Tensor] = {}
         self.last_error: str | None = None
+        # The numerics context of the last step run: how it differed from the recorded one (after
+        # restoring it), and whether the recording had one at all.
+        self.context_differences: list[str] = []
+        self.context_recorded: bool = False
 
     def probe_sink(self, label: str, outputs: dict[str, Any]) -> None:
         for k, v in outputs.items():
@@ -171,14 +262,20 @@ class _StepDriver:
     def _call(self, step: int) -> dict[str, torch.Tensor]:
         view = self.rf.step(step)
         inputs = {k: _to_device(v, self.device) for k, v in view.inputs.items()}
-        args = _step_args(self.rf, step, self.target.obj)
+        args = _step_args(self.rf, step, self.target.obj, self.target.live_args)
         rng = view.tensors(TensorKind.RNG)
         if rng:
             restore_rng(rng)
         if self.collectives is not None:
             self.collectives.begin_step(step)
         fn = self.graphed if self.graphed is not None else self.target.step_fn
-        out = fn(**_unflatten(inputs), **args)
+        recorded = numerics.recorded_context(self.rf, step)
+        self.context_recorded = recorded is not None
+        with numerics.apply(recorded or {}) as failed:
+            # Compared inside the context: what the step really ran under, setting by setting.
+            self.context_differences = numerics.differences(recorded, numerics.capture()) if recorded else []
+            self.context_differences += [f"{n}: could not be set here" for n in failed]
+            out = fn(**_unflatten(inputs), **args)
         if self.collectives is not None:
             self.collectives.end_step()
         outs = name_outputs(out, tuple(self.outputs_names))
@@ -206,12 +303,28 @@ def _unflatten(inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _departure(outs: dict[str, torch.Tensor], recorded: dict[str, int]) -> str | None:
+    return _check_outputs(outs, recorded)[0]
+
+
+def _check_outputs(outs: dict[str, torch.Tensor], recorded: dict[str, int]) -> tuple[str | None, int]:
+    """(first recorded field the re-run's outputs leave, how many recorded fields were compared).
+
+    Zero compared means nothing can be said about the step: no "as recorded" without a comparison.
+    """
+    compared = 0
     for name, t in outs.items():
         for prefix in ("output.", "tokens."):
             rec = recorded.get(prefix + name)
-            if rec is not None and digest(t) != rec:
-                return prefix + name
-    return None
+            if rec is None:
+                continue
+            compared += 1
+            if digest(t) != rec:
+                return prefix + name, compared
+    for key in recorded:
+        prefix, _, name = key.partition(".")
+        if prefix in ("output", "tokens") and name not in outs:
+            return f"{key}: recorded, not returned by the re-run", compared
+    return None, compared
 
 
 def _ranks_with(part: Part, step: int, fieldname: str, value: int) -> list[int]:
@@ -265,18 +378,25 @@ class Replayer:
         live_collectives: bool = False,
         use_recorded_tuner: bool = True,
         as_rank: int | None = None,
+        make_target: Callable[["Replayer"], Target] | None = None,
+        spec: TargetSpec | None = None,
+        stream: str | None = None,
+        step: int | None = None,
     ) -> None:
         """``as_rank``: build the target as that rank (its rank-specific settings and recorded
         tuner choices) but replay ``rank``'s recorded data (keyframes, inputs, RNG, collectives):
         bisection runs two ranks' targets on the same data, so only their settings differ."""
         if mode not in MODES:
-            raise UsageError(f"unknown mode {mode!r}: use eager, cudagraph or both")
+            raise UsageError(f"unknown mode {mode!r}: use eager, cudagraph, compiled or both")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UsageError(f"--device {device}: no CUDA device here; use --device cpu")
         self.part = part
         self.rank = rank
         self.rf = part[rank]
-        self.spec = TargetSpec.from_rank_file(self.rf)
+        # Which model of the part (stream) is rebuilt: the one named, or the one holding ``step``.
+        self.stream = check_stream(self.rf, step, stream) if step is not None else stream
+        self.spec = spec or TargetSpec.from_rank_file(self.rf, self.stream)
+        self.make_target = make_target  # instead of the factory: a re-launched program's own objects
         self.mode = mode
         self.device = device
         self.factory = factory
@@ -296,6 +416,20 @@ class Replayer:
         self.departed: StepDeparture | None = None
         self.position: int | None = None  # the step the target's state is at the start of
         self.last_outputs: dict[str, torch.Tensor] = {}  # outputs of the last step scan() ran
+        self.keyframe: int = 0
+        self.uncompared: list[int] = []  # catch-up steps with no recorded output to compare with
+        self.caught_up: list[int] = []  # the catch-up steps goto() ran (its stream's only)
+
+    def _compiled(self) -> str | None:
+        """How torch.compile runs a function step in this mode (None: the Python function).
+
+        ``compiled``: as recorded; ``cudagraph`` for a step recorded compiled: torch.compile's own
+        CUDA graphs (reduce-overhead), as the program ran it, rather than replay's hand capture."""
+        if self.mode == "compiled":
+            return "recorded"
+        if self.mode == "cudagraph" and self.spec.kind is StepKind.COMPILED:
+            return "cudagraph"
+        return None
 
     @property
     def factory_name(self) -> str | None:
@@ -322,9 +456,15 @@ class Replayer:
             # Before the factory, which the contract promises torch.distributed as the re-run
             # provides it: a DTensor model builds its device mesh while it is built.
             self._ctx.enter_context(self.collectives.installed())
-        target = build_target(self.spec, rank=self.target_rank, world_size=self.world, device=self.device, options=self.options, factory=self.factory)
+        # The recorded program's import context, for the whole re-run (a step may import lazily).
+        self._ctx.enter_context(import_context(self.spec.imports))
+        if self.make_target is not None:
+            target = self.make_target(self)
+        else:
+            target = build_target(self.spec, rank=self.target_rank, world_size=self.world, device=self.device,
+                                  options=self.options, factory=self.factory, compiled=self._compiled())
         graphed = None
-        if self.mode == "cudagraph" and "cudagraph" not in target.toggles():
+        if self.mode == "cudagraph" and "cudagraph" not in target.toggles() and not self._compiled():
             if not self.device.startswith("cuda"):
                 raise UsageError("cudagraph mode for a target without its own graph runner needs --device cuda")
             graphed = GraphedStep(target)
@@ -334,7 +474,7 @@ class Replayer:
         if self.spec.probes:
             from replay.rerun.probes import installed_probes
 
-            self._ctx.enter_context(installed_probes(self.spec.probes, self._driver.probe_sink))
+            self._ctx.enter_context(installed_probes(self.spec.probes, self._driver.probe_sink, self.spec.imports))
         if self.mode == "cudagraph":
             target.prepare()
         self.target = target
@@ -346,17 +486,42 @@ class Replayer:
             self.build()
         assert self.target is not None and self._driver is not None
         kf_step, kf_state = self.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
+        kf_state = stream_state(self.rf, kf_state, self.stream)
         if kf_state:
             self.target.load_state(kf_state)
         self.departed = None
+        self.uncompared = []
+        self.caught_up = []
+        self.keyframe = kf_step
         for s in progress(range(kf_step, step), label=f"rank {self.rank} {self.mode}: steps {kf_step}..{step - 1}"):
+            if self.stream is not None and stream_of(self.rf, s) != self.stream:
+                continue  # another model's step: it does not touch this one's state
+            self.caught_up.append(s)
             outs = self._driver(s)
-            bad = _departure(outs, _recorded_fields(self.rf, s))
+            self._raise_if_catch_up_failed(s, step)
+            bad, compared = _check_outputs(outs, _recorded_fields(self.rf, s))
             if bad and self.departed is None:
                 self.departed = StepDeparture(s, bad)
+            if not compared and self.last_error is None:
+                self.uncompared.append(s)
         self.position = step
-        self.keyframe = kf_step
         return self.departed
+
+    def _raise_if_catch_up_failed(self, s: int, step: int) -> None:
+        """A catch-up step that raised leaves the state unknown: step ``step`` cannot be re-run.
+
+        Only a step that raised the same kind of error when recorded (a lockstep check) goes on."""
+        err = self.last_error
+        if err is None:
+            return
+        view = self.rf.step(s)
+        if not view.ok and err.split(":")[0] == view.reason.split(":")[0]:
+            return
+        when = "completed" if view.ok else f"raised {view.reason}"
+        raise RerunError(
+            f"rank {self.rank} ({self.mode}): catch-up step {s} raised {err} in the re-run (when recorded it {when}); "
+            f"step {step} cannot be re-run from the keyframe at step {self.keyframe}"
+        )
 
     def run(self, step: int) -> dict[str, torch.Tensor]:
         """Run recorded step ``step`` from the current state; its outputs on the CPU.
@@ -381,6 +546,10 @@ class Replayer:
         if bad is None and self.last_error is not None and self.rf.step(step).ok:
             bad = "error"
         return StepDeparture(step, bad) if bad else None
+
+    def compared(self, step: int, outs: dict[str, torch.Tensor]) -> int:
+        """How many of ``step``'s recorded outputs ``outs`` could be compared with (0: none)."""
+        return _check_outputs(outs, _recorded_fields(self.rf, step))[1]
 
     def scan(self, first: int, last: int, *, stop: bool = True) -> StepDeparture | None:
         """Re-run steps up to ``last`` from the keyframe at or before ``first``, teacher-forced.
@@ -418,95 +587,160 @@ class Replayer:
         self._driver = None
 
 
+@dataclass(kw_only=True, slots=True)
+class RerunOptions:
+    """How to re-run a step: the settings every re-run entry point shares (issue 18)."""
+
+    modes: tuple[str, ...] = ("eager",)
+    device: str = "cpu"
+    repeat: int = 1  # runs of the step from the same state (bits that vary: a nondeterministic kernel)
+    factory: str | None = None  # overrides the recorded factory
+    options: dict[str, Any] = field(default_factory=dict)  # target toggles (--set)
+    live_collectives: bool = False  # several ranks in a real process group, not recorded answers
+    keyframe_at: int | None = None  # restore the keyframe at or before this step (ranks in lockstep)
+    stream: str | None = None  # the model of the part to rebuild (default: the one holding the step)
+    make_target: Callable[["Replayer"], Target] | None = None  # instead of the factory (relaunch)
+    spec: TargetSpec | None = None  # overrides the recorded target spec
+    recording: str = ""  # the recording's path, for the result
+
+
 def rerun_step(
     part: Part,
     rank: int,
     step: int,
+    settings: RerunOptions | None = None,
     *,
-    modes: Iterable[str] = ("eager",),
-    device: str = "cpu",
-    repeat: int = 1,
-    factory: str | None = None,
-    options: dict[str, Any] | None = None,
-    recording: str = "",
     announce: Callable[[str], None] = lambda s: None,
     progress: Callable[..., Iterable[int]] = lambda it, label="": it,
-    live_collectives: bool = False,
-    keyframe_at: int | None = None,
+    **keywords: Any,
 ) -> StepRerun:
-    """Re-run ``step`` of ``rank`` in each of ``modes``; see the module docstring."""
-    modes = list(dict.fromkeys(modes))
-    if repeat < 1:
+    """Re-run ``step`` of ``rank`` in each of ``settings.modes``; see the module docstring.
+
+    ``settings`` (a ``RerunOptions``), or its fields as keywords (``modes=..., device=...``)."""
+    if settings is None:
+        if "modes" in keywords:
+            keywords["modes"] = tuple(keywords["modes"])
+        if keywords.get("options") is None:
+            keywords.pop("options", None)
+        settings = RerunOptions(**keywords)
+    elif keywords:
+        raise TypeError(f"rerun_step: give RerunOptions or keywords, not both ({', '.join(keywords)})")
+    modes = list(dict.fromkeys(settings.modes))
+    if settings.repeat < 1:
         raise UsageError("--repeat must be at least 1")
     replayers = [
-        Replayer(part, rank, mode=m, device=device, factory=factory, options=options, live_collectives=live_collectives)
+        Replayer(part, rank, mode=m, device=settings.device, factory=settings.factory, options=settings.options,
+                 live_collectives=settings.live_collectives, make_target=settings.make_target, spec=settings.spec,
+                 stream=settings.stream, step=step)
         for m in modes
     ]
-    rf = part[rank]
     first = replayers[0]
-    kf_step, _ = first.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
+    kf_step, _ = first.keyframe_for(step if settings.keyframe_at is None else min(settings.keyframe_at, step))
     first.check(kf_step, step)
-    result = StepRerun(recording=recording, part=part.name, rank=rank, step=step, keyframe=kf_step, device=device,
-                       factory=first.factory_name, modes={})
-    if first.factory_name is not None:
-        announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if factory is None else " (--factory)"))
-    recorded = _recorded_fields(rf, step)
-    ring = _ring_logits(rf, step)
+    result = StepRerun(recording=settings.recording, part=part.name, rank=rank, step=step, keyframe=kf_step,
+                       device=settings.device, factory=first.factory_name, modes={}, stream=first.stream)
+    if first.factory_name is not None and settings.make_target is None:
+        announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if settings.factory is None else " (--factory)"))
     for rp in replayers:
         t0 = time.perf_counter()
         try:
-            rp.build()
-            departed = rp.goto(step, keyframe_at=kf_step, progress=progress)
-            saved = rp.target.snapshot() if repeat > 1 else None  # type: ignore[union-attr]
-            outs = rp.run(step)
-            run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed)
-            run.error = rp.last_error
-            view = rf.step(step)
-            run.recorded_error = None if view.ok else view.reason
-            info = getattr(rp.target.obj, "last_run_info", None)  # type: ignore[union-attr]
-            if isinstance(info, dict):
-                run.graph = f"{info.get('mode', '')} {info.get('key', '')}".strip() + (f" ({info['reason']})" if info.get("reason") else "")
-            for _ in range(repeat - 1):
-                assert saved is not None and rp.target is not None
-                rp.target.load_state(saved)
-                again = rp.run(step)
-                run.repeat_digests.append({k: digest(v) for k, v in again.items()})
-            if repeat > 1:
-                run.repeats_equal = all(d == run.digests for d in run.repeat_digests)
-            if rp.collectives is not None:
-                run.collective_mismatches = [str(m) for m in rp.collectives.mismatches]
+            run = _run_mode(rp, step, kf_step, settings.repeat, result, progress)
         finally:
             rp.close()
-        for name, t in outs.items():
-            key = next((p + name for p in ("output.", "tokens.") if p + name in recorded), None)
-            if key is None:
-                if name == "logits" and ring is not None and ring.shape == t.shape:
-                    run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
-                    run.matches_ranks[name] = _ranks_with_ring_logits(part, step, run.digests[name])
-                continue
-            if name == "logits" and ring is not None and ring.shape == t.shape:
-                run.vs_recording[name] = compare_tensors(t, ring, name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
-            else:
-                run.vs_recording[name] = compare_digests(run.digests[name], recorded[key], name_a=f"{rp.mode} re-run", name_b=f"rank {rank} recorded")
-            run.matches_ranks[name] = _ranks_with(part, step, key, run.digests[name])
+        _compare_with_recording(run, part, rank, step)
         run.seconds = time.perf_counter() - t0
         result.modes[rp.mode] = run
+    _compare_across(result, part, rank, step, modes)
+    if first.rf.keyframe(step) is None:
+        result.notes.append("the recording holds no state keyframe: steps were re-run from a fresh target")
+    return result
+
+
+def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRerun,
+              progress: Callable[..., Iterable[int]]) -> ModeRun:
+    """Build, restore, catch up and run the step in ``rp``'s mode (``repeat`` times)."""
+    rp.build()
+    assert rp.target is not None and rp._driver is not None
+    if result.weights is None:
+        result.weights = check_weights(rp.target)
+    departed = rp.goto(step, keyframe_at=kf_step, progress=progress)
+    saved = rp.target.snapshot() if repeat > 1 else None
+    outs = rp.run(step)
+    view = rp.rf.step(step)
+    run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed,
+                  uncompared=list(rp.uncompared), caught_up=list(rp.caught_up), error=rp.last_error,
+                  recorded_error=None if view.ok else view.reason, ran_as=rp.target.ran_as,
+                  context_recorded=rp._driver.context_recorded, context_differences=list(rp._driver.context_differences))
+    info = getattr(rp.target.obj, "last_run_info", None)
+    if isinstance(info, dict):
+        run.graph = f"{info.get('mode', '')} {info.get('key', '')}".strip() + (f" ({info['reason']})" if info.get("reason") else "")
+    for _ in range(repeat - 1):
+        assert saved is not None
+        rp.target.load_state(saved)
+        run.repeat_digests.append({k: digest(v) for k, v in rp.run(step).items()})
+    if repeat > 1:
+        run.repeats_equal = all(d == run.digests for d in run.repeat_digests)
+    if rp.collectives is not None:
+        run.collective_mismatches = [str(m) for m in rp.collectives.mismatches]
+    return run
+
+
+def _compare_with_recording(run: ModeRun, part: Part, rank: int, step: int) -> None:
+    """Each output against the rank's recorded digest (or ring logits), and the ranks it matches."""
+    rf = part[rank]
+    recorded = _recorded_fields(rf, step)
+    ring = _ring_logits(rf, step)
+    mine, theirs = f"{run.mode} re-run", f"rank {rank} recorded"
+    for name, t in run.outputs.items():
+        key = next((p + name for p in ("output.", "tokens.") if p + name in recorded), None)
+        with_ring = name == "logits" and ring is not None and ring.shape == t.shape
+        if with_ring:
+            assert ring is not None
+            run.vs_recording[name] = compare_tensors(t, ring, name_a=mine, name_b=theirs)
+        elif key is not None:
+            run.vs_recording[name] = compare_digests(run.digests[name], recorded[key], name_a=mine, name_b=theirs)
+        if key is not None:
+            run.matches_ranks[name] = _ranks_with(part, step, key, run.digests[name])
+        elif with_ring:
+            run.matches_ranks[name] = _ranks_with_ring_logits(part, step, run.digests[name])
+    if run.error is None:
+        # A recorded output the re-run did not return is a difference, never a silent skip.
+        for key in recorded:
+            prefix, _, name = key.partition(".")
+            if prefix in ("output", "tokens") and name not in run.outputs and name not in run.vs_recording:
+                run.vs_recording[name] = Comparison(mine, theirs, Verdict.DIFFERENT, note="recorded, but not returned by the re-run")
+
+
+def _compare_across(result: StepRerun, part: Part, rank: int, step: int, modes: list[str]) -> None:
+    """The two modes against each other, and the first mode's logits against the other ranks'."""
     if len(modes) == 2:
         a, b = (result.modes[m] for m in modes)
         for name in sorted(a.outputs.keys() & b.outputs.keys()):
-            result.comparisons.append(compare_tensors(a.outputs[name], b.outputs[name], name_a=f"eager {name}", name_b=f"cudagraph {name}"))
-    # Against the other ranks' logits, where their ring kept this step.
+            result.comparisons.append(compare_tensors(a.outputs[name], b.outputs[name], name_a=f"{modes[0]} {name}",
+                                                      name_b=f"{modes[1]} {name}"))
     head = result.modes[modes[0]]
-    if "logits" in head.outputs:
-        for r, other in part.items():
-            if r == rank:
-                continue
-            lg = _ring_logits(other, step)
-            if lg is not None and lg.shape == head.outputs["logits"].shape:
-                result.comparisons.append(compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run", name_b=f"rank {r} recorded"))
-    if first.spec.state is None:
-        result.notes.append("the target declares no state: steps were re-run from a fresh target")
-    return result
+    if "logits" not in head.outputs:
+        return
+    for r, other in part.items():
+        if r == rank:
+            continue
+        lg = _ring_logits(other, step)  # where the other rank's ring kept this step
+        if lg is not None and lg.shape == head.outputs["logits"].shape:
+            result.comparisons.append(compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run", name_b=f"rank {r} recorded"))
+
+
+def default_modes(part: Part, rank: int, step: int, device: str, *, relaunch: bool = False) -> list[str]:
+    """The modes a re-run of ``step`` runs when ``--mode`` is not given: what this recording and
+    this machine can run. On the CPU: eager, and compiled again for a step recorded compiled when
+    its torch.compile arguments are known (recorded, or seen by a re-launched program); on a GPU:
+    eager and cudagraph, to compare the two."""
+    rf = part[rank]
+    spec = TargetSpec.from_rank_file(rf, stream_of(rf, step))
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return ["eager", "cudagraph"]
+    if spec.kind is StepKind.COMPILED and (spec.compile or relaunch):
+        return ["eager", "compiled"]
+    return ["eager"]
 
 
 def verdict_matches(c: Comparison) -> bool:

@@ -15,17 +15,34 @@ restored, so graph warm-up cannot overwrite restored state.
 
 from __future__ import annotations
 
-import importlib
+import enum
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from replay.errors import FactoryError, RerunError
+from replay.errors import FactoryError, OutOfRange, RerunError
 from replay.format.reader import RankFile
+from replay.rerun.imports import ImportContext, import_recorded
 
-__all__ = ["TargetSpec", "Target", "build_target", "resolve_factory"]
+__all__ = ["StepKind", "TargetSpec", "Target", "build_target", "resolve_factory"]
+
+
+class StepKind(enum.Enum):
+    """What the recorded step callable is (``attrs["target"]["step_kind"]``, or found on re-run)."""
+
+    FUNCTION = "function"
+    METHOD = "method"
+    MODULE_FORWARD = "module_forward"  # an nn.Module class named as the step: its instances' forward
+    COMPILED = "compiled"  # a function compiled with torch.compile
+
+    @classmethod
+    def parse(cls, value: Any) -> "StepKind | None":
+        try:
+            return cls(value)
+        except ValueError:
+            return None
 
 
 @dataclass(slots=True)
@@ -39,12 +56,26 @@ class TargetSpec:
     outputs: list[str] = field(default_factory=list)
     profile: str | None = None
     probes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    kind: StepKind | None = None  # None: an older recording; found when the step is resolved
+    imports: ImportContext = field(default_factory=ImportContext)
+    compile: dict[str, Any] = field(default_factory=dict)  # recorded torch.compile arguments of the step
+    stream: str | None = None  # the model (stream) of the part this target is
+    weights: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {digest, shape, dtype}}
     # issue 16: the rank file the names came from (None: a spec the caller built), for replay.trust
     origin: Any = None
 
     @classmethod
-    def from_rank_file(cls, rf: RankFile) -> "TargetSpec":
+    def from_rank_file(cls, rf: RankFile, stream: str | None = None) -> "TargetSpec":
+        """The recorded target of ``rf``; ``stream``: one model of a part holding several."""
         t = rf.attrs.get("target")
+        if isinstance(t, dict) and stream is not None:
+            streams = t.get("streams") if isinstance(t.get("streams"), dict) else {}
+            if stream not in streams and stream != t.get("stream"):
+                names = ", ".join(sorted(streams)) or str(t.get("stream"))
+                raise OutOfRange(f"rank {rf.rank} has no stream {stream!r} (streams: {names})")
+            if isinstance(streams.get(stream), dict):
+                # The stream's own step, config, state and weights; launch and numerics are the part's.
+                t = {**t, **streams[stream], "stream": stream}
         if not isinstance(t, dict) or not isinstance(t.get("step"), str):
             raise RerunError(
                 f"rank {rf.rank} recorded no step target: it was recorded without `replay record --step` "
@@ -61,46 +92,61 @@ class TargetSpec:
             profile=t.get("profile") if isinstance(t.get("profile"), str) else None,
             probes=[(str(p[0]), tuple(str(n) for n in p[1])) for p in t.get("probes") or []
                     if isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)],
+            kind=StepKind.parse(t.get("step_kind")),
+            imports=ImportContext.from_target(t),
+            compile=dict(t["compile"]) if isinstance(t.get("compile"), dict) else {},
+            stream=t.get("stream") if isinstance(t.get("stream"), str) else None,
+            weights={str(k): v for k, v in (t.get("weights") or {}).items() if isinstance(v, dict)}
+            if isinstance(t.get("weights"), dict) else {},
             origin=rf,  # issue 16
         )
 
 
-def _import_qualified(name: str, what: str) -> Any:
-    if not isinstance(name, str) or ":" not in name:
-        raise FactoryError(f"{what} {name!r} is not of the form module:qualname")
-    mod, _, qual = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(mod)
-    except ImportError as e:
-        raise FactoryError(f"cannot import {mod} for {what} {name} ({e}); is the package installed here?") from None
-    except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - user code failed while importing (issue 16: exits too)
-        raise FactoryError(f"importing {mod} for {what} {name} failed: {e.__class__.__name__}: {e}") from None
-    for part in qual.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise FactoryError(f"{mod} has no {qual} ({what} {name})") from None
-    return obj
-
-
-def resolve_factory(name: str) -> Callable[..., Any]:
-    fac = _import_qualified(name, "factory")
+def resolve_factory(name: str, imports: ImportContext | None = None) -> Callable[..., Any]:
+    fac = import_recorded(name, "factory", imports)
     if not callable(fac):
         raise FactoryError(f"factory {name} is not callable")
     return fac
 
 
+def _unwrapped(fn: Any) -> Any:
+    """The program's own function under the recorder's wrapper (a process being recorded that
+    re-runs a step): only that wrapper is removed, never the program's own decorators."""
+    while getattr(fn, "__replay_wrapped__", False) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def uncompiled(fn: Any) -> Any:
+    """The Python function under ``torch.compile`` (the function itself when not compiled)."""
+    return getattr(fn, "_torchdynamo_orig_callable", None) or getattr(fn, "_orig_mod", None) or fn
+
+
 class Target:
     """A rebuilt target: its step callable, live state, module tree and declared toggles."""
 
-    def __init__(self, spec: TargetSpec, obj: Any, step_fn: Callable[..., Any], device: str) -> None:
+    def __init__(self, spec: TargetSpec, obj: Any, step_fn: Callable[..., Any], device: str,
+                 kind: StepKind = StepKind.METHOD) -> None:
         self.spec = spec
         self.obj = obj
         self.step_fn = step_fn
         self.device = device
+        self.kind = kind
+        self.ran_as = ""  # how the step callable runs, when the kind says (compiled or not)
+        # The program's own values of the step's arguments that are neither data nor the target
+        # (a re-launched program's objects at the step's first call): passed again as they are.
+        self.live_args: dict[str, Any] = {}
 
     def state(self) -> dict[str, torch.Tensor]:
-        if self.spec.state is None or self.obj is None:
+        if self.obj is None:
+            return {}
+        if self.spec.state is None:
+            # An nn.Module target's default state: its buffers and non-parameter tensors, named
+            # as the recorder names them (replay.record.calls.module_state).
+            if isinstance(self.obj, torch.nn.Module):
+                from replay.record.calls import module_state
+
+                return module_state(self.obj)
             return {}
         attr: Any = self.obj
         for part in self.spec.state.split("."):
@@ -163,43 +209,108 @@ def build_target(
     device: str,
     options: dict[str, Any],
     factory: str | None = None,
+    compiled: str | None = None,
 ) -> Target:
-    """Import the factory (``factory`` overrides the recorded one) and build the target."""
-    mod, _, qual = spec.step.partition(":")
-    is_method = "." in qual
+    """Import the factory (``factory`` overrides the recorded one) and build the target.
+
+    ``compiled``: for a function step, compile it again with torch.compile (``"recorded"``: the
+    recorded arguments; ``"cudagraph"``: with CUDA graphs); None runs the Python function."""
     fac_name = factory or spec.factory
+    kind = spec.kind
+    if kind is None and "." in spec.step.partition(":")[2]:
+        kind = StepKind.METHOD  # an older recording: a method, found on the factory's object
     # issue 16: nothing a recording names is imported without the user's consent (replay/trust.py)
     if spec.origin is not None:
         from replay import trust
 
-        named = ([] if factory or fac_name is None else [fac_name]) + ([] if is_method else [spec.step])
+        named = ([] if factory or fac_name is None else [fac_name]) + ([] if kind is StepKind.METHOD else [spec.step])
         trust.admit(spec.origin, named + [p for p, _ in spec.probes], user_names=[factory] if factory else [])
-    obj: Any = None
-    if fac_name is None:
-        if is_method:
-            raise FactoryError(
-                f"the recording names no factory for {spec.step}: pass --factory module:qualname "
-                "(a callable (config, *, rank, world_size, device, options) -> target)"
-            )
-    else:
-        fac = resolve_factory(fac_name)
-        try:
-            inspect.signature(fac).bind(spec.config, rank=rank, world_size=world_size, device=device, options=options)
-        except (TypeError, ValueError):
-            raise FactoryError(
-                f"factory {fac_name} does not take (config, *, rank, world_size, device, options)"
-            ) from None
-        try:
-            obj = fac(spec.config, rank=rank, world_size=world_size, device=device, options=options)
-        except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - the factory is user code (issue 16: exits too)
-            raise FactoryError(f"factory {fac_name} failed: {e.__class__.__name__}: {e}") from None
-    if is_method:
-        method = qual.split(".")[-1]
+    resolved: Any = None
+    if kind is not StepKind.METHOD:
+        resolved = import_recorded(spec.step, "step", spec.imports)
+        kind = kind or _kind_of(resolved, spec.step)
+    assert kind is not None
+    if kind in (StepKind.METHOD, StepKind.MODULE_FORWARD) and fac_name is None:
+        what = "an nn.Module class: its forward" if kind is StepKind.MODULE_FORWARD else "a method"
+        raise FactoryError(
+            f"the recording names no factory for {spec.step} ({what}): pass --factory module:qualname "
+            "(a callable (config, *, rank, world_size, device, options) -> target)"
+        )
+    obj = _call_factory(spec, fac_name, rank=rank, world_size=world_size, device=device, options=options) if fac_name else None
+    if kind is StepKind.METHOD:
+        method = spec.step.partition(":")[2].split(".")[-1]
         step_fn = getattr(obj, method, None)
         if not callable(step_fn):
             raise FactoryError(f"the object built by {fac_name} has no method {method} (recorded step {spec.step})")
+    elif kind is StepKind.MODULE_FORWARD:
+        obj = _instance_of(obj, resolved, spec, fac_name)
+        # forward of the instance, as recorded: never the class (its constructor) with step inputs.
+        forward = _unwrapped(type(obj).forward)
+        step_fn = forward.__get__(obj, type(obj))
     else:
-        step_fn = _import_qualified(spec.step, "step")
-    # The recorder's wrapper, if this process is itself being recorded, must not see re-runs.
-    step_fn = getattr(step_fn, "__wrapped__", step_fn) if not is_method else step_fn
-    return Target(spec, obj, step_fn, device)
+        step_fn, ran_as = function_step(_unwrapped(resolved), kind, spec, compiled)
+        target = Target(spec, obj, step_fn, device, kind=kind)
+        target.ran_as = ran_as
+        return target
+    return Target(spec, obj, step_fn, device, kind=kind)
+
+
+COMPILE_ARGS = ("fullgraph", "dynamic", "backend", "mode", "options")
+
+
+def compile_arguments(spec: TargetSpec, compiled: str | None) -> dict[str, Any]:
+    """torch.compile's arguments for a re-run: as recorded (``compiled="recorded"``), or with
+    CUDA graphs (``"cudagraph"``: ``mode="reduce-overhead"`` unless another graph mode was recorded)."""
+    kw = {k: v for k, v in spec.compile.items() if k in COMPILE_ARGS and v is not None}
+    if compiled == "cudagraph" and kw.get("mode") not in ("reduce-overhead", "max-autotune"):
+        kw["mode"] = "reduce-overhead"
+    return kw
+
+
+def function_step(fn: Any, kind: StepKind, spec: TargetSpec, compiled: str | None) -> tuple[Callable[..., Any], str]:
+    """The step function to call, and how it runs: compiled again, or the plain Python function."""
+    base = uncompiled(fn)
+    if compiled is None:
+        if kind is StepKind.COMPILED or base is not fn:
+            return base, "eager: the Python function, uncompiled (recorded compiled)"
+        return base, ""
+    kw = compile_arguments(spec, compiled)
+    shown = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    return torch.compile(base, **kw), f"torch.compile({shown})"
+
+
+def _kind_of(resolved: Any, name: str) -> StepKind:
+    if isinstance(resolved, type):
+        if issubclass(resolved, torch.nn.Module):
+            return StepKind.MODULE_FORWARD
+        raise FactoryError(f"step {name} is a class but not an nn.Module: name a method (module:Class.method)")
+    if uncompiled(resolved) is not resolved:
+        return StepKind.COMPILED
+    if inspect.ismethod(resolved) or "." in name.partition(":")[2]:
+        return StepKind.METHOD
+    return StepKind.FUNCTION
+
+
+def _call_factory(spec: TargetSpec, fac_name: str, *, rank: int, world_size: int, device: str, options: dict[str, Any]) -> Any:
+    fac = resolve_factory(fac_name, spec.imports)
+    try:
+        inspect.signature(fac).bind(spec.config, rank=rank, world_size=world_size, device=device, options=options)
+    except (TypeError, ValueError):
+        raise FactoryError(f"factory {fac_name} does not take (config, *, rank, world_size, device, options)") from None
+    try:
+        return fac(spec.config, rank=rank, world_size=world_size, device=device, options=options)
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - the factory is user code (issue 16: exits too)
+        raise FactoryError(f"factory {fac_name} failed: {e.__class__.__name__}: {e}") from None
+
+
+def _instance_of(obj: Any, cls: Any, spec: TargetSpec, fac_name: str | None) -> torch.nn.Module:
+    """The instance of the recorded nn.Module class: what the factory built, or the one it holds."""
+    want = cls if isinstance(cls, type) else torch.nn.Module
+    if isinstance(obj, want):
+        return obj
+    held = [getattr(obj, spec.modules, None)] if spec.modules else []
+    held += [v for v in vars(obj).values()] if hasattr(obj, "__dict__") else []
+    for v in held:
+        if isinstance(v, want):
+            return v
+    raise FactoryError(f"factory {fac_name} built {type(obj).__name__}, not an instance of {spec.step} (nor an object holding one)")

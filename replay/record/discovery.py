@@ -1,0 +1,217 @@
+"""Finding the step when nobody named it, and saying what was found.
+
+With no ``--step`` and no profile in force, the first candidate seen becomes the step:
+
+* a function compiled with ``torch.compile`` called outside any other step (recorded at the
+  compiled callable's boundary, outside the traced frame); it replaces a module chosen before
+  it that has not recorded a step yet (prefill ran eagerly, decode runs compiled);
+* else the outermost ``nn.Module`` whose forward runs (the first outermost call, usually the
+  prefill, picks it; every later call of that class's ``forward`` is a step).
+
+Global module hooks watch for that, and for functions named by ``--step`` that live in the script
+run as ``__main__`` (they are patched in its namespace at the first module call after they exist),
+and are removed as soon as nothing is left to find. Each process writes what it saw to
+``<out>/session-<pid>.json``; ``replay record`` turns those into its summary lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from replay.record.launch import module_name
+
+__all__ = ["Watcher", "write_report", "read_reports", "summary_lines"]
+
+# A --step function of __main__ not seen after this many module calls is given up on (the
+# hooks cost every module call a few µs while installed).
+_MAX_SCANS = 10_000
+# Outermost module calls seen without one that can be chosen (only compiled modules, say)
+# before discovery stops watching: its hooks must not cost a whole run.
+_MAX_OUTERMOST = 200
+
+
+class Watcher:
+    """Global module-call hooks, installed while something is left to find."""
+
+    def __init__(self, *, on_outermost: Callable[[torch.nn.Module], None] | None, scan: Callable[[], bool] | None) -> None:
+        self.on_outermost = on_outermost
+        self.scan = scan
+        self.seen: Counter[str] = Counter()
+        self._local = threading.local()
+        self._handles: list[Any] = []
+        self._scans = 0
+
+    def install(self) -> None:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        if self._handles:
+            return
+        self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post, always_call=True)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def done_discovering(self) -> None:
+        self.on_outermost = None
+        if self.scan is None:
+            self.remove()
+
+    def done_scanning(self) -> None:
+        self.scan = None
+        if self.on_outermost is None:
+            self.remove()
+
+    def _pre(self, module: torch.nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        try:
+            depth = getattr(self._local, "depth", 0)
+            self._local.depth = depth + 1
+            if self.scan is not None:
+                self._scans += 1
+                if self.scan() or self._scans > _MAX_SCANS:
+                    self.done_scanning()
+            if depth == 0:
+                cls = type(module)
+                self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
+                if self.on_outermost is not None:
+                    self.on_outermost(module)
+                    if sum(self.seen.values()) > _MAX_OUTERMOST:
+                        self.done_discovering()
+        except Exception:  # noqa: BLE001 - never into the program
+            self.remove()
+        return None
+
+    def _post(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+        return None
+
+
+def write_report(out: Path, data: dict[str, Any]) -> None:
+    """This process's findings, for ``replay record``'s summary (best effort)."""
+    p = out / f"session-{os.getpid()}.json"
+    tmp = out / f".session-{os.getpid()}.json.part"
+    try:
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        os.replace(tmp, p)
+    except (OSError, TypeError, ValueError):
+        try:
+            tmp.unlink()  # a full disk must not leave a stray temp file
+        except OSError:
+            pass
+
+
+def read_reports(out: Path) -> list[dict[str, Any]]:
+    reports = []
+    for p in sorted(out.glob("session-*.json")):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict):
+            reports.append(d)
+    return reports
+
+
+_HOW = {
+    "compiled": "a torch.compile'd callable",
+    "module_forward": "the outermost nn.Module's forward",
+}
+
+
+def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
+    """What ``replay record`` says about steps: which was chosen and how to choose another, or
+    what was seen when none was found, and every named step that never ran."""
+    from replay.textsafe import escape
+
+    lines: list[str] = []
+    ran: Counter[str] = Counter()
+    named: set[str] = set()
+    chosen: dict[str, str] = {}
+    seen: Counter[str] = Counter()
+    for r in reports:
+        ran.update({str(k): int(v) for k, v in (r.get("ran") or {}).items()})
+        named.update(str(s) for s in r.get("named") or [])
+        for c in r.get("chosen") or []:
+            chosen.setdefault(str(c.get("step")), str(c.get("kind")))
+        seen.update({str(k): int(v) for k, v in (r.get("seen") or {}).items()})
+    inside: dict[str, str] = {}
+    for r in reports:
+        for c in r.get("chosen") or []:
+            if c.get("kind") == "boundary":
+                inside[str(c.get("inside"))] = str(c.get("step"))
+    for mod_step, at in inside.items():
+        lines.append(
+            f"replay: --step {escape(mod_step)} runs inside torch.compile'd {escape(at)}, where the recorder cannot see:"
+            f" recorded at that boundary ({ran.get(at, 0)} calls)"
+        )
+    for step, kind in chosen.items():
+        if kind == "boundary":
+            continue
+        n = ran.get(step, 0)
+        lines.append(
+            f"replay: step found with no flags: {escape(step)} ({_HOW.get(kind, kind)}, {n} call{'s' if n != 1 else ''} recorded);"
+            f" to record another callable: replay record --step MODULE:QUALNAME -- ..."
+        )
+    for step in sorted(named):
+        if not ran.get(step) and step not in inside:
+            lines.append(f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)")
+    if not chosen and not named and not ran and reports:
+        if seen:
+            most = ", ".join(f"{escape(k)} ({v})" for k, v in seen.most_common(5))
+            lines.append(
+                f"replay: no step found; outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME"
+            )
+        else:
+            lines.append(
+                "replay: no step found: no nn.Module forward or torch.compile'd function ran;"
+                " name the step with --step MODULE:QUALNAME"
+            )
+    return lines
+
+
+def watch_main_defs(names: set[str], found: Callable[[], bool]) -> bool:
+    """Call ``found()`` after each top-level line of the script run as ``__main__`` until it
+    returns True, so a ``--step`` function of the script is patched right after its ``def``,
+    before its first call (a script that calls neither a module nor ``torch.compile`` gives
+    no other hook). Only the script's module-level frame is traced, and only until then;
+    nothing is installed when a tracer (a debugger, coverage) is already there."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    if sys.gettrace() is not None or main is None or "__file__" in main.__dict__:
+        # A tracer is there already, or the script is already running (the pytest plugin
+        # starts recording from inside pytest): its module frame would never be seen, and a
+        # tracer left waiting for it would cost every call of the run.
+        return False
+
+    def local(frame: Any, event: str, _arg: Any) -> Any:
+        try:
+            if event == "return" or found():
+                sys.settrace(None)
+                frame.f_trace = None
+                return None
+        except Exception:  # noqa: BLE001 - never into the program
+            sys.settrace(None)
+            frame.f_trace = None
+            return None
+        return local
+
+    def tracer(frame: Any, event: str, _arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            return local
+        return None
+
+    sys.settrace(tracer)
+    return True

@@ -1,0 +1,58 @@
+"""Where the recorded program came from: what a re-run needs to start it again, from anywhere.
+
+Stored once per rank in the target info, ``attrs["target"]["launch"]``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from replay import numerics
+
+__all__ = ["launch_info", "main_name", "main_names", "module_name"]
+
+
+def main_name() -> str | None:
+    """The name the script run as ``__main__`` would have as a module: ``generate`` for
+    ``python generate.py``, ``pkg.mod`` for ``python -m pkg.mod``; None in an interactive one."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and getattr(spec, "name", None) and spec.name != "__main__":
+        return str(spec.name)
+    f = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else None)
+    if not f:
+        return None
+    return Path(f).name.removesuffix(".py") or None
+
+
+def main_names() -> set[str]:
+    """Every name a ``--step MODULE:`` may use for the script being run."""
+    names = {"__main__", "__mp_main__"}
+    n = main_name()
+    if n:
+        names.add(n)
+        names.add(n.rsplit(".", 1)[-1])
+    return names
+
+
+def module_name(mod: str) -> str:
+    """A class's or function's ``__module__`` as a ``--step`` would name it."""
+    if mod in ("__main__", "__mp_main__"):
+        return main_name() or mod
+    return mod
+
+
+def launch_info() -> dict[str, Any]:
+    main = sys.modules.get("__main__")
+    f = getattr(main, "__file__", None)
+    return {
+        "argv": list(sys.argv),
+        "executable": sys.executable,
+        "cwd": os.getcwd(),
+        "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
+        "main_file": os.path.abspath(f) if f else None,
+        "main_name": main_name(),
+        "env_numerics": numerics.env_numerics(),
+    }

@@ -1,0 +1,379 @@
+"""Re-run without a factory: the recorded program is its own factory.
+
+When a recording names no factory, ``replay step`` starts the recorded command again (its
+``argv``, ``cwd``, executable and numerics environment, from ``attrs["target"]["launch"]``) in
+replay mode: ``REPLAY_RERUN`` names a JSON spec, and the injected bootstrap hands over to
+``start_in_program`` instead of recording. The program runs as usual up to the first call of the
+recorded step callable; that call is taken (its live arguments: the model, the engine), the step
+is not run by the program; instead, in the same process, the nearest keyframe and the RNG state
+are restored, the catch-up steps and the requested step are run from their recorded inputs and
+compared (``rerun_step``), the result is written where the spec says, and the program is
+stopped. So the cost is the program's set-up plus the steps from the keyframe, whatever the step
+index.
+
+The first call is found by the frame of the step's code (module and qualname), with a profile
+hook that is removed once it fires, so it works for functions of the script run as
+``__main__``, methods, ``nn.Module`` forwards and functions the program compiles with
+``torch.compile`` (which, in replay mode, returns the Python function: the re-run compiles it
+again itself in ``--mode compiled``/``cudagraph``, with the arguments the program passed).
+
+One rank of a multi-rank run is started alone: ``init_process_group`` gets a process group that
+communicates nothing (torch's fake backend), and the collectives inside re-run steps answer with
+what the rank received when recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from replay.errors import RerunError
+
+__all__ = ["ENV_RERUN", "RelaunchSpec", "needs_relaunch", "recorded_args", "relaunch_step", "start_in_program"]
+
+ENV_RERUN = "REPLAY_RERUN"
+_RECORD_ENV_PREFIX = "REPLAY_RECORD_"
+_TIMEOUT_S = float(os.environ.get("REPLAY_RERUN_TIMEOUT", "900"))
+
+
+@dataclass(kw_only=True, slots=True)
+class RelaunchSpec:
+    """What the re-launched program is asked to do (written as JSON, read by the bootstrap)."""
+
+    recording: str
+    part: str
+    rank: int
+    step: int
+    modes: list[str]
+    device: str
+    repeat: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+    stream: str | None = None  # the model of the part to take (several in one loop)
+    out: str = ""  # where the child writes its result JSON
+
+
+def needs_relaunch(target: dict[str, Any] | None, args: dict[str, Any] | None = None) -> bool:
+    """Whether a re-run of this target needs the program itself: no factory, and a step whose
+    object (a method's, a module's forward, a function's model argument) only the program makes."""
+    if not isinstance(target, dict) or isinstance(target.get("factory"), str):
+        return False
+    kind = target.get("step_kind")
+    if kind in ("method", "module_forward"):
+        return True
+    qual = str(target.get("step", "")).partition(":")[2]
+    if kind is None and "." in qual:
+        return True
+    return any(isinstance(v, dict) for v in (args or {}).values())
+
+
+# -- the parent: `replay step` ---------------------------------------------------------------
+
+
+def _child_env(launch: dict[str, Any], rank: int, world: int, spec_path: Path) -> dict[str, str]:
+    import replay
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_RECORD_ENV_PREFIX)}
+    # The numerics environment (CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO, ...) as recorded.
+    for k, v in (launch.get("env_numerics") or {}).items():
+        if v is None:
+            env.pop(str(k), None)
+        else:
+            env[str(k)] = str(v)
+    bootstrap = Path(replay.__file__).resolve().parent / "rerun" / "bootstrap"
+    package_root = Path(replay.__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(bootstrap), str(package_root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env[ENV_RERUN] = str(spec_path)
+    if world > 1:
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=env.get("MASTER_PORT", "29555"))
+    return env
+
+
+def _command(exe: str, argv: list[str], launch: dict[str, Any]) -> list[str]:
+    """The recorded command line: ``python SCRIPT ARGS``, or ``python -m MODULE ARGS``."""
+    if argv[0] in ("-c", ""):
+        raise RerunError("the recorded program was `python -c ...` (its code is not recorded): pass --factory")
+    name, main_file = launch.get("main_name"), launch.get("main_file")
+    if isinstance(name, str) and isinstance(main_file, str) and Path(main_file).stem != name.rsplit(".", 1)[-1] or (
+            isinstance(name, str) and "." in name):
+        return [exe, "-m", name, *argv[1:]]
+    return [exe, *argv]
+
+
+def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
+                  announce: Any = lambda s: None) -> dict[str, Any]:
+    """Start the recorded command in replay mode; the re-run's result (``StepRerun.to_json()``
+    with ``text``, its rendering). Raises RerunError when the program ends without a result."""
+    argv = [str(a) for a in launch.get("argv") or []]
+    exe = launch.get("executable") or sys.executable
+    cwd = launch.get("cwd")
+    if not argv:
+        raise RerunError("the recording names no factory and does not say how the program was started "
+                         "(no launch info): pass --factory module:qualname")
+    if not isinstance(cwd, str) or not os.path.isdir(cwd):
+        raise RerunError(f"the recorded program ran in {cwd!r}, which is not a directory here: "
+                         "re-run where it was recorded, or pass --factory")
+    if not os.path.exists(exe):
+        exe = sys.executable
+    cmd = _command(exe, argv, launch)
+    with tempfile.TemporaryDirectory(prefix="replay-relaunch-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec.out = str(Path(tmp) / "result.json")
+        spec_path.write_text(json.dumps({f: getattr(spec, f) for f in RelaunchSpec.__slots__}))
+        # Shown before the program's code runs: the trust gate (replay.trust) goes here too.
+        announce(f"re-launching the recorded program (the recording names no factory): {' '.join(cmd)} in {cwd}")
+        try:
+            p = subprocess.run(cmd, cwd=cwd, env=_child_env(launch, spec.rank, world, spec_path),
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RerunError(f"the re-launched program did not reach step {spec.step} within {_TIMEOUT_S:.0f} s "
+                             "(REPLAY_RERUN_TIMEOUT sets the limit)") from None
+        out = Path(spec.out)
+        if not out.exists():
+            tail = " | ".join((p.stderr or p.stdout or "").strip().splitlines()[-3:])
+            raise RerunError(f"the re-launched program ended (exit code {p.returncode}) without calling the recorded "
+                             f"step; it cannot be re-run this way" + (f": {tail}" if tail else ""))
+        data = json.loads(out.read_text())
+    if data.get("kind") == "error":
+        err = RerunError(str(data.get("error")))
+        err.exit_code = int(data.get("exit_code") or RerunError.exit_code)
+        raise err
+    return data
+
+
+# -- the child: inside the re-launched program -----------------------------------------------
+
+
+def start_in_program() -> None:
+    """Called by the bootstrap when ``REPLAY_RERUN`` is set: arm the take-over of the step's
+    first call. Never records."""
+    path = os.environ.get(ENV_RERUN)
+    if not path:
+        return None
+    spec = RelaunchSpec(**json.loads(Path(path).read_text()))
+    from replay.format.reader import Recording
+
+    rec = Recording(spec.recording)
+    part = rec[spec.part]
+    rf = part[spec.rank]
+    from replay.rerun.streams import target_info
+
+    target = target_info(rf, spec.stream)
+    _fake_process_group(spec.rank, part.world_size)
+    _Takeover(spec, part, target).arm()
+    return None
+
+
+def _fake_process_group(rank: int, world: int) -> None:
+    """``init_process_group`` for one rank alone: a group that communicates nothing."""
+    if world <= 1:
+        return
+    import torch.distributed as dist
+
+    real = dist.init_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            return
+        # A program that starts its ranks itself (mp.spawn) starts them all here too: only the
+        # rank being re-run goes on; the others stop now (nothing waits for them: the group is fake).
+        asked = kwargs.get("rank", args[4] if len(args) > 4 else None)  # (backend, init_method, timeout, world_size, rank)
+        if asked is None:
+            asked = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+        if asked is not None and int(asked) not in (-1, rank):
+            sys.stdout.flush()
+            os._exit(0)
+        try:
+            from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+        except ImportError as e:
+            raise RerunError(f"one rank re-launched alone needs torch's fake process group, not importable here ({e})") from None
+        real("fake", store=FakeStore(), rank=rank, world_size=world)
+
+    dist.init_process_group = init_process_group  # type: ignore[assignment]
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.init_process_group = init_process_group  # type: ignore[assignment]
+
+
+class _Takeover:
+    """Finds the step's first call by its frame, and runs the re-run there."""
+
+    def __init__(self, spec: RelaunchSpec, part: Any, target: dict[str, Any]) -> None:
+        self.spec = spec
+        self.part = part
+        self.target = target
+        module, _, qual = str(target.get("step", "")).partition(":")
+        from replay.rerun.target import StepKind
+
+        self.kind = StepKind.parse(target.get("step_kind"))
+        launch = target.get("launch") or {}
+        mains = {"__main__", "__mp_main__", str(launch.get("main_name") or "")}
+        self.modules = mains if module in mains else {module}
+        self.qualname = f"{qual}.forward" if self.kind is StepKind.MODULE_FORWARD else qual
+        self.name = self.qualname.rsplit(".", 1)[-1]
+        self.compile_kwargs: dict[str, Any] = {}
+        self.done = False
+        self._checked: dict[int, bool] = {}
+
+    def arm(self) -> None:
+        self._patch_compile()
+        sys.setprofile(self._profile)
+
+    def _patch_compile(self) -> None:
+        """In replay mode torch.compile hands the step function back uncompiled (the re-run
+        compiles it itself), so its first call is a Python frame that the profile hook sees."""
+        import torch
+
+        real = torch.compile
+        me = self
+
+        def compile(model: Any = None, **kwargs: Any) -> Any:
+            if model is None:
+                return lambda m: compile(m, **kwargs)
+            code = getattr(model, "__code__", None)
+            if code is not None and getattr(code, "co_qualname", code.co_name) == me.qualname:
+                me.compile_kwargs = {k: v for k, v in kwargs.items() if isinstance(v, (str, bool, int, type(None)))}
+                model._replay_compile_kwargs = dict(me.compile_kwargs)  # noqa: SLF001 - read back below
+                return model
+            return real(model, **kwargs)
+
+        torch.compile = compile  # type: ignore[assignment]
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or self.done:
+            return
+        code = frame.f_code
+        if code.co_name != self.name or getattr(code, "co_qualname", code.co_name) != self.qualname:
+            return
+        if frame.f_globals.get("__name__") not in self.modules:
+            return
+        if not self._is_stream(frame):
+            return  # another model of the loop (the draft, say) through the same callable
+        self.done = True
+        sys.setprofile(None)
+        self._take(frame)
+
+    def _is_stream(self, frame: Any) -> bool:
+        """Whether this call's object is the model of the stream to re-run: with several streams,
+        the one whose parameters are that stream's recorded ones (each object checked once)."""
+        weights = self.target.get("weights")
+        if not self.spec.stream or not isinstance(weights, dict) or not weights:
+            return True
+        import torch
+
+        obj = next((v for v in frame.f_locals.values() if isinstance(v, torch.nn.Module)), None)
+        if obj is None:
+            return True
+        seen = self._checked.get(id(obj))
+        if seen is None:
+            from replay.record.weights import weight_digests
+
+            live = weight_digests(obj)
+            # By names and shapes, not digests: weights that changed since the recording are
+            # still this model (the re-run then says which differ).
+            seen = set(live) == set(weights) and all(list(live[n]["shape"]) == list(weights[n].get("shape") or []) for n in live)
+            self._checked[id(obj)] = seen
+        return seen
+
+    def _take(self, frame: Any) -> None:
+        """The step's first call: re-run the requested step here, write the result, stop."""
+        code = 0
+        try:
+            data = self._rerun(frame)
+        except Exception as e:  # noqa: BLE001 - reported to the parent as one line, never a traceback
+            from replay.errors import ReplayError
+
+            code = e.exit_code if isinstance(e, ReplayError) else RerunError.exit_code
+            msg = str(e) if isinstance(e, ReplayError) else f"the re-run raised {e.__class__.__name__}: {e}"
+            data = {"kind": "error", "error": msg, "exit_code": code}
+        tmp = Path(self.spec.out + f".{os.getpid()}")
+        tmp.write_text(json.dumps(data, default=str))
+        os.replace(tmp, self.spec.out)  # whole or not at all
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # stop the program: the rest of it is not the re-run's business
+
+    def _rerun(self, frame: Any) -> dict[str, Any]:
+        import inspect
+
+        from replay.rerun.runner import RerunOptions, rerun_step
+        from replay.rerun.target import StepKind, Target, TargetSpec, function_step
+
+        rf = self.part[self.spec.rank]
+        spec = TargetSpec.from_rank_file(rf, self.spec.stream)
+        live = dict(frame.f_locals)
+        fn = self._function(frame, live)
+        params = list(inspect.signature(fn).parameters)
+        kind = spec.kind or (StepKind.METHOD if "." in self.qualname else StepKind.FUNCTION)
+        obj: Any = None
+        if kind in (StepKind.METHOD, StepKind.MODULE_FORWARD) and params:
+            obj = live.get(params[0])
+            live.pop(params[0], None)
+        else:
+            args_json = recorded_args(rf, self.spec.step)
+            holder = next((k for k, v in args_json.items() if isinstance(v, dict) and v.get("target")), None)
+            obj = live.get(holder) if holder else None
+        compile_kwargs = dict(getattr(fn, "_replay_compile_kwargs", None) or self.compile_kwargs or spec.compile)
+        spec.compile = compile_kwargs
+        if compile_kwargs and kind is StepKind.FUNCTION:
+            kind = StepKind.COMPILED
+
+        def make_target(rp: Any) -> Target:
+            if kind in (StepKind.METHOD, StepKind.MODULE_FORWARD):
+                step_fn, ran_as = fn.__get__(obj, type(obj)), ""
+            else:
+                step_fn, ran_as = function_step(fn, kind, spec, rp._compiled())  # noqa: SLF001
+            t = Target(spec, obj, step_fn, rp.device, kind=kind)
+            t.ran_as = ran_as
+            t.live_args = live
+            return t
+
+        settings = RerunOptions(modes=tuple(self.spec.modes), device=self.spec.device, repeat=self.spec.repeat,
+                                options=self.spec.options, recording=self.spec.recording, make_target=make_target,
+                                spec=spec, stream=self.spec.stream)
+        result = rerun_step(self.part, self.spec.rank, self.spec.step, settings)
+        result.notes.append("re-run inside the re-launched program (no factory): its objects at the step's first call, "
+                            "state and RNG from the recording")
+        from replay.cli.step import render_step
+
+        data = result.to_json()
+        data["text"] = render_step(result)
+        return data
+
+    def _function(self, frame: Any, live: dict[str, Any]) -> Any:
+        """The Python function whose frame this is (not a wrapper around it)."""
+        parts = self.qualname.split(".")
+        if len(parts) == 1:
+            fn = frame.f_globals.get(parts[0])
+        else:
+            first = next(iter(live.values()), None)  # self
+            owner: Any = type(first) if first is not None else None
+            fn = None
+            for klass in getattr(owner, "__mro__", ()):
+                if parts[-1] in vars(klass) and getattr(vars(klass)[parts[-1]], "__qualname__", "") == self.qualname:
+                    fn = vars(klass)[parts[-1]]
+                    break
+        fn = getattr(fn, "_torchdynamo_orig_callable", fn)
+        # The program's callable as it calls it (its own decorators kept), if it leads to this frame.
+        inner = fn
+        while getattr(inner, "__code__", None) is not frame.f_code and hasattr(inner, "__wrapped__"):
+            inner = inner.__wrapped__
+        if getattr(inner, "__code__", None) is not frame.f_code:
+            raise RerunError(f"cannot find the function of {self.qualname} in the re-launched program")
+        return fn
+
+
+def recorded_args(rf: Any, step: int) -> dict[str, Any]:
+    """A step's recorded JSON arguments (which of them is the step's object)."""
+    try:
+        sid = int(rf.step(step).row["args"])
+        args = json.loads(rf.tables.string(sid)) if sid >= 0 else {}
+    except (ValueError, KeyError):
+        return {}
+    return args if isinstance(args, dict) else {}

@@ -1,0 +1,382 @@
+"""Recording an engine replay has never been told about (tests/engines/tinyllm), with no flags.
+
+The engine is a directory of plain scripts run as ``python generate.py``; these tests check what
+a user relies on: the program's output and exit code are unchanged, the step is found and named,
+and the recording holds what a re-run needs (launch, numerics context, weights, state, streams).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay import numerics
+from replay.format.reader import Recording
+from replay.record.calls import NotJSON, module_state, to_json_safe
+
+ENGINE = Path(__file__).resolve().parent / "engines" / "tinyllm"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("REPLAY_RECORD_DIR", None)
+    env.pop("REPLAY_RECORD_SETTINGS", None)
+    return env
+
+
+def _plain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "generate.py", *args], cwd=ENGINE, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _record(out: Path, *args: str, flags: tuple[str, ...] = (), cmd: list[str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = cmd or [sys.executable, "generate.py", *args]
+    return subprocess.run(
+        [sys.executable, "-m", "replay", "record", "--out", str(out), *flags, "--", *command],
+        cwd=ENGINE, env=_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _tokens(stdout: str) -> str:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("tokens:")]
+    assert len(lines) == 1, stdout
+    return lines[0]
+
+
+def _args(rf, step: int) -> dict:
+    sid = int(rf.step(step).row["args"])
+    return json.loads(rf.tables.string(sid)) if sid >= 0 else {}
+
+
+def test_no_flags_finds_the_step_and_records_what_a_rerun_needs(tmp_path: Path) -> None:
+    plain = _plain("--tokens", "6")
+    r = _record(tmp_path / "rec", "--tokens", "6")
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert _tokens(r.stdout) == _tokens(plain.stdout)
+    assert "step found with no flags: model:Transformer" in r.stderr
+    assert "--step MODULE:QUALNAME" in r.stderr
+    assert "recorded nothing" not in r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        assert list(rec) == ["run-000"]
+        rf = rec["run-000"][0]
+        assert rf.n_steps == 5  # prefill picks the step; the 5 decode steps are recorded
+        t = rf.attrs["target"]
+        assert t["step"] == "model:Transformer" and t["step_kind"] == "module_forward"
+        launch = t["launch"]
+        assert launch["main_name"] == "generate"
+        assert launch["main_file"] == str(ENGINE / "generate.py")
+        assert launch["cwd"] == str(ENGINE) and str(ENGINE) in launch["sys_path"]
+        assert launch["argv"][1:] == ["--tokens", "6"]
+        assert "CUBLAS_WORKSPACE_CONFIG" in launch["env_numerics"]
+        # A dataclass config (the model's own ``config``) is recorded as JSON.
+        assert t["config"]["n_layer"] == 2 and t["config_attr"] == "config"
+        # Weights: digested per parameter, never in keyframes; state: the KV-cache buffers.
+        assert t["weights"]["output.weight"]["shape"] == [96, 32]
+        assert len(t["weights"]["output.weight"]["digest"]) == 16
+        assert t["state_from"] == "module_buffers"
+        _, state = rf.keyframe(0)
+        assert "layers.0.attention.kv_cache.k_cache" in state
+        assert not set(state) & set(t["weights"])
+        # The numerics context of the step: the program's sdpa_kernel(MATH) around decode.
+        ctx = numerics.recorded_context(rf, 3)
+        assert ctx is not None and ctx["sdpa.math"] is True and ctx["sdpa.flash"] is False
+        assert ctx["grad_enabled"] is False
+        assert _args(rf, 3)[numerics.NUMERICS_ARG] == numerics.context_digest(ctx)
+
+
+@pytest.mark.parametrize("step", ["generate:decode_one_token", "__main__:decode_one_token"])
+def test_a_function_of_the_script_is_a_step(tmp_path: Path, step: str) -> None:
+    r = _record(tmp_path / "rec", "--tokens", "5", flags=("--step", step))
+    assert r.returncode == 0, r.stderr
+    assert "never ran" not in r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        assert rf.n_steps == 4
+        t = rf.attrs["target"]
+        assert t["step"] == "generate:decode_one_token" and t["step_kind"] == "function"
+        assert t["object_arg"] == "model"
+        args = _args(rf, 0)
+        assert args["model"] == {"target": True, "type": "Transformer"}
+        assert set(rf.step(0).inputs) == {"x", "input_pos"}
+
+
+def test_a_named_step_that_never_ran_is_named(tmp_path: Path) -> None:
+    r = _record(tmp_path / "rec", "--tokens", "3", flags=("--step", "generate:no_such_function"))
+    assert r.returncode == 0
+    assert "--step generate:no_such_function never ran" in r.stderr
+    assert "replay: recorded " not in r.stderr  # not also "recorded DIR"
+
+
+def test_nothing_to_find_is_one_honest_line(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text("import torch\nfor _ in range(3):\n    torch.ones(2) * 2\nprint('ok')\n")
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script)])
+    assert r.returncode == 0 and r.stdout.strip() == "ok"
+    assert "no step found" in r.stderr and "--step MODULE:QUALNAME" in r.stderr
+    assert "replay: recorded " not in r.stderr
+
+
+def test_draft_and_target_are_two_streams_of_one_part(tmp_path: Path) -> None:
+    plain = _plain("--tokens", "8", "--draft")
+    r = _record(tmp_path / "rec", "--tokens", "8", "--draft")
+    assert r.returncode == 0, r.stderr
+    assert _tokens(r.stdout) == _tokens(plain.stdout)
+    with Recording(tmp_path / "rec") as rec:
+        assert list(rec) == ["run-000"]
+        rf = rec["run-000"][0]
+        t = rf.attrs["target"]
+        assert set(t["streams"]) == {"draft", "model"}
+        assert t["streams"]["draft"]["config"]["n_layer"] == 1 and t["streams"]["model"]["config"]["n_layer"] == 2
+        order = [_args(rf, i).get(numerics.STREAM_ARG, t["stream"]) for i in range(rf.n_steps)]
+        assert set(order) == {"draft", "model"}
+        # Three draft tokens, then one target verification: the order across streams is kept.
+        assert order[:5] == ["draft", "draft", "draft", "draft", "model"]
+        # The second stream's state is in a keyframe before its first step, under its prefix.
+        first_model = order.index("model")
+        kf, state = rf.keyframe(first_model)
+        assert kf <= first_model and any(k.startswith("model/layers.0.attention.kv_cache") for k in state)
+
+
+def test_state_dict_as_state_leaves_the_weights_out(tmp_path: Path) -> None:
+    r = _record(tmp_path / "rec", "--tokens", "4", flags=("--step", "model:Transformer", "--state", "state_dict"))
+    assert r.returncode == 0, r.stderr
+    assert "parameters (weights) left out of keyframes" in r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        _, state = rf.keyframe(0)
+        weights = set(rf.attrs["target"]["weights"])
+        assert state and not set(state) & weights
+        assert "layers.0.attention.kv_cache.k_cache" in state
+
+
+def test_compiled_step_runs_unchanged_and_is_recorded(tmp_path: Path) -> None:
+    # Dynamo traces decode_one_token with fullgraph=True (the eager backend skips Inductor's
+    # C++ build): any recorder code on the traced path would fail the program.
+    args = ("--tokens", "5", "--compile", "--compile-backend", "eager")
+    plain = _plain(*args)
+    r = _record(tmp_path / "rec", *args)
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert _tokens(r.stdout) == _tokens(plain.stdout)
+    assert "step found with no flags: generate:decode_one_token (a torch.compile'd callable" in r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        assert rf.n_steps == 4
+        t = rf.attrs["target"]
+        assert t["step"] == "generate:decode_one_token" and t["step_kind"] == "compiled"
+        assert t["object_arg"] == "model" and t["weights"]
+
+
+def test_a_module_step_inside_compiled_code_is_recorded_at_the_boundary(tmp_path: Path) -> None:
+    args = ("--tokens", "5", "--compile", "--compile-backend", "eager")
+    r = _record(tmp_path / "rec", *args, flags=("--step", "model:Transformer"))
+    assert r.returncode == 0, r.stderr
+    assert "--step model:Transformer runs inside torch.compile'd generate:decode_one_token" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_inductor_compiled_step_runs_unchanged_and_is_recorded(tmp_path: Path) -> None:
+    args = ("--tokens", "4", "--compile")
+    plain = _plain(*args, timeout=550)
+    r = _record(tmp_path / "rec", *args, timeout=550)
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert _tokens(r.stdout) == _tokens(plain.stdout)
+    with Recording(tmp_path / "rec") as rec:
+        assert rec["run-000"][0].attrs["target"]["step_kind"] == "compiled"
+
+
+def test_tensor_parallel_under_torchrun(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29641", "generate.py", "--tokens", "4"]
+    plain = subprocess.run(cmd, cwd=ENGINE, env=_env(), capture_output=True, text=True, timeout=300)
+    r = _record(tmp_path / "rec", cmd=cmd)
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert _tokens(r.stdout) == _tokens(plain.stdout)
+    with Recording(tmp_path / "rec") as rec:
+        (part,) = rec.values()
+        assert sorted(part) == [0, 1]
+        for rank in (0, 1):
+            assert part[rank].n_steps == 3
+            assert part[rank].attrs["target"]["step"] == "model:Transformer"
+        assert part[0].full().collectives.size > 0  # the hook all-reduces
+
+
+def test_configs_become_json() -> None:
+    import argparse
+    import enum
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    class Mode(enum.Enum):
+        FAST = "fast"
+
+    @dataclass
+    class Cfg:
+        path: Path
+        shape: tuple[int, int]
+        mode: Mode
+        dtype: torch.dtype
+        extra: SimpleNamespace
+
+    got = to_json_safe(Cfg(Path("/w/ckpt"), (2, 3), Mode.FAST, torch.bfloat16, SimpleNamespace(k=1)))
+    assert got == {"path": "/w/ckpt", "shape": [2, 3], "mode": "fast", "dtype": "torch.bfloat16", "extra": {"k": 1}}
+    assert json.loads(json.dumps(got)) == got
+    assert to_json_safe(argparse.Namespace(a=1)) == {"a": 1}
+    with pytest.raises(NotJSON):
+        to_json_safe({"w": torch.zeros(1)})
+
+
+def test_module_state_is_buffers_and_tensor_attributes_not_parameters() -> None:
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.register_buffer("kv", torch.zeros(3))
+            self.pos = torch.zeros(1, dtype=torch.long)
+
+    st = module_state(M())
+    assert set(st) == {"kv", "pos"}
+
+
+def test_a_bad_pyproject_value_is_one_line_before_the_program_runs(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.replay]\ndurability = "sync"\n')
+    r = subprocess.run([sys.executable, "-m", "replay", "record", "--out", str(tmp_path / "rec"), "--", sys.executable, "-c", "print('ran')"],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "ran" not in r.stdout
+    assert "[tool.replay]" in r.stderr and "durability = 'sync' is not one of: step, async" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_settings_in_the_environment_never_break_the_program(tmp_path: Path) -> None:
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "replay" / "record" / "bootstrap"), env["PYTHONPATH"]])
+    env["REPLAY_RECORD_DIR"] = str(tmp_path / "rec")
+    env["REPLAY_RECORD_SETTINGS"] = json.dumps({"durability": "sync"})
+    r = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ran"
+    assert r.stderr.count("\n") == 1 and "recording disabled" in r.stderr and "durability" in r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_reduce_overhead_compiled_step_on_cuda_is_recorded_with_its_graphs(tmp_path: Path) -> None:
+    # Unvalidated on CPU-only machines: written for `make test-gpu` (an H200).
+    args = ("--tokens", "10", "--compile", "--compile-mode", "reduce-overhead", "--device", "cuda")
+    plain = _plain(*args, timeout=550)
+    r = _record(tmp_path / "rec", *args, timeout=550)
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert _tokens(r.stdout) == _tokens(plain.stdout)
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        t = rf.attrs["target"]
+        assert t["step_kind"] == "compiled" and t["device"].startswith("cuda")
+        assert rf.n_steps == 9
+        modes = [rf.step(i).mode for i in range(rf.n_steps)]
+        assert "graph" in modes, modes  # CUDA graph trees replay after their warm-up calls
+
+
+COMPILED_MODULE = """
+import torch
+torch.manual_seed(0)
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+        self.register_buffer("kv", torch.zeros(4))
+    def forward(self, x):
+        self.kv.add_(1)
+        return self.l(x) + self.kv
+m = M()
+cm = torch.compile(m, fullgraph=True, backend="eager")
+x = torch.ones(1, 4)
+with torch.no_grad():
+    for _ in range(3):
+        x = cm(x)
+print("ok", float(x.sum()))
+"""
+
+
+def test_a_compiled_module_is_recorded_at_its_boundary(tmp_path: Path) -> None:
+    script = tmp_path / "cmod.py"
+    script.write_text(COMPILED_MODULE)
+    plain = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=300)
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script)])
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout
+    assert "step found with no flags: cmod:M (a torch.compile'd callable, 3 calls recorded)" in r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        t = rf.attrs["target"]
+        assert rf.n_steps == 3 and t["step"] == "cmod:M" and t["step_kind"] == "compiled"
+        assert set(t["weights"]) == {"l.weight", "l.bias"}
+        _, state = rf.keyframe(0)
+        assert set(state) == {"kv"}
+
+
+CONTEXT_SWITCH = """
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+def attend(q, pos: int):
+    return F.scaled_dot_product_attention(q, q, q) + pos
+
+q = torch.ones(1, 1, 2, 4)
+for i in range(4):
+    if i < 2:
+        attend(q, i)
+    else:
+        with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+            attend(q, i)
+print("ok")
+"""
+
+
+def test_each_step_names_the_numerics_context_it_ran_under(tmp_path: Path) -> None:
+    script = tmp_path / "ctx.py"
+    script.write_text(CONTEXT_SWITCH)
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script)], flags=("--step", "ctx:attend"))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        assert rf.n_steps == 4
+        first, later = numerics.recorded_context(rf, 0), numerics.recorded_context(rf, 3)
+        assert first is not None and later is not None
+        assert numerics.recorded_context(rf, 1) == first
+        assert first["sdpa.flash"] is True and first["grad_enabled"] is True
+        assert later["sdpa.flash"] is False and later["grad_enabled"] is False
+        assert len(rf.attrs["target"]["numerics"]["contexts"]) == 2
+        lines = numerics.differences(later, first)
+        assert "grad_enabled: recorded false, now true" in lines
+        assert _args(rf, 2)["pos"] == 2  # the step's own arguments are kept beside the digest
+
+
+def test_a_failure_of_the_recorder_around_a_step_stops_recording_and_the_step_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    import inspect
+
+    from replay.record import session as session_mod
+    from replay.record.profiles import StepSpec
+    from replay.record.settings import RecordSettings
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise RuntimeError("recorder bug")
+
+    s = session_mod.Session(tmp_path, RecordSettings())
+    monkeypatch.setattr(session_mod, "split_arguments", boom)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    spec = StepSpec(step="t:f", kind="function")
+    for _ in range(2):
+        out = s._call_step(spec, f, inspect.signature(f), False, (torch.ones(2),), {})
+        assert torch.equal(out, torch.full((2,), 2.0))
+    assert s.disabled
+    assert capfd.readouterr().err.count("recording stopped: RuntimeError: recorder bug") == 1

@@ -1,0 +1,96 @@
+"""replay.numerics: capture, digest, apply/restore and differences of a step's numerics context."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from replay import numerics
+
+
+def test_capture_is_json_safe_and_digest_stable() -> None:
+    ctx = numerics.capture()
+    assert json.loads(json.dumps(ctx)) == ctx
+    for key in ("grad_enabled", "inference_mode", "autocast.cpu.enabled", "sdpa.flash", "sdpa.math",
+                "backends.cudnn.allow_tf32", "backends.cuda.matmul.allow_tf32", "backends.float32_matmul_precision",
+                "deterministic.enabled", "deterministic.warn_only", "default_dtype", "env.CUBLAS_WORKSPACE_CONFIG", "env.NCCL_ALGO"):
+        assert key in ctx
+    assert numerics.context_digest(ctx) == numerics.context_digest(dict(reversed(list(ctx.items()))))
+    assert len(numerics.context_digest(ctx)) == 16
+
+
+def test_sdpa_kernel_context_is_captured_as_its_flags() -> None:
+    outside = numerics.capture()
+    with sdpa_kernel(SDPBackend.MATH):
+        inside = numerics.capture()
+    assert inside["sdpa.math"] is True and inside["sdpa.flash"] is False and inside["sdpa.mem_efficient"] is False
+    lines = numerics.differences(inside, outside)
+    assert "sdpa.flash: recorded false, now true" in lines
+    assert numerics.context_digest(inside) != numerics.context_digest(outside)
+
+
+def test_modes_and_env_are_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    with torch.inference_mode():
+        assert numerics.capture()["inference_mode"] is True
+    with torch.no_grad():
+        assert numerics.capture()["grad_enabled"] is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        c = numerics.capture()
+        assert c["autocast.cpu.enabled"] is True and c["autocast.cpu.dtype"] == "torch.bfloat16"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert numerics.capture()["env.CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    assert numerics.capture()["env.CUBLAS_WORKSPACE_CONFIG"] is None
+
+
+def test_apply_sets_everything_and_restores() -> None:
+    before = numerics.capture()
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.set_float32_matmul_precision("high")
+        os.environ["NCCL_PROTO"] = "LL"
+        try:
+            recorded = numerics.capture()
+        finally:
+            torch.use_deterministic_algorithms(False)
+            torch.set_float32_matmul_precision("highest")
+            os.environ.pop("NCCL_PROTO")
+    assert numerics.differences(recorded, numerics.capture())  # they differ now
+    with numerics.apply(recorded) as failed:
+        assert failed == []
+        assert numerics.differences(recorded, numerics.capture()) == []
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled()
+        assert os.environ["NCCL_PROTO"] == "LL"
+        assert not torch.is_grad_enabled()
+    assert numerics.differences(before, numerics.capture()) == []
+    assert "NCCL_PROTO" not in os.environ
+
+
+def test_apply_enters_inference_mode() -> None:
+    with torch.inference_mode():
+        recorded = numerics.capture()
+    with numerics.apply(recorded):
+        assert torch.is_inference_mode_enabled()
+        assert torch.zeros(1).is_inference()
+    assert not torch.is_inference_mode_enabled()
+
+
+def test_current_detects_changes_cheaply() -> None:
+    d1, c1, _ = numerics.current()
+    d2, _, changed = numerics.current()
+    assert d1 == d2 and not changed
+    with sdpa_kernel(SDPBackend.MATH):
+        d3, c3, changed = numerics.current()
+        assert changed and d3 != d1 and c3["sdpa.flash"] is False
+    d4, _, changed = numerics.current()
+    assert changed and d4 == d1
+
+
+def test_differences_names_unknown_settings() -> None:
+    assert numerics.differences({"sdpa.new_backend": True}, {}) == ["sdpa.new_backend: recorded true, not known to this torch"]
+    assert numerics.strip_reserved({"__numerics__": "ab", "__stream__": "draft", "pos": 3}) == {"pos": 3}
