@@ -1,13 +1,24 @@
 """Recorder overhead and writer throughput, each measured side by side in one run.
 
-Overhead: the reference MTP engine decodes in one process; blocks of steps alternate between
-the plain step (the original, unwrapped ``Engine.decode_step``) and the recorded one (wrapped by
-the same instrumentation ``replay record`` injects, default settings), so both see the same
-machine state. Reported: median step time of each and the overhead in percent.
+Overhead: the reference MTP engine decodes in one process; blocks of steps alternate between the
+plain step (the original, unwrapped ``Engine.decode_step``) and each recorded variant, so all see
+the same machine state:
+
+* ``replay`` — wrapped by the same instrumentation ``replay record`` injects, default settings
+  (``default: true`` in the JSON);
+* ``replay, no ring`` — the same with the record ring off (the writer-thread path, durability
+  ``step``), for comparison with the figures before the ring;
+* ``torch.save`` — what a user would otherwise write: the step's input and output tensors saved
+  with ``torch.save``, one file a step;
+* ``metadata only`` — a recorder that writes each step's id and its tensors' names, dtypes and
+  shapes (one JSON line a step, flushed), no digests and no bytes.
+
+Reported per configuration: median step time of each, the overhead in percent and in
+microseconds a step, and the spread (the lowest and highest overhead of the block pairs).
 
 Writer throughput: the same bytes written (a) by the recorder recording full logits every step
-(digests, copies, writer thread, journal), (b) by the recorder's journal writer alone, and (c) raw
-with ``numpy.tofile``, in alternating rounds to one directory.
+(device digests, copies into the ring, the drain, the journal), (b) by the journal writer alone,
+and (c) raw with ``numpy.tofile``, in alternating rounds to one directory.
 """
 
 from __future__ import annotations
@@ -21,8 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
-import numpy as np
 import torch
 
 
@@ -31,15 +42,56 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps: int, durability: str) -> dict:
+def _tensors(xs: Any) -> dict[str, torch.Tensor]:
+    if hasattr(xs, "_asdict"):
+        xs = xs._asdict()
+    if isinstance(xs, dict):
+        return {k: v for k, v in xs.items() if isinstance(v, torch.Tensor)}
+    return {f"arg{i}": v for i, v in enumerate(xs) if isinstance(v, torch.Tensor)}
+
+
+def _dumper(plain: Callable, out_dir: Path) -> Callable:
+    """A per-step ``torch.save`` of the step's inputs and outputs."""
+    n = [0]
+
+    def step(engine: Any, *inputs: Any) -> Any:
+        out = plain(engine, *inputs)
+        torch.save({"inputs": _tensors(inputs), "outputs": _tensors(out)}, out_dir / f"step-{n[0]:06d}.pt")
+        n[0] += 1
+        return out
+
+    return step
+
+
+def _metadata(plain: Callable, path: Path) -> Callable:
+    """Ids and shapes only: one JSON line a step, flushed (as durable as the page cache)."""
+    fh = open(path, "a", buffering=1 << 16)
+    n = [0]
+
+    def step(engine: Any, *inputs: Any) -> Any:
+        out = plain(engine, *inputs)
+        meta = {"step": n[0]}
+        for group, ts in (("in", _tensors(inputs)), ("out", _tensors(out))):
+            meta[group] = [[k, str(t.dtype), list(t.shape)] for k, t in ts.items()]
+        fh.write(json.dumps(meta) + "\n")
+        fh.flush()
+        n[0] += 1
+        return out
+
+    return step
+
+
+def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps: int, *, batch: int,
+             baselines: bool, ring: bool = True, label: str = "") -> list[dict]:
+    from replay.record import session as session_mod
+    from replay.record.config import RecorderConfig
     from replay.record.session import Session
     from replay.record.settings import RecordSettings
     from replay.workloads.mtp.engine import Engine
     from replay.workloads.mtp.factory import build_engine
-
-    cfg = {"preset": preset, "cudagraph": cudagraph, "device": device, "batch": 8 if preset == "small" else 4}
     from replay.workloads.mtp.graphs import GraphRunner
 
+    cfg = {"preset": preset, "cudagraph": cudagraph, "device": device, "batch": batch, "buckets": [batch]}
     engine = build_engine(cfg, rank=0, world_size=1, device=device, options={})
     engine.prefill()
     if cudagraph:
@@ -49,48 +101,73 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
     # the next configuration starts from the plain engine again.
     saved = [(cls, name, cls.__dict__[name]) for cls, names in ((Engine, ("decode_step", "accept")), (GraphRunner, ("capture", "replay")))
              for name in names]
-    with tempfile.TemporaryDirectory() as tmp:
-        session = Session(Path(tmp), RecordSettings(durability=durability))
-        session.install()  # patches Engine.decode_step (the mtp profile) like `replay record` does
-        recorded = Engine.decode_step
-        assert recorded is not plain, "the profile did not patch the engine"
+    saved_cfg = session_mod.RecorderConfig
+    if not ring:
+        session_mod.RecorderConfig = lambda **kw: RecorderConfig(**kw, record_ring_bytes=0)  # type: ignore[assignment]
+    try:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("REPLAY_BENCH_DIR")) as tmp:
+            session = Session(Path(tmp) / "rec", RecordSettings())
+            session.install()  # patches Engine.decode_step (the mtp profile) like `replay record` does
+            recorded = Engine.decode_step
+            assert recorded is not plain, "the profile did not patch the engine"
+            variants: dict[str, Callable] = {"replay" if ring else "replay, no ring": recorded}
+            if baselines:
+                (Path(tmp) / "save").mkdir()
+                variants["torch.save"] = _dumper(plain, Path(tmp) / "save")
+                variants["metadata only"] = _metadata(plain, Path(tmp) / "meta.jsonl")
 
-        def run(step_fn, n: int) -> list[float]:
-            times = []
-            for _ in range(n):
-                inputs = engine.step_inputs()
-                _sync(device)
-                t0 = time.perf_counter()
-                out = step_fn(engine, *inputs)
-                out.accepted.tolist()  # the host needs the accepted counts: the step's natural sync
-                times.append(time.perf_counter() - t0)
-                engine.advance(out)
-            return times
+            def run(step_fn: Callable, n: int) -> list[float]:
+                times = []
+                for _ in range(n):
+                    inputs = engine.step_inputs()
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    out = step_fn(engine, *inputs)
+                    out.accepted.tolist()  # the host needs the accepted counts: the step's natural sync
+                    times.append(time.perf_counter() - t0)
+                    engine.advance(out)
+                return times
 
-        run(plain, 5)
-        run(recorded, 5)
-        t_plain: list[float] = []
-        t_rec: list[float] = []
-        for _ in range(blocks):
-            t_plain += run(plain, block_steps)
-            t_rec += run(recorded, block_steps)
-        rec_error = session.recorder.error if session.recorder is not None else None
-        session.shutdown()
-        session.disabled = True
-    for cls, name, value in saved:
-        setattr(cls, name, value)
-    mp, mr = statistics.median(t_plain), statistics.median(t_rec)
-    return {
-        "device": device,
-        "preset": preset,
-        "cudagraph": cudagraph,
-        "durability": durability,
-        "steps_each": len(t_plain),
-        "plain_ms": round(mp * 1e3, 4),
-        "recorded_ms": round(mr * 1e3, 4),
-        "overhead_pct": round(100 * (mr - mp) / mp, 2),
-        "recorder_error": rec_error,
-    }
+            run(plain, 5)
+            for fn in variants.values():
+                run(fn, 5)
+            t_plain: list[list[float]] = []
+            t_var: dict[str, list[list[float]]] = {k: [] for k in variants}
+            for _ in range(blocks):
+                t_plain.append(run(plain, block_steps))
+                for k, fn in variants.items():
+                    t_var[k].append(run(fn, block_steps))
+            rec = session.recorder
+            rec_error = rec.error if rec is not None else None
+            ring_stats = rec.ring_stats() if rec is not None else None
+            session.shutdown()
+            session.disabled = True
+    finally:
+        session_mod.RecorderConfig = saved_cfg
+        for cls, name, value in saved:
+            setattr(cls, name, value)
+    mp = statistics.median([t for b in t_plain for t in b])
+    rows = []
+    for k, blocks_k in t_var.items():
+        mr = statistics.median([t for b in blocks_k for t in b])
+        pairs = [100 * (statistics.median(r) - statistics.median(p)) / statistics.median(p) for p, r in zip(t_plain, blocks_k)]
+        rows.append({
+            "device": device,
+            "preset": label or preset,
+            "batch": batch,
+            "cudagraph": cudagraph,
+            "variant": k,
+            "default": k == "replay",
+            "steps_each": sum(map(len, blocks_k)),
+            "plain_ms": round(mp * 1e3, 4),
+            "recorded_ms": round(mr * 1e3, 4),
+            "overhead_pct": round(100 * (mr - mp) / mp, 2),
+            "overhead_us": round((mr - mp) * 1e6, 1),
+            "spread_pct": [round(min(pairs), 2), round(max(pairs), 2)],
+            "recorder_error": rec_error if k.startswith("replay") else None,
+            "ring": ring_stats if k.startswith("replay") else None,
+        })
+    return rows
 
 
 def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) -> dict:
@@ -99,15 +176,16 @@ def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) ->
     from replay.record.recorder import Recorder
 
     numel = mb_per_step * (1 << 20) // 4
-    logits = [torch.randn(numel, device=device).reshape(-1, 1000) if numel % 1000 == 0 else torch.randn(numel, device=device) for _ in range(2)]
+    logits = [torch.randn(numel, device=device).reshape(-1, 1024) if numel % 1024 == 0 else torch.randn(numel, device=device) for _ in range(2)]
     total = steps * numel * 4
     res: dict[str, list[float]] = {"recorder": [], "journal": [], "tofile": []}
+    ring_stats = None
     with tempfile.TemporaryDirectory(dir=os.environ.get("REPLAY_BENCH_DIR")) as tmp:
         for r in range(rounds):
             d = Path(tmp) / f"r{r}"
             d.mkdir()
-            # (a) the recorder, full logits every step
-            rec = Recorder(RecorderConfig(out=d / "rec", outputs="full", rng=False, durability="async", queue_depth=8))
+            # (a) the recorder, full logits every step, default ring
+            rec = Recorder(RecorderConfig(out=d / "rec", outputs="full", rng=False))
             _sync(device)
             t0 = time.perf_counter()
             for s in range(steps):
@@ -116,8 +194,9 @@ def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) ->
                 rec.end_step()
             rec.close()
             res["recorder"].append(total / (time.perf_counter() - t0))
+            ring_stats = rec.ring_stats()
             assert rec.error is None, rec.error
-            # (b) the journal writer alone (what the writer thread does, digests already known)
+            # (b) the journal writer alone (what the drain does, digests already known)
             host = [x.cpu().numpy() for x in logits]
             jw = JournalWriter(d / "j.journal", d / "j.payload")
             t0 = time.perf_counter()
@@ -140,11 +219,14 @@ def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) ->
         "device": device,
         "bytes_per_step": numel * 4,
         "steps": steps,
+        "rounds": rounds,
         "recorder_gbs": round(med["recorder"] / 1e9, 3),
         "journal_gbs": round(med["journal"] / 1e9, 3),
         "tofile_gbs": round(med["tofile"] / 1e9, 3),
         "recorder_vs_raw_pct": round(100 * med["recorder"] / med["tofile"], 1),
         "journal_vs_raw_pct": round(100 * med["journal"] / med["tofile"], 1),
+        "all_rounds_gbs": {k: [round(x / 1e9, 3) for x in v] for k, v in res.items()},
+        "ring": ring_stats,
     }
 
 
@@ -161,41 +243,63 @@ def machine() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--preset", default=None, help="tiny (CPU default) or small (GPU default)")
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--block-steps", type=int, default=20)
+    ap.add_argument("--large-batch", type=int, default=128, help="batch of the larger configuration (small preset, graphs)")
+    ap.add_argument("--cpu-blocks", type=int, default=10, help="blocks of the CPU tiny rows (noisy: more pairs)")
+    ap.add_argument("--no-cpu", action="store_true", help="on a CUDA machine, skip the CPU tiny rows")
     ap.add_argument("--mb", type=int, default=16, help="MB of logits per step for the writer test")
     ap.add_argument("--writer-steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
-    preset = args.preset or ("small" if args.device.startswith("cuda") else "tiny")
-    rows = []
-    graph_modes = [True, False] if args.device.startswith("cuda") else [True]
-    for cg in graph_modes:
-        for dur in ("step", "async"):
-            rows.append(overhead(args.device, preset, cg, args.blocks, args.block_steps, dur))
+    rows: list[dict] = []
+    configs: list[tuple[str, str, bool, int, dict]] = []
+    if args.device.startswith("cuda"):
+        configs += [
+            ("cuda", "small", True, 8, {"baselines": True}),
+            ("cuda", "small", False, 8, {"baselines": True}),
+            ("cuda", "small", True, args.large_batch, {"baselines": False, "label": f"small-b{args.large_batch}"}),
+            ("cuda", "small", True, 8, {"baselines": False, "ring": False}),
+        ]
+    if not args.device.startswith("cuda") or not args.no_cpu:
+        configs.append(("cpu", "tiny", True, 4, {"baselines": True, "blocks": args.cpu_blocks}))
+    for dev, preset, cg, batch, kw in configs:
+        blocks = kw.pop("blocks", args.blocks)
+        t0 = time.perf_counter()
+        rows += overhead(dev, preset, cg, blocks, args.block_steps, batch=batch, **kw)
+        print(f"# {dev} {preset} b{batch} graphs={cg} {kw}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     w = writer_throughput(args.device, args.mb, args.writer_steps, args.rounds)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "torch": torch.__version__,
-           "overhead": rows, "writer": w, "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+           "cpu_cores": os.cpu_count(), "overhead": rows, "writer": w,
+           "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=1))
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{out['date']} · {out['machine']} · torch {out['torch']} · `{out['command']}`\n")
-    print("| device | preset | graphs | durability | plain step | recorded step | overhead |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['device']} | {r['preset']} | {'on' if r['cudagraph'] else 'off'} | {r['durability']} | "
-              f"{r['plain_ms']:.3f} ms | {r['recorded_ms']:.3f} ms | {r['overhead_pct']:+.1f}% |")
-    print()
-    print("| writer path | GB/s | vs numpy.tofile |")
-    print("|---|---|---|")
-    print(f"| recorder, full logits every step ({w['bytes_per_step'] >> 20} MiB/step, {w['device']} tensors) | {w['recorder_gbs']} | {w['recorder_vs_raw_pct']}% |")
-    print(f"| journal writer alone (payload + frame) | {w['journal_gbs']} | {w['journal_vs_raw_pct']}% |")
-    print(f"| numpy.tofile, same bytes | {w['tofile_gbs']} | 100% |")
+    print(render(out))
     return 0
+
+
+def render(out: dict) -> str:
+    lines = [f"{out['date']} · {out['machine']} · torch {out['torch']} · `{out['command']}`", ""]
+    lines.append("| device | preset | graphs | recorder | plain step | recorded step | overhead | per step | spread (block pairs) |")
+    lines.append("|---|---|---|---|---:|---:|---:|---:|---|")
+    for r in out["overhead"]:
+        name = r["variant"] + (" (default settings)" if r["default"] else "")
+        lines.append(f"| {r['device']} | {r['preset']} | {'on' if r['cudagraph'] else 'off'} | {name} | {r['plain_ms']:.3f} ms | "
+                     f"{r['recorded_ms']:.3f} ms | {r['overhead_pct']:+.1f}% | {r['overhead_us']:+.0f} µs | "
+                     f"{r['spread_pct'][0]:+.1f}% .. {r['spread_pct'][1]:+.1f}% |")
+    w = out["writer"]
+    lines += ["", "| writer path | GB/s | vs numpy.tofile |", "|---|---|---|",
+              f"| recorder, full logits every step ({w['bytes_per_step'] >> 20} MiB/step, {w['device']} tensors) | {w['recorder_gbs']} | {w['recorder_vs_raw_pct']}% |",
+              f"| journal writer alone (payload + frame) | {w['journal_gbs']} | {w['journal_vs_raw_pct']}% |",
+              f"| numpy.tofile, same bytes | {w['tofile_gbs']} | 100% |"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

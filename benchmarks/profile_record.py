@@ -29,7 +29,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default=None)
     ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--durability", default="step", choices=["step", "async"])
+    ap.add_argument("--durability", default="step", choices=["step", "async"], help="without the ring only")
+    ap.add_argument("--no-ring", action="store_true", help="the writer-thread path (before issue 15)")
+    ap.add_argument("--lag", type=float, default=None, help="drain_lag_s (default: the config's)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
@@ -100,6 +102,15 @@ def main() -> int:
             inner.append(time.perf_counter() - t0)
 
     Engine.decode_step = timed_plain
+    from replay.record import session as session_mod
+    from replay.record.config import RecorderConfig
+
+    extra = {}
+    if args.no_ring:
+        extra["record_ring_bytes"] = 0
+    if args.lag is not None:
+        extra["drain_lag_s"] = args.lag
+    session_mod.RecorderConfig = lambda **kw: RecorderConfig(**kw, **extra)  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
         session = Session(Path(tmp), RecordSettings(durability=args.durability))
         session.install()
@@ -134,11 +145,13 @@ def main() -> int:
         main_prof = cProfile.Profile()
         run(recorded, args.steps, main_prof)
         err = session.recorder.error if session.recorder is not None else None
+        ring = session.recorder.ring_stats() if session.recorder is not None else None
         session.shutdown()
         session.disabled = True
     mp, mr = statistics.median(t_plain), statistics.median(t_rec)
     mi = statistics.median(inner_rec)
     print(f"{device} {preset} graphs={'on' if cfg['cudagraph'] else 'off'} durability={args.durability} steps={args.steps} recorder_error={err}")
+    print(f"ring {ring} extra={extra}")
     print(f"plain step        {mp * 1e3:8.3f} ms")
     print(f"recorded step     {mr * 1e3:8.3f} ms  ({100 * (mr - mp) / mp:+.1f}%)")
     print(f"  original step inside the wrapper {mi * 1e3:8.3f} ms (host time until it returned)")

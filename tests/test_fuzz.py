@@ -215,6 +215,7 @@ def record_rich(out: Path, *, ranks: int = 2, steps: int = 6, journal_copy: Path
             rec.end_step(error=ValueError("injected") if (r == 0 and s == steps - 1) else None)
             rec.note(f"note {s}")
         if journal_copy is not None:
+            assert rec.drain()  # issue 15: the records still in the ring, into the journal first
             part = journal_copy / "run-000"
             part.mkdir(parents=True, exist_ok=True)
             for ext in ("journal", "payload"):

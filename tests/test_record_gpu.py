@@ -123,3 +123,78 @@ def test_two_gpu_nccl_record_and_live_rerun(tmp_path):
         assert "error" not in r, r
         assert r["collectives"] == "live"
         assert r["modes"]["cudagraph"]["vs_recording"]["logits"]["verdict"] == "bitwise equal"
+
+
+_RING_CHILD = r'''
+import os, signal, sys, time
+import torch
+import replay.record.writer as w
+from replay import Recorder, RecorderConfig
+from replay.format.journal import FrameKind
+
+out, steps, stall = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+orig = w.Writer._write
+def write(self, job):
+    if job.kind == FrameKind.STEP and job.body.get("step", 0) >= stall:
+        time.sleep(3600)  # the drain stalls: later steps survive only through the ring
+    return orig(self, job)
+w.Writer._write = write
+torch.cuda.init()
+rec = Recorder(RecorderConfig(out=out, outputs="full", keyframe_every=4), state_fn=lambda: {"kv": kv})
+kv = torch.zeros(256, device="cuda")
+wt = torch.randn(512, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+x = torch.zeros(8, 512, device="cuda")
+g = torch.cuda.CUDAGraph()
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    y = x @ wt
+torch.cuda.current_stream().wait_stream(s)
+with torch.cuda.graph(g):
+    y = x @ wt
+for i in range(steps):
+    x.copy_(torch.randn(8, 512, generator=torch.Generator().manual_seed(i)).cuda())
+    rec.begin_step()
+    rec.record_inputs(x=x, ids=torch.arange(8, device="cuda") + i)
+    g.replay()
+    kv.add_(1)
+    rec.record_outputs(logits=y, tokens=y.argmax(-1))
+    rec.end_step()
+    tok = y.argmax(-1).cpu()  # the program reads its output: the step is done
+    print(i, rec.ring_stats()["cuda_registered"], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_sigkill_of_a_cuda_rank_keeps_every_completed_step_through_the_ring(tmp_path):
+    from replay.format import TensorKind, seal_part
+    from replay.format.journal import FrameKind, read_journal
+
+    out = tmp_path / "rec"
+    steps, stall = 30, 10
+    p = subprocess.run([sys.executable, "-c", _RING_CHILD, str(out), str(steps), str(stall)], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    assert p.returncode == -9, p.stderr[-3000:]
+    lines = [ln.split() for ln in p.stdout.splitlines() if ln.strip()]
+    assert len(lines) == steps and all(reg == "True" for _, reg in lines), "the ring was registered with CUDA"
+    part = out / "run-000"
+    drained = [f.body["step"] for f in read_journal(part / "rank-00000.journal").frames if f.kind == FrameKind.STEP]
+    assert len(drained) <= stall
+    sealed = seal_part(part)
+    assert len(sealed) == 1 and sealed[0].steps == steps
+    rf = open_recording(out)["run-000"][0]
+    wt = torch.randn(512, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    for i in range(steps):
+        x = torch.randn(8, 512, generator=torch.Generator().manual_seed(i))
+        view = rf.step(i)
+        assert torch.equal(view.inputs["x"], x), i
+        assert torch.equal(view.inputs["ids"], torch.arange(8) + i)
+        logits = view.tensors(TensorKind.OUTPUT)["logits"]
+        assert dict(view.fields())["output.logits"] == digest(logits)  # the device digest of the stored bytes
+        ref = (x.cuda() @ wt).cpu()
+        assert torch.allclose(logits, ref, rtol=1e-3, atol=1e-3)
+        top = logits.topk(2, dim=-1).values
+        assert float(view.margin) == float((top[..., 0] - top[..., 1]).min())
+        assert torch.equal(view.tensors(TensorKind.TOKENS)["tokens"], logits.argmax(-1))
+    kf_step, kf = rf.keyframe(steps - 1)
+    assert torch.equal(kf["kv"], torch.full((256,), float(kf_step)))

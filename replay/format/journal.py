@@ -94,6 +94,25 @@ class JournalWriter:
         except OSError:
             self.reserve_path = None  # the disk is nearly full already: record without a reserve
 
+    @classmethod
+    def append_to(cls, journal_path: Path, payload_path: Path, *, valid_bytes: int) -> "JournalWriter":
+        """Reopen a dead writer's journal to append to it (ring salvage): a frame cut short at
+        its end is dropped first, or it would hide every frame written after it."""
+        self = cls.__new__(cls)
+        self.journal_path, self.payload_path, self.max_bytes = journal_path, payload_path, None
+        flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        self._jfd = os.open(journal_path, flags)
+        try:
+            self._pfd = os.open(payload_path, flags) if payload_path.exists() else _perms.open_new(payload_path, flags)
+        except BaseException:
+            os.close(self._jfd)
+            raise
+        os.ftruncate(self._jfd, valid_bytes)
+        self.journal_size = valid_bytes
+        self.payload_size = os.fstat(self._pfd).st_size
+        self.reserve_path = None
+        return self
+
     def release_reserve(self) -> None:
         """Free the reserve: on a full disk, the room for the end marker that says so."""
         path, self.reserve_path = self.reserve_path, None

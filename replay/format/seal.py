@@ -17,6 +17,7 @@ from pathlib import Path
 from replay.format import perms
 from replay.format.h5 import write_rank_file
 from replay.format.journal import reserve_path, scan_journal
+from replay.format.ring_salvage import salvage_ring  # issue 15
 from replay.format.schema import parse_rank_stem
 from replay.format.tables import TablesBuilder
 
@@ -111,6 +112,7 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False, sign_after: flo
 def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int, *, sign: bool = False) -> SealResult:
     # The reserve of a writer that is gone (killed, or closing): its room helps the seal fit.
     reserve_path(journal).unlink(missing_ok=True)
+    salvage_ring(journal, payload)  # issue 15: a killed rank's record ring, into its journal
     builder = TablesBuilder()
     scan = scan_journal(journal, builder.add)
     payload_size = payload.stat().st_size if payload.exists() else 0

@@ -26,8 +26,32 @@ class RecorderConfig:
     """Number of ranks in the run."""
 
     durability: Literal["step", "async"] = "step"
-    """``step``: ``end_step`` returns once the step is in the journal, so a SIGKILL right after
-    cannot lose it. ``async``: return at once; a kill may lose the steps still queued."""
+    """Used only without a record ring (``record_ring_bytes=0``, no ``/dev/shm``, or a CUDA that
+    cannot register it). ``step``: ``end_step`` returns once the step is in the journal, so a
+    SIGKILL right after cannot lose it. ``async``: return at once; a kill may lose the steps still
+    queued. With the ring (the default) both mean the same: a step is durable once its record is
+    in the ring: for host data when ``end_step`` returns, for device data once the GPU has run
+    the step's copies (before anything the program queues after the step, so before it can read
+    the step's outputs back). Figures: ``benchmarks/RESULTS.md``."""
+
+    record_ring_bytes: int = 64 << 20
+    """Size of this rank's record ring, a file in ``record_ring_dir`` mapped shared and
+    registered with CUDA: the step path writes its record there and returns; a drain thread moves
+    it to the journal; a killed rank's ring is salvaged by ``replay seal``. 0: no ring."""
+
+    record_ring_dir: str = "/dev/shm"
+    """Where the ring file lives: a tmpfs, so that the ring outlives the process, not the host."""
+
+    drain_lag_s: float = 0.05
+    """With the ring: a step's record is moved to the journal when the next step is handed over
+    (when the program usually waits on the device) or after this many seconds, whichever comes
+    first; 0 writes each step at once, competing with the program for the interpreter just as
+    the step ends. Durability does not depend on it: the record is in the ring already."""
+
+    ring_full: Literal["block", "drop"] = "block"
+    """When the ring has no room (the drain is behind the program): ``block`` waits at the step
+    (up to ``sync_timeout_s``), ``drop`` records the step as a gap (a note naming it) and goes
+    on. The waits, their time and the dropped steps are in the end marker and the notes."""
 
     keyframe_every: int = 0
     """Snapshot the target's state every K steps (0: only before the first step)."""
@@ -88,6 +112,10 @@ class RecorderConfig:
                 raise ValueError(f"{name} must be one of {', '.join(_MODES)}")
         if self.collectives not in ("digest", "auto", "full"):
             raise ValueError("collectives must be one of digest, auto, full")
+        if self.ring_full not in ("block", "drop"):
+            raise ValueError(f"ring_full must be 'block' or 'drop', not {self.ring_full!r}")
+        if self.record_ring_bytes < 0:
+            raise ValueError("record_ring_bytes must be >= 0")
         if self.keyframe_every < 0 or self.ring < 0 or self.queue_depth < 1:
             raise ValueError("keyframe_every and ring must be >= 0, queue_depth >= 1")
         if not self.part or "/" in self.part or self.part.startswith("."):

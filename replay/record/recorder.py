@@ -5,10 +5,15 @@ Contract with the program it records:
 - it never changes what the program computes: it only reads tensors (digest kernels, copies);
 - it never raises into the program and never hangs it: any failure logs one warning, switches
   recording off, and the program goes on;
-- the step path only enqueues: tensors are cloned (CPU) or copied asynchronously into pinned
-  buffers (CUDA), and the writer thread does the file work;
-- with ``durability="step"`` (the default) a step is in the journal when ``end_step`` returns, so
-  a SIGKILL at any later moment cannot lose it.
+- the step path only enqueues: a step's record goes into this rank's record ring
+  (``replay.record.ring``), a shared mapping in ``/dev/shm`` registered with CUDA: the host writes
+  its facts and CPU tensors there, the device's copies land there, a commit word is written last;
+  a drain thread (``replay.record.writer``) moves whole records to the journal at its own pace;
+- a step is durable once its record is in the ring (host data: when ``end_step`` returns; device
+  data: once the GPU has run the step's copies, queued before anything the program queues next):
+  the ring outlives a SIGKILL, and ``replay seal`` salvages it (``replay.format.ring_salvage``);
+- without a ring (none configured, no ``/dev/shm``, CUDA cannot register it) the record goes to
+  the writer thread through pinned buffers, and ``durability="step"`` waits for the write.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import errno
 import fcntl
 import functools
 import os
@@ -33,17 +39,19 @@ from replay.format.journal import FrameKind, JournalWriter
 from replay.format.manifest import host_facts, numerics_env, numerics_flags, versions, write_manifest
 from replay.format.schema import FORMAT_VERSION, TensorKind, dtype_to_str, rank_stem
 from replay.format import perms as _perms  # issue 16
+from replay.format.ring_salvage import assemble_collectives as _assemble_collectives
 from replay.format.seal import seal_rank
-from replay.format.tables import combine_digests
 from replay.log import get_logger
 from replay.record import rng as _rng
 from replay.record.config import RecorderConfig
-from replay.record.staging import Staging
-from replay.record.writer import Entry, Job, Writer, entry_tensor, host_entry
+from replay.record.ring import ShmRing, ring_pointer
+from replay.record.staging import RingJob, Staging
+from replay.record.writer import Entry, Job, Writer, entry_tensor
 
 __all__ = ["Recorder"]
 
 log = get_logger("replay.record")
+_SMALL_RING = 8 << 20  # the ring's size when /dev/shm has no room for the configured one
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -76,11 +84,13 @@ class _Step:
     replays: list[int] = field(default_factory=list)
     run: dict[str, Any] | None = None
     margin_dev: torch.Tensor | None = None
-    margin_src: torch.Tensor | None = None
+    margin_src: Any = None  # a host tensor, or (uint8 numpy view, dtype, shape) in the ring
     logits_key: tuple | None = None
     accepted: int | None = None
     accepted_entry: Entry | None = None
     args: dict[str, Any] = field(default_factory=dict)
+    rjob: RingJob | None = None  # the step's allocations in the record ring
+    fin: dict[str, Any] = field(default_factory=dict)  # what salvage computes from the bytes
 
 
 def _capturing() -> bool:
@@ -105,6 +115,12 @@ class Recorder:
         self._ring: collections.deque[tuple[int, Entry]] = collections.deque(maxlen=max(config.ring, 1))
         self._staging = Staging()
         self._pool = self._staging.pool
+        self._rr: ShmRing | None = None  # the record ring (``_ring`` is the logits ring)
+        self._seq = 0  # sequence number of the next job (journal order)
+        self._deferred: list[Job] = []  # host-only jobs that came during a step: after its record
+        self._dropped: list[int] = []  # steps not recorded: the ring was full (policy "drop")
+        self._gaps: list[Job] = []  # their notes, when not even a note had room
+        self._ring_final: dict[str, Any] | None = None
         self._writer: Writer | None = None
         self._lock_fd: int | None = None
         self.part_dir = config.out / config.part
@@ -147,13 +163,52 @@ class Recorder:
             **host_facts(),
         }
         journal.write_frame(FrameKind.HEADER, header)
-        self._writer = Writer(journal, depth=cfg.queue_depth, pool=self._pool, on_error=self._fail)
+        notes = self._open_ring(journal.journal_path)
+        self._writer = Writer(journal, depth=cfg.queue_depth, pool=self._pool, on_error=self._fail, ring=self._rr,
+                              lag_s=cfg.drain_lag_s)
+        for n in notes:
+            self.note(n)
         if cfg.rank == 0:
             write_manifest(
                 cfg.out,
                 {"created_at": time.time(), "host": socket.gethostname(), "world_size": cfg.world_size},
                 replace=False,
             )
+
+    def _open_ring(self, journal_path: Any) -> list[str]:
+        """Create this rank's record ring and the pointer beside the journal; [] or why not."""
+        cfg = self.config
+        if not cfg.record_ring_bytes:
+            return []
+        notes = []
+        try:
+            try:
+                ring = ShmRing(cfg.record_ring_dir, cfg.record_ring_bytes, rank=cfg.rank)
+            except OSError as e:
+                if e.errno != errno.ENOSPC or cfg.record_ring_bytes <= _SMALL_RING:
+                    raise
+                # A small /dev/shm (a container's 64 MB): a smaller ring still keeps steps durable.
+                ring = ShmRing(cfg.record_ring_dir, _SMALL_RING, rank=cfg.rank)
+                notes.append(f"no room for a {cfg.record_ring_bytes >> 20} MiB record ring in {cfg.record_ring_dir}: using {_SMALL_RING >> 20} MiB")
+        except Exception as e:  # noqa: BLE001 - no /dev/shm, or no room in it
+            return [f"no record ring in {cfg.record_ring_dir} ({e.__class__.__name__}: {e}): steps go to the writer thread"]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            why = ring.register_cuda()
+            if why is not None:
+                ring.close(unlink=True)
+                return [f"the record ring could not be registered with CUDA ({why}): steps go to the writer thread"]
+        pointer = ring_pointer(journal_path)
+        tmp = pointer.with_name(pointer.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        _perms.write_new(tmp, (str(ring.path) + "\n").encode())
+        os.replace(tmp, pointer)
+        self._rr = ring
+        # A recorder that is dropped or exits without closing: its ring leaves /dev/shm with it
+        # when the drain had moved everything to the journal (else it stays for `replay seal`).
+        self._ring_finalizer = weakref.finalize(self, _drop_drained_ring, ring, pointer)
+        self._staging = Staging(ring, block=cfg.ring_full == "block", timeout=cfg.sync_timeout_s)
+        self._staging.pool = self._pool
+        return notes
 
     @property
     def enabled(self) -> bool:
@@ -182,6 +237,47 @@ class Recorder:
             # Never wait here: the writer itself may be what failed or hung.
             threading.Thread(target=w.stop, args=(1.0,), daemon=True).start()
 
+    def _post(self, job: Job, *, wait: bool = False) -> None:
+        """A job without tensors (graph, note, tuner, target, end marker)."""
+        if self._rr is None:
+            self._submit(job, wait=wait)
+        elif self._cur is not None and not wait:
+            self._deferred.append(job)  # the step's allocations are open: after its record
+        else:
+            self._submit_ring(job, self._staging.open_job(), wait=wait)
+
+    def _submit_ring(self, job: Job, rjob: RingJob | None, *, wait: bool = False) -> None:
+        """Seal a job's record into the ring (header, meta, commit) and hand it to the drain."""
+        if rjob is None:
+            self._submit(job, wait=True)
+            return
+        if rjob.header_at < 0:
+            if job.kind == FrameKind.NOTE and rjob.dropped:
+                self._gaps.append(job)  # no room even for its note: written with the next job
+                return
+            rjob = self._staging.open_job_blocking()
+        seq = self._seq
+        meta = _job_meta(job, rjob)
+        if not self._staging.seal_job(job, rjob, seq, int(job.kind), meta):
+            # Policy "drop" and no room for the meta: the job becomes a note in its own reserve.
+            self._dropped.append(int(job.body.get("step", -1)))
+            job = Job(kind=FrameKind.NOTE, body={"step": job.body.get("step", -1), "message": f"a {job.kind.name.lower()} record was not kept: the record ring was full"})
+            job.cuda_work = rjob.cuda is not None
+            self._staging.seal_job(job, rjob, seq, int(job.kind), _job_meta(job, rjob))
+        self._seq += 1
+        self._submit(job, wait=wait or rjob.external)
+        while self._gaps:
+            gap_job = self._staging.open_job()
+            if gap_job is None or gap_job.header_at < 0:
+                break
+            gap = self._gaps.pop(0)
+            self._staging.seal_job(gap, gap_job, self._seq, int(gap.kind), _job_meta(gap, gap_job))
+            self._seq += 1
+            self._submit(gap, wait=False)
+        for n in self._staging.notes:
+            self._staging.notes = []
+            self.note(n)
+
     def _submit(self, job: Job, *, wait: bool) -> None:
         assert self._writer is not None
         if wait:
@@ -199,11 +295,22 @@ class Recorder:
         """Capture ``t`` now (its value may change after this call returns)."""
         return self._entries(st, [(name, kind, t, store)])[0]
 
-    def _entries(self, st: _Step | None, items: list[tuple[str, TensorKind, torch.Tensor, bool]]) -> list[Entry]:
-        return self._staging.entries(st.device if st is not None else None, items)
+    def _entries(self, st: _Step | None, items: list[tuple[str, TensorKind, torch.Tensor, bool]],
+                 rjob: RingJob | None = None) -> list[Entry]:
+        if st is not None:
+            return self._staging.entries(st.rjob, st.device, items)
+        return self._staging.entries(rjob, None, items)
 
-    def _stage_device(self, st: _Step | None, job: Job) -> None:
-        self._staging.stage(job, st.device if st is not None else None, st.margin_dev if st is not None else None)
+    def _stage_device(self, st: _Step | None, job: Job, rjob: RingJob | None = None) -> None:
+        if st is not None:
+            self._staging.stage(job, st.device, st.margin_dev, st.rjob)
+        else:
+            self._staging.stage(job, None, None, rjob)
+
+    def _side_job(self) -> RingJob | None:
+        """Ring allocations for a job with tensors outside a step (keyframe, collective, logits
+        ring); None while a step's allocations are open: such a job goes to the writer."""
+        return self._staging.open_job() if self._rr is not None and self._cur is None else None
 
     def _pinned_copy(self, job: Job, t: torch.Tensor) -> torch.Tensor:
         return self._staging.pinned_copy(job, t)
@@ -223,9 +330,10 @@ class Recorder:
             due = self._keyframe_due(st.index)
             if self.state_fn is not None and due:
                 self._keyframe(st.index, self.state_fn())
+            st.rjob = self._staging.open_job()
             if self.config.rng:
                 rng = _rng.capture_rng(host=due)
-                st.groups["rng"] = [host_entry(k, TensorKind.RNG, v, store=True) for k, v in rng.items()]
+                st.groups["rng"] = self._staging.entries(st.rjob, None, [(k, TensorKind.RNG, v, True) for k, v in rng.items()])
             self._cur = st
             return st.index
 
@@ -252,10 +360,12 @@ class Recorder:
         for (name, t), e in zip(named, self._entries(st, items)):
             st.groups.setdefault("tokens" if e.kind == TensorKind.TOKENS else "outputs", []).append(e)
             if e.kind == TensorKind.OUTPUT and name == cfg.logits and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
-                self._logits(st, t, e.host)
+                self._logits(st, t, e)
             if name == cfg.accepted:
                 if t.device.type == "cuda":
                     st.accepted_entry = e
+                    if e.ring_at >= 0:
+                        st.fin["acc"] = [e.ring_at, e.dtype, list(e.shape), t.numel() * t.element_size()]
                 else:
                     st.accepted = int(t.detach().sum())
 
@@ -276,7 +386,7 @@ class Recorder:
         if st is not None and isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
             self._logits(st, t, None)
 
-    def _logits(self, st: _Step, t: torch.Tensor, host_copy: torch.Tensor | None) -> None:
+    def _logits(self, st: _Step, t: torch.Tensor, entry: Entry | None) -> None:
         t = local_tensor(t)  # topk of a sharded DTensor would be a collective
         key = (t.data_ptr(), tuple(t.shape), t.dtype)
         if st.logits_key == key:
@@ -286,9 +396,14 @@ class Recorder:
             top = t.detach().float().topk(2, dim=-1).values
             st.margin_dev = (top[..., 0] - top[..., 1]).min()
         else:
-            if host_copy is None:
-                host_copy = t.detach().clone()
-            st.margin_src = host_copy
+            if entry is None or entry.packed is not None:
+                entry = self._staging.entries(st.rjob, None, [("margin", TensorKind.OUTPUT, t, False)])[0]
+            # The margin is computed by the drain, from the copy the entry made.
+            st.margin_src = entry.host if entry.host is not None else (entry.npv, t.dtype, tuple(t.shape))
+            if entry.ring_at >= 0:
+                st.fin["margin"] = [entry.ring_at, entry.dtype, list(entry.shape)]
+            # The ring's bytes are reused once drained: the logits ring keeps its own copy.
+            host_copy = entry.host if self._rr is None and entry.host is not None else t.detach().clone()
         if self.config.ring:
             dtype, shape = dtype_to_str(t.dtype), tuple(t.shape)
             if t.device.type == "cuda":
@@ -352,6 +467,9 @@ class Recorder:
         job = Job(kind=FrameKind.STEP, body=body, groups=dict(st.groups))
         coll_meta = self._stage_collectives(st, job)
         accepted_entry = st.accepted_entry
+        if st.rjob is not None and st.rjob.dropped:
+            self._drop(st, job)
+            return
         self._stage_device(st, job)
         margin_src = st.margin_src
 
@@ -359,14 +477,37 @@ class Recorder:
             if coll_meta:
                 j.body["collectives"] = _assemble_collectives(j.body, coll_meta)
             if margin_src is not None:
-                top = margin_src.float().topk(2, dim=-1).values
+                m = margin_src
+                if isinstance(m, tuple):
+                    m = torch.from_numpy(m[0]).view(m[1]).view(m[2])
+                top = m.float().topk(2, dim=-1).values
                 j.body["margin"] = float((top[..., 0] - top[..., 1]).min())
             accepted = entry_tensor(accepted_entry) if accepted_entry is not None else None
             if accepted is not None:
                 j.body["accepted"] = int(accepted.to(torch.int64).sum())
 
         job.finish = finish
-        self._submit(job, wait=self.config.durability == "step")
+        if coll_meta:
+            st.fin["coll"] = coll_meta
+        if st.rjob is not None:
+            job.fin = st.fin
+            self._submit_ring(job, st.rjob)
+            deferred, self._deferred = self._deferred, []
+            for d in deferred:
+                self._submit_ring(d, self._staging.open_job())
+        else:
+            self._submit(job, wait=self.config.durability == "step")
+
+    def _drop(self, st: _Step, job: Job) -> None:
+        """The ring was full (policy "drop"): the step becomes a note that names it."""
+        self._dropped.append(st.index)
+        note = Job(kind=FrameKind.NOTE, body={"step": st.index, "message": f"step {st.index} not recorded: the record ring was full"})
+        # Copies of the step already queued land in its room: the drain must wait for them.
+        note.cuda_work = st.rjob is not None and st.rjob.cuda is not None
+        self._submit_ring(note, st.rjob)
+        deferred, self._deferred = self._deferred, []
+        for d in deferred:
+            self._submit_ring(d, self._staging.open_job())
 
     def _stage_collectives(self, st: _Step, job: Job) -> list[dict[str, Any]]:
         meta = []
@@ -409,17 +550,26 @@ class Recorder:
             if interval != every and self._keyframe_at is None:
                 self.note(f"state is {size / 1e6:.1f} MB: keyframes every {interval} steps instead of {every}")
             self._keyframe_at = step + interval
-        entries = self._entries(None, [(k, TensorKind.STATE, v, True) for k, v in tensors.items() if isinstance(v, torch.Tensor)])
+        rjob = self._side_job()
+        entries = self._entries(None, [(k, TensorKind.STATE, v, True) for k, v in tensors.items() if isinstance(v, torch.Tensor)], rjob)
         job = Job(kind=FrameKind.KEYFRAME, body={"step": step}, groups={"tensors": entries})
-        self._stage_device(None, job)
-        self._submit(job, wait=False)
+        self._stage_device(None, job, rjob)
+        self._send(job, rjob)
+
+    def _send(self, job: Job, rjob: RingJob | None) -> None:
+        """Hand a job with tensors to the drain: through the ring, else the writer's queue (with
+        a ring, such a job waits for its write: it is not in the ring for salvage to find)."""
+        if rjob is not None:
+            self._submit_ring(job, rjob)
+        else:
+            self._submit(job, wait=self._rr is not None)
 
     @_failsafe()
     def set_target(self, info: Mapping[str, Any], state_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> None:
         """Say what is being recorded (factory, config, step callable): what a re-run rebuilds."""
         if state_fn is not None:
             self.state_fn = state_fn
-        self._submit(Job(kind=FrameKind.TARGET, body=dict(info)), wait=False)
+        self._post(Job(kind=FrameKind.TARGET, body=dict(info)))
 
     @_failsafe()
     def record_args(self, **args: Any) -> None:
@@ -450,7 +600,7 @@ class Recorder:
             "source": source,
             "kernels": list(kernels),
         }
-        self._submit(Job(kind=FrameKind.GRAPH, body=body), wait=False)
+        self._post(Job(kind=FrameKind.GRAPH, body=body))
         return gid
 
     @_failsafe()
@@ -458,7 +608,7 @@ class Recorder:
         if self._cur is not None:
             self._cur.replays.append(int(graph_id))
         else:
-            self._submit(Job(kind=FrameKind.REPLAY, body={"step": self.step_index - 1, "graph": int(graph_id)}), wait=False)
+            self._post(Job(kind=FrameKind.REPLAY, body={"step": self.step_index - 1, "graph": int(graph_id)}))
 
     @_failsafe()
     def record_collective(
@@ -483,10 +633,12 @@ class Recorder:
         def keep(t: torch.Tensor) -> bool:
             return mode == "full" or (mode == "auto" and t.numel() * t.element_size() <= limit)
 
+        rjob = self._side_job() if st is None else None
         entries = self._entries(
             st,
             [(f"in{i}", TensorKind.COLLECTIVE, t, False) for i, t in enumerate(inputs)]
             + [(f"{op}.out{i}", TensorKind.COLLECTIVE, t, keep(t)) for i, t in enumerate(outputs)],
+            rjob,
         )
         ins, outs = entries[: len(inputs)], entries[len(inputs) :]
         meta = {
@@ -510,17 +662,25 @@ class Recorder:
             j.body.update(_assemble_collectives(j.body, coll)[0])
 
         job.finish = finish
-        self._stage_device(None, job)
-        self._submit(job, wait=False)
+        job.fin = {"coll": coll, "single": True}
+        self._stage_device(None, job, rjob)
+        self._send(job, rjob)
 
     @_failsafe()
     def record_tuner(self, choices: Mapping[str, str]) -> None:
         body = {"step": self.step_index, "choices": {str(k): str(v) for k, v in choices.items()}}
-        self._submit(Job(kind=FrameKind.TUNER, body=body), wait=False)
+        self._post(Job(kind=FrameKind.TUNER, body=body))
 
     @_failsafe()
     def note(self, message: str) -> None:
-        self._submit(Job(kind=FrameKind.NOTE, body={"step": self.step_index, "message": message}), wait=False)
+        self._post(Job(kind=FrameKind.NOTE, body={"step": self.step_index, "message": message}))
+
+    @_failsafe(default=False)
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every record handed over so far is in the journal (not needed for
+        durability: the record ring already holds them; for copying a live journal, say)."""
+        w = self._writer
+        return w is not None and w.barrier(self.config.sync_timeout_s if timeout is None else timeout)
 
     @_failsafe()
     def flush_ring(self, reason: str = "") -> int:
@@ -530,13 +690,15 @@ class Recorder:
         items = list(self._ring)
         self._ring.clear()
         for step, e in items:
+            rjob = self._side_job()
             if e.device_copy is not None:
-                e.host, e.release = self._pool.get(e.device_copy.dtype, tuple(e.device_copy.shape))
-                e.host.copy_(e.device_copy, non_blocking=True)
-                e.device_copy = None
+                t, e.device_copy = e.device_copy, None
+                self._staging.copy_out(rjob, e, t, t.numel() * t.element_size())
+            elif rjob is not None and e.host is not None:
+                e = self._staging.entries(rjob, None, [(e.name, e.kind, e.host, True)])[0]
             job = Job(kind=FrameKind.LOGITS, body={"step": step, "reason": reason}, groups={"tensors": [e]})
-            self._stage_device(None, job)
-            self._submit(job, wait=False)
+            self._stage_device(None, job, rjob)
+            self._send(job, rjob)
         return len(items)
 
     def close(self, status: str = "ok") -> None:
@@ -550,7 +712,13 @@ class Recorder:
                 if self._cur is not None:
                     self.end_step(error="the program ended inside this step")
                 self.flush_ring("exit")
-                self._submit(Job(kind=FrameKind.CLOSE, body={"ended_at": time.time(), "status": status, "steps": self._step_counter}), wait=True)
+                body: dict[str, Any] = {"ended_at": time.time(), "status": status, "steps": self._step_counter}
+                if self._rr is not None:
+                    body["ring"] = self.ring_stats()
+                    if self._rr.full_waits or self._dropped:
+                        self.note(f"record ring: {self._rr.full_waits} waits for room ({self._rr.full_wait_s:.3f} s), "
+                                  f"{len(self._dropped)} steps dropped")
+                self._post(Job(kind=FrameKind.CLOSE, body=body), wait=True)
             except Exception as e:  # noqa: BLE001
                 self._fail(e)
         w = self._writer
@@ -558,6 +726,7 @@ class Recorder:
             self._mark_stopped(w)
         elif w is not None and w.stop(timeout=self.config.sync_timeout_s):
             w.journal.close()
+            self._close_ring(w)  # drained: the journal holds everything
             try:
                 # Still holding this rank's lock: `replay record`, sealing what its command left
                 # behind, must not seal the same journal at the same time.
@@ -566,7 +735,31 @@ class Recorder:
                 log.warning("could not seal rank %d (%s); its journal is kept and readable", self.config.rank, e)
         if w is not None and not w._thread.is_alive():
             w.journal.close()
+        self._close_ring(w)
         self._release_lock()
+
+    def ring_stats(self) -> dict[str, Any]:
+        """The record ring's size, its full-ring policy, the waits for room and the dropped steps."""
+        r = self._rr
+        if r is None:
+            return self._ring_final or {"enabled": False}
+        return {"enabled": True, "bytes": r.capacity, "policy": self.config.ring_full, "full_waits": r.full_waits,
+                "full_wait_s": round(r.full_wait_s, 6), "dropped_steps": len(self._dropped), "dropped": self._dropped[:100],
+                "cuda_registered": r.registered}
+
+    def _close_ring(self, w: Writer | None) -> None:
+        """Remove the ring once the drain has stopped (what it held is in the journal, or the
+        journal ends with why recording stopped); a stuck drain leaves it for ``replay seal``."""
+        if self._rr is None:
+            return
+        self._ring_final = self.ring_stats()  # what the ring did, still readable after close
+        ring, self._rr = self._rr, None
+        self._ring_finalizer.detach()
+        if w is not None and w._thread.is_alive():
+            return
+        if w is not None:
+            ring_pointer(w.journal.journal_path).unlink(missing_ok=True)
+        ring.close(unlink=True)
 
     def _mark_stopped(self, w: Writer) -> None:
         """End the journal with why recording stopped, so that readers do not take it for a crash."""
@@ -588,17 +781,41 @@ class Recorder:
             self._lock_fd = None
 
 
-def _assemble_collectives(body: dict[str, Any], meta: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for i, c in enumerate(meta):
-        ins = body.pop(f"_cin{i}", [])
-        outs = body.pop(f"_cout{i}", [])
-        d = dict(c)
-        d["in"] = f"{combine_digests(int(r['dig'], 16) for r in ins):016x}"
-        d["out"] = f"{combine_digests(int(r['dig'], 16) for r in outs):016x}"
-        stored = [r for r in outs if "off" in r]
-        d["out_ref"] = stored[0] if len(stored) == 1 else None
-        if len(stored) > 1:
-            d["out_refs"] = stored
-        out.append(d)
-    return out
+def _drop_drained_ring(ring: ShmRing, pointer: Any) -> None:
+    if ring.tail != ring.head:
+        return
+    try:
+        ring.path.unlink(missing_ok=True)
+        pointer.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _job_meta(job: Job, rjob: RingJob) -> dict[str, Any]:
+    """What salvage needs to turn a job's ring record into its frame, as the drain would."""
+    groups = {}
+    external = rjob.external
+    for name, entries in job.groups.items():
+        rows = []
+        for e in entries:
+            if e.packed is not None:
+                n = e.packed[2]
+            elif e.npv is not None:
+                n = e.npv.nbytes
+            elif e.host is not None:
+                n = e.host.numel() * e.host.element_size()
+            else:
+                n = 0
+            if e.ring_at < 0 and e.digest is None and (e.digest_slot < 0 or e.store):
+                external = True
+            dig = f"{e.digest:016x}" if e.digest is not None else None
+            rows.append([e.name, int(e.kind), e.dtype, list(e.shape), bool(e.store), e.ring_at, n, dig, e.digest_slot])
+        groups[name] = rows
+    meta: dict[str, Any] = {"b": job.body, "g": groups, "f": job.fin}
+    if job.digests_at >= 0 and job.digests_host is not None:
+        meta["d"] = [job.digests_at, int(job.digests_host.numel())]
+    if job.margin_at >= 0:
+        meta["m"] = job.margin_at
+    if external:
+        meta["x"] = 1
+    return meta

@@ -9,8 +9,10 @@ program.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +25,9 @@ from replay.format.journal import FrameKind, JournalWriter
 from replay.format.schema import TensorKind, dtype_to_str
 
 __all__ = ["Entry", "Job", "Writer", "PinnedPool", "entry_tensor"]
+
+# How often the ring's drain looks for new jobs when it has none it may write.
+POLL_S = 0.002
 
 
 @dataclass(slots=True)
@@ -40,6 +45,8 @@ class Entry:
     release: Any = None  # pinned buffer to hand back to the pool once written
     packed: Any = None  # (pinned uint8 buffer, offset, nbytes): bytes packed with other small tensors
     device_copy: Any = None  # a device copy (the logits ring), moved to the host only when written
+    ring_at: int = -1  # where the bytes lie in the record ring's data area (-1: not in the ring)
+    npv: Any = None  # a uint8 numpy view of the bytes in the ring (CPU tensors)
 
 
 @dataclass(slots=True)
@@ -54,6 +61,15 @@ class Job:
     finish: Callable[["Job"], None] | None = None  # last touches on the body, after digests are known
     ack: threading.Event | None = None
     releases: list[torch.Tensor] = field(default_factory=list)  # pinned buffers to hand back when done
+    # The record ring (``replay.record.ring``): where the job's record ends, its sequence number,
+    # where its device digests and margin landed, whether it has device work.
+    ring_end: int = -1
+    seq: int = -1
+    digests_at: int = -1
+    margin_at: int = -1
+    cuda_work: bool = False
+    fin: dict[str, Any] = field(default_factory=dict)  # for salvage: margin, accepted, collectives
+    t_hand: float | None = None  # when the drain first saw it (the lag of ring steps)
 
 
 class PinnedPool:
@@ -89,10 +105,18 @@ class PinnedPool:
 class Writer:
     """Owns the journal; runs jobs from a bounded queue on a daemon thread."""
 
-    def __init__(self, journal: JournalWriter, *, depth: int, pool: PinnedPool, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(self, journal: JournalWriter, *, depth: int, pool: PinnedPool, on_error: Callable[[BaseException], None],
+                 ring: Any = None, lag_s: float = 0.0) -> None:
         self.journal = journal
         self.pool = pool
+        # With a record ring the ring bounds what is in flight (its policy: block or drop), so
+        # the queue does not: putting a job never waits.
+        self.ring = ring
+        # How long a ring step may wait for the next one before it is written anyway (0: never).
+        self.lag_s = lag_s if ring is not None else 0.0
         self._q: queue.Queue[Job | None] = queue.Queue(maxsize=depth)
+        self._dq: collections.deque[Job | None] = collections.deque()
+        self._wake = threading.Event()
         self._on_error = on_error
         self._failed = False
         # Payload dedupe: the last stored tensor per (kind, name), reused when its bytes repeat
@@ -104,14 +128,40 @@ class Writer:
     def submit(self, job: Job, timeout: float) -> bool:
         if self._failed:
             return False
+        if self.ring is not None:
+            # No wake-up per step: a notify hands the interpreter to this thread just as the
+            # program goes on with its next step. The drain polls; a job someone waits for
+            # (the end marker, a job outside the ring) wakes it.
+            self._dq.append(job)
+            if job.ack is not None or job.ring_end < 0:
+                self._wake.set()
+            return True
         try:
             self._q.put(job, timeout=timeout)
             return True
         except queue.Full:
             return False
 
+    def barrier(self, timeout: float) -> bool:
+        """Wait until every job handed over so far is written; False on timeout."""
+        ev = threading.Event()
+        if self.ring is not None:
+            self._dq.append(ev)  # type: ignore[arg-type]
+            self._wake.set()
+        else:
+            try:
+                self._q.put(ev, timeout=timeout)  # type: ignore[arg-type]
+            except queue.Full:
+                return False
+        return ev.wait(timeout)
+
     def stop(self, timeout: float) -> bool:
         """Finish queued jobs and stop; False if the thread did not end in time."""
+        if self.ring is not None:
+            self._dq.append(None)
+            self._wake.set()
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
         try:
             self._q.put(None, timeout=timeout)
         except queue.Full:
@@ -124,20 +174,62 @@ class Writer:
         return self._failed
 
     def _run(self) -> None:
+        if self.ring is not None:
+            self._run_ring()
+            return
         while True:
             job = self._q.get()
             if job is None:
                 return
-            if self._failed:
-                self._done(job)
+            if isinstance(job, threading.Event):
+                job.set()
                 continue
-            try:
-                self._write(job)
-            except BaseException as e:  # noqa: BLE001 - nothing may escape into the program
-                self._failed = True
-                self._on_error(e)
-            finally:
-                self._done(job)
+            self._one(job)
+
+    def _run_ring(self) -> None:
+        """Drain the ring's jobs in order. A step is written once the next job has been handed
+        over (the program is then usually waiting on the device) or ``lag_s`` after it came."""
+        dq = self._dq
+        while True:
+            if not dq:
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+                continue
+            job = dq[0]
+            if job is None:
+                dq.popleft()
+                return
+            if isinstance(job, threading.Event):  # a barrier: everything before it is written
+                dq.popleft()
+                job.set()
+                continue
+            if len(dq) == 1 and self.lag_s and job.kind == FrameKind.STEP and job.ack is None:
+                if job.t_hand is None:
+                    job.t_hand = time.monotonic()
+                elif time.monotonic() - job.t_hand >= self.lag_s:
+                    dq.popleft()
+                    self._one(job)
+                    continue
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+                continue
+            dq.popleft()
+            self._one(job)
+
+    def _one(self, job: Job) -> None:
+        if self._failed:
+            self._done(job)
+            return
+        try:
+            self._write(job)
+            if job.ring_end >= 0:
+                # The job is in the journal: its room in the ring can be reused.
+                self.ring.release(job.ring_end, job.seq + 1)
+        except BaseException as e:  # noqa: BLE001 - nothing may escape into the program
+            self._failed = True
+            self._on_error(e)
+        finally:
+            self._done(job)
 
     def _done(self, job: Job) -> None:
         for buf in job.releases:
@@ -170,6 +262,8 @@ class Writer:
                     if whole is None:
                         whole = views[id(buf)] = buf.numpy()
                     arr = whole[off : off + n]
+                elif e.npv is not None:
+                    arr = e.npv
                 elif e.host is not None:
                     arr = _as_bytes(e.host)
                 items.append((e, arr, {"name": e.name, "dtype": e.dtype, "shape": list(e.shape)}))
@@ -223,6 +317,8 @@ class Writer:
             job.body["margin"] = float(job.margin_host.item())
         if job.finish is not None:
             job.finish(job)
+        if job.seq >= 0:
+            job.body["rs"] = job.seq  # the ring's sequence number: salvage skips what is here
         if pending:
             self.journal.write_payloads(pending)
         self.journal.write_frame(job.kind, job.body)

@@ -1,0 +1,301 @@
+"""Salvage a killed rank's record ring into its journal (``replay seal``, ``replay record``'s parent).
+
+A recording rank writes each step's record into a ring in ``/dev/shm`` (``replay.record.ring``
+describes the layout) and a drain thread moves whole records to the journal. A SIGKILL leaves the
+ring file behind, with the records the drain had not reached yet. Salvage walks the ring from the
+drain's tail, takes every whole job (its commit word equals its expected commit) not already in
+the journal (frames carry the ring sequence number ``rs``), appends its payload bytes and frame
+to the journal, exactly as the drain would have, then removes the ring. It runs under the seal
+lock, so never beside a live writer. Numpy only: no torch, no code from the recording runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from replay.format.journal import FrameKind, JournalWriter, scan_journal
+
+__all__ = ["salvage_ring", "assemble_collectives", "RING_MAGIC", "JOB_MAGIC", "WRAP_MAGIC", "HEADER_BYTES",
+           "JOB_HEADER_BYTES", "ring_pointer", "RING_NAME"]
+
+RING_MAGIC = b"RRNG0001"
+JOB_MAGIC = 0x4A42524A  # "JRBJ"
+WRAP_MAGIC = 0x50415257  # "WRAP"
+HEADER_BYTES = 4096
+JOB_HEADER_BYTES = 64
+# Header words (int64 index into the ring's header page).
+H_CAPACITY, H_TAIL_POS, H_TAIL_SEQ, H_RANK = 1, 2, 3, 4
+# The only file names a pointer may name: salvage removes the file afterwards.
+RING_NAME = re.compile(r"replay-\d+-[0-9a-f]{12}\.ring")
+_MASK64 = (1 << 64) - 1
+
+
+def ring_pointer(journal_path: Path) -> Path:
+    """The file beside a journal naming its ring (``rank-NNNNN.ring``)."""
+    return Path(journal_path).with_suffix(".ring")
+
+
+def _ring_path(pointer: Path) -> Path | None:
+    try:
+        text = pointer.read_text(encoding="utf-8", errors="strict").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    p = Path(text)
+    if not p.is_absolute() or not RING_NAME.fullmatch(p.name):
+        return None
+    return p
+
+
+def salvage_ring(journal: Path, payload: Path) -> int | None:
+    """Append the whole jobs left in ``journal``'s ring; returns how many (None: no ring)."""
+    pointer = ring_pointer(journal)
+    if not pointer.exists():
+        return None
+    ring = _ring_path(pointer)
+    n = 0
+    if ring is not None and ring.exists():
+        n = _salvage(journal, payload, ring)
+        ring.unlink(missing_ok=True)
+    pointer.unlink(missing_ok=True)
+    return n
+
+
+def _salvage(journal: Path, payload: Path, ring: Path) -> int:
+    fd = os.open(ring, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER_BYTES + (1 << 20):
+            return 0
+        import mmap
+
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        if bytes(buf[:8]) != RING_MAGIC:
+            return 0
+        head = buf[:HEADER_BYTES].view(np.int64)
+        cap = int(head[H_CAPACITY])
+        if cap <= 0 or cap % 64 or HEADER_BYTES + cap > st.st_size:
+            return 0
+        data = buf[HEADER_BYTES : HEADER_BYTES + cap]
+        done = {"rs": -1, "closed": False}
+
+        def seen(f: Any) -> None:
+            rs = f.body.get("rs")
+            if isinstance(rs, int):
+                done["rs"] = max(done["rs"], rs)
+            if f.kind == FrameKind.CLOSE:
+                done["closed"] = True
+
+        scan = scan_journal(journal, seen)
+        if done["closed"] or scan.valid_bytes == 0:
+            return 0  # closed: nothing after the end marker; no header: nothing to append to
+        jobs = list(_walk(data, cap, int(head[H_TAIL_POS]), int(head[H_TAIL_SEQ])))
+        jobs = [j for j in jobs if j[0] > done["rs"]]
+        if not jobs:
+            return 0
+        w = JournalWriter.append_to(journal, payload, valid_bytes=scan.valid_bytes)
+        try:
+            for seq, meta in jobs:
+                frame = _frame(data, seq, meta, base=w.payload_size)
+                if frame is None:
+                    break
+                kind, body, views = frame
+                if views:
+                    w.write_payloads(views)
+                w.write_frame(kind, body)
+        finally:
+            w.close()
+        return len(jobs)
+    finally:
+        del buf, head, data
+        try:
+            mm.close()
+        except BufferError:
+            pass
+
+
+def _walk(data: np.ndarray, cap: int, pos: int, seq: int):  # noqa: ANN202 - yields (seq, meta)
+    """The whole jobs from the tail on, in order; stops at the first that is not whole."""
+    limit = pos + 2 * cap
+    while pos < limit:
+        phys = pos % cap
+        word = int(data[phys : phys + 4].view(np.uint32)[0])
+        if word == WRAP_MAGIC:
+            pos += cap - phys
+            continue
+        if word != JOB_MAGIC or phys + JOB_HEADER_BYTES > cap:
+            return
+        h = [int(x) for x in data[phys : phys + JOB_HEADER_BYTES].view(np.int64)]
+        kind = h[0] >> 32
+        jseq, meta_pos, meta_len, end, crc_flags, expected, commit = h[1], h[2], h[3], h[4], h[5], h[6], h[7]
+        if jseq < seq or commit != expected or expected == 0:
+            return
+        if not pos < meta_pos < end <= pos + cap or meta_len <= 0 or meta_pos % cap + meta_len > cap:
+            return
+        mp = meta_pos % cap
+        raw = bytes(data[mp : mp + meta_len])
+        if zlib.crc32(raw) != (crc_flags & 0xFFFFFFFF):
+            return
+        try:
+            meta = json.loads(raw)
+            FrameKind(kind)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return
+        if not isinstance(meta, dict) or meta.get("x"):
+            return  # some bytes of this job were never in the ring: the walk ends here
+        meta["k"] = kind
+        yield jseq, meta
+        seq = jseq + 1
+        pos = end
+
+
+def _np_dtype(name: str) -> np.dtype | None:
+    if name == "bfloat16":
+        return None
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
+
+
+def _floats(data: np.ndarray, at: int, dtype: str, shape: list[int]) -> np.ndarray:
+    n = math.prod(shape)
+    if dtype == "bfloat16":
+        raw = data[at : at + 2 * n].view(np.uint16).astype(np.uint32) << np.uint32(16)
+        return raw.view(np.float32).reshape(shape)
+    dt = _np_dtype(dtype)
+    assert dt is not None
+    return data[at : at + dt.itemsize * n].view(dt).reshape(shape).astype(np.float32)
+
+
+def margin_of(x: np.ndarray) -> float:
+    """The top-1/top-2 margin, as the recorder computes it (float32, minimum over rows)."""
+    x = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    part = np.partition(x, -2, axis=-1)
+    return float((part[:, -1] - part[:, -2]).min())
+
+
+def _frame(data: np.ndarray, seq: int, meta: dict[str, Any], *, base: int) -> tuple[FrameKind, dict[str, Any], list[memoryview]] | None:
+    """A job's frame body and payload bytes (stored from payload offset ``base`` on)."""
+    from replay.digest import digest_numpy, from_int64
+
+    body = dict(meta.get("b") or {})
+    digests = None
+    d = meta.get("d")
+    if d:
+        digests = data[d[0] : d[0] + 8 * d[1]].view(np.int64)
+    views: list[memoryview] = []
+    off = base
+    for gname, entries in (meta.get("g") or {}).items():
+        refs = []
+        for name, _kind, dtype, shape, store, at, nbytes, dig, slot in entries:
+            ref: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape)}
+            arr = data[at : at + nbytes] if at >= 0 else None
+            if dig is None and slot >= 0 and digests is not None:
+                dig = f"{from_int64(int(digests[slot])) & _MASK64:016x}"
+            if dig is None:
+                if arr is None:
+                    return None
+                dig = f"{digest_numpy(arr):016x}"
+            ref["dig"] = dig
+            if store:
+                if arr is None:
+                    return None
+                ref["off"], ref["n"] = off, int(nbytes)
+                if nbytes:
+                    views.append(memoryview(arr))
+                off += int(nbytes)
+            refs.append(ref)
+        body[gname] = refs
+    fin = meta.get("f") or {}
+    if meta.get("m", -1) >= 0:
+        body["margin"] = float(data[meta["m"] : meta["m"] + 4].view(np.float32)[0])
+    if "margin" in fin:
+        at, dtype, shape = fin["margin"]
+        body["margin"] = margin_of(_floats(data, at, dtype, shape))
+    if "acc" in fin:
+        at, dtype, shape, nbytes = fin["acc"]
+        dt = _np_dtype(dtype)
+        if dt is not None:
+            body["accepted"] = int(data[at : at + nbytes].view(dt).astype(np.int64).sum())
+    if "coll" in fin:
+        colls = assemble_collectives(body, fin["coll"])
+        if fin.get("single"):
+            body.update(colls[0])
+        else:
+            body["collectives"] = colls
+    body["rs"] = seq
+    return FrameKind(meta["k"]), body, views
+
+
+def assemble_collectives(body: dict[str, Any], meta: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The collectives of a frame from their staged input/output refs (``_cin*``/``_cout*``)."""
+    from replay.format.tables import combine_digests
+
+    out = []
+    for i, c in enumerate(meta):
+        ins = body.pop(f"_cin{i}", [])
+        outs = body.pop(f"_cout{i}", [])
+        d = dict(c)
+        d["in"] = f"{combine_digests(int(r['dig'], 16) for r in ins):016x}"
+        d["out"] = f"{combine_digests(int(r['dig'], 16) for r in outs):016x}"
+        stored = [r for r in outs if "off" in r]
+        d["out_ref"] = stored[0] if len(stored) == 1 else None
+        if len(stored) > 1:
+            d["out_refs"] = stored
+        out.append(d)
+    return out
+
+
+def live_ring_steps(journal: Path) -> list[int]:
+    """The step indices of whole step records in a journal's ring, read-only (the rank may still
+    be recording): what a reader of a live journal cannot see yet but a kill would not lose."""
+    ring = _ring_path(ring_pointer(journal))
+    if ring is None:
+        return []
+    try:
+        fd = os.open(ring, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER_BYTES + (1 << 20):
+            return []
+        import mmap
+
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        if bytes(buf[:8]) != RING_MAGIC:
+            return []
+        head = buf[:HEADER_BYTES].view(np.int64)
+        cap = int(head[H_CAPACITY])
+        if cap <= 0 or cap % 64 or HEADER_BYTES + cap > st.st_size:
+            return []
+        data = buf[HEADER_BYTES : HEADER_BYTES + cap]
+        steps = []
+        for _seq, meta in _walk(data, cap, int(head[H_TAIL_POS]), int(head[H_TAIL_SEQ])):
+            body = meta.get("b") or {}
+            if meta.get("k") == int(FrameKind.STEP) and isinstance(body.get("step"), int):
+                steps.append(body["step"])
+        return steps
+    finally:
+        del buf, head
+        try:
+            mm.close()
+        except BufferError:
+            pass

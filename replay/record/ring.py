@@ -1,0 +1,201 @@
+"""The per-rank record ring: a file in ``/dev/shm`` mapped ``MAP_SHARED`` that outlives the process.
+
+Why: a step's record must be durable the moment the step is done, without the step waiting for a
+writer. Bytes stored into a shared mapping of a tmpfs file stay in the kernel's page cache when
+the process is SIGKILLed, so whatever the host has written there (and whatever the GPU has copied
+there, once the mapping is registered with ``cudaHostRegister``) survives the process. A drain
+thread moves whole records to the journal at its own pace; a killed rank's ring is salvaged into
+its journal by ``replay seal`` / ``replay record``'s parent (``replay.format.ring_salvage``).
+
+Layout of the file (little-endian)::
+
+    header, 4096 bytes: magic b"RRNG0001", then int64 words (see ``H_*``): capacity, tail position,
+                        tail sequence number, rank
+    data, ``capacity`` bytes: a byte ring of 64-byte aligned allocations
+
+Positions are virtual (they only grow); a position's place in the data area is ``pos % capacity``.
+Each job (a step, a keyframe, a note: anything that becomes a journal frame) starts with a 64-byte
+job header, then its data allocations, then its meta (JSON: the frame body and where each tensor's
+bytes lie). An allocation never straddles the end of the data area: the rest of the lap is
+skipped, marked by a wrap word. Job header (int64 words)::
+
+    0 magic | kind << 32     1 seq     2 meta position    3 meta length
+    4 end position           5 crc32 of the meta | device-commit flag << 32
+    6 expected commit        7 commit (written last: by the host, or by the device's copy)
+
+A job is whole when its commit word equals its expected commit; the walk from the tail stops at
+the first job that is not.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+from pathlib import Path
+
+import numpy as np
+
+# The layout's constants live with its reader (salvage), which must not import torch.
+from replay.format.ring_salvage import (  # noqa: F401 - re-exported
+    H_CAPACITY,
+    H_RANK,
+    H_TAIL_POS,
+    H_TAIL_SEQ,
+    HEADER_BYTES,
+    JOB_HEADER_BYTES,
+    JOB_MAGIC,
+    RING_MAGIC,
+    WRAP_MAGIC,
+    ring_pointer,
+)
+
+__all__ = ["ShmRing", "RingFull", "ring_pointer", "JOB_HEADER_BYTES"]
+
+ALIGN = 64
+
+
+class RingFull(Exception):
+    """No room in the ring and the policy is ``drop``."""
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+class ShmRing:
+    """One rank's ring. The host allocates and writes; the drain thread frees from the tail."""
+
+    def __init__(self, directory: str, capacity: int, *, rank: int) -> None:
+        capacity = max(align(capacity), 1 << 20)
+        self.capacity = capacity
+        self.path = Path(directory) / f"replay-{os.getpid()}-{secrets.token_hex(6)}.ring"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            # Take the pages now: on a full tmpfs a store into a sparse mapping is a SIGBUS in
+            # the program, this is an ENOSPC here.
+            os.posix_fallocate(fd, 0, HEADER_BYTES + capacity)
+            self._mm = mmap.mmap(fd, HEADER_BYTES + capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self.head_words = self.buf[:HEADER_BYTES].view(np.int64)
+        self.buf[:8] = np.frombuffer(RING_MAGIC, dtype=np.uint8)
+        self.head_words[H_CAPACITY] = capacity
+        self.head_words[H_RANK] = rank
+        self.data = self.buf[HEADER_BYTES:]
+        self.data_tensor = None  # a torch view of ``data``, made on first use
+        self.registered = False
+        self.head = 0  # next free virtual position (host)
+        self.tail = 0  # oldest position still in use (drain)
+        self.tail_seq = 0
+        self.full_waits = 0
+        self.full_wait_s = 0.0
+        self._cond = threading.Condition()
+
+    # -- host side -------------------------------------------------------------------------
+
+    def torch_data(self):  # noqa: ANN201 - torch.Tensor, imported lazily
+        if self.data_tensor is None:
+            import torch
+
+            self.data_tensor = torch.from_numpy(self.data)
+        return self.data_tensor
+
+    def register_cuda(self) -> str | None:
+        """Pin the mapping for the GPU's copy engines; returns why not, or None on success."""
+        if self.registered:
+            return None
+        import torch
+
+        try:
+            cudart = torch.cuda.cudart()
+            ptr = self.torch_data().data_ptr()
+            err = cudart.cudaHostRegister(ptr, self.capacity, 0)
+        except Exception as e:  # noqa: BLE001
+            return f"{e.__class__.__name__}: {e}"
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            return f"cudaHostRegister returned error {code}"
+        self.registered = True
+        return None
+
+    def free_bytes(self) -> int:
+        return self.capacity - (self.head - self.tail)
+
+    def alloc(self, n: int, *, block: bool, timeout: float) -> int:
+        """Reserve ``n`` bytes; returns their offset in the data area. Raises RingFull (drop) or
+        TimeoutError (block, the drain did not free room in ``timeout`` s)."""
+        n = align(max(n, 1))
+        if n > self.capacity // 2:
+            raise ValueError(f"{n} bytes do not fit the record ring")
+        phys = self.head % self.capacity
+        skip = self.capacity - phys if phys + n > self.capacity else 0
+        if self.head + skip + n - self.tail > self.capacity:
+            if not block:
+                raise RingFull
+            self._wait_room(skip + n, timeout)
+        if skip:
+            self.data[phys : phys + 8].view(np.uint64)[0] = WRAP_MAGIC
+            self.head += skip
+            phys = 0
+        self.head += n
+        return phys
+
+    def _wait_room(self, n: int, timeout: float) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        self.full_waits += 1
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.head + n - self.tail <= self.capacity, timeout)
+        self.full_wait_s += time.perf_counter() - t0
+        if not ok:
+            raise TimeoutError(f"the record ring stayed full for {timeout:.0f} s")
+
+    def write_job_header(self, at: int, kind: int, seq: int, meta_at_pos: int, meta_len: int, end_pos: int,
+                         crc: int, device_commit: bool, expected: int) -> None:
+        w = self.data[at : at + JOB_HEADER_BYTES].view(np.int64)
+        w[7] = 0
+        w[1:7] = (seq, meta_at_pos, meta_len, end_pos, crc | (int(device_commit) << 32), expected)
+        w[0] = JOB_MAGIC | (kind << 32)
+        if not device_commit:
+            w[7] = expected  # last: the job is whole from here on
+
+    def commit_view(self, at: int):  # noqa: ANN201 - a torch int64 view of the job's commit word
+        import torch
+
+        return self.torch_data()[at + 56 : at + 64].view(torch.int64)
+
+    # -- drain side ------------------------------------------------------------------------
+
+    def release(self, end_pos: int, next_seq: int) -> None:
+        """Everything before ``end_pos`` is in the journal; ``next_seq`` is the next job to drain."""
+        self.head_words[H_TAIL_SEQ] = next_seq
+        self.head_words[H_TAIL_POS] = end_pos
+        with self._cond:
+            self.tail = end_pos
+            self.tail_seq = next_seq
+            self._cond.notify_all()
+
+    def close(self, *, unlink: bool) -> None:
+        if self.registered:
+            try:
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(self.torch_data().data_ptr())
+            except Exception:  # noqa: BLE001
+                pass
+            self.registered = False
+        self.data_tensor = None
+        self.data = self.buf = self.head_words = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere: the mapping goes with the process
+        if unlink:
+            self.path.unlink(missing_ok=True)
