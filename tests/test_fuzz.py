@@ -811,13 +811,14 @@ def test_opening_a_recording_imports_nothing_it_names(worker: Worker, evil: dict
 def test_no_pickle_or_eval_in_the_package() -> None:
     """Recordings are JSON, HDF5 attributes and raw bytes: nothing in replay/ unpickles or evals.
 
-    Factories are imported in one place (replay/rerun/target.py), for ``step``/``bisect`` only.
+    Code a recording names is imported in one place (replay/rerun/imports.py, behind the trust
+    check), for ``step``/``bisect`` only.
     """
     bad = re.compile(r"\bimport pickle\b|\bpickle\.|\bcPickle\b|(?<![\w.])eval\(|(?<![\w.])exec\(|torch\.load\(|"
                      r"allow_pickle\s*=\s*True|\bmarshal\.|yaml\.load\(|\bshelve\b")
     imports = re.compile(r"importlib\.import_module\(|__import__\(")
     # Fixed module names only: the lazy public surface and deferred torch import.
-    allowed_imports = {"replay/rerun/target.py", "replay/record/hooks.py", "replay/cli/main.py",
+    allowed_imports = {"replay/rerun/imports.py", "replay/record/hooks.py", "replay/cli/main.py",
                        "replay/__init__.py", "replay/_lazy.py"}
     found, importers = [], []
     for p in sorted((REPO / "replay").rglob("*.py")):

@@ -216,6 +216,7 @@ def test_seal_signs_only_what_this_user_started(tmp_path: Path, run_cli: Any) ->
         rec.begin_step()
         rec.record_inputs(**step_inputs(0))
         rec.end_step()
+        rec.drain()  # the journal lags the record ring; copy it once it holds the step
         (out / "copy" / "run-000").mkdir(parents=True)
         for ext in ("journal", "payload"):
             shutil.copy(out / "live" / "run-000" / f"rank-00000.{ext}", out / "copy" / "run-000" / f"rank-00000.{ext}")
