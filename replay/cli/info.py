@@ -45,8 +45,12 @@ def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     lines += _divergence_lines(s)
     lines += _difference_lines(s)
     target = s["first_token_divergence"] or s["first_divergence"]
+    # No --mode: `replay step` picks the modes this recording and this machine can run.
     if target is not None:
-        lines.append(f"next: replay step --rank {target['ranks'][0]} --step {target['step']} --mode both")
+        lines.append(f"next: replay step --rank {target['ranks'][0]} --step {target['step']}")
+    elif len(s["ranks"]) == 1 and s["ranks"][0].get("steps"):
+        r = s["ranks"][0]
+        lines.append(f"next: replay step --rank {r['rank']} --step {int(r['steps']) - 1}   (re-run a step against its recording)")
     return "\n".join(lines)
 
 
@@ -91,8 +95,10 @@ def _ranks(xs: list[int]) -> str:
 
 def _divergence_lines(s: dict[str, Any]) -> list[str]:
     d, t = s["first_divergence"], s["first_token_divergence"]
-    if d is None and s["unreadable_ranks"] and len(s["ranks"]) < 2:
-        lines = ["no divergence to look for: fewer than two ranks can be read"]
+    if d is None and len(s["ranks"]) < 2:
+        # One rank: nothing was compared across ranks, so no verdict about them.
+        lines = ["one rank can be read: nothing to compare across ranks" if s["unreadable_ranks"]
+                 else "one rank: nothing to compare across ranks"]
     elif d is None:
         read = "every rank that can be read" if s["unreadable_ranks"] else "every rank"
         lines = [style(f"no divergence: {read} recorded the same bits at every common step", fg="green")]

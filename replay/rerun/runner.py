@@ -738,6 +738,10 @@ def default_modes(part: Part, rank: int, step: int, device: str, *, relaunch: bo
     spec = TargetSpec.from_rank_file(rf, stream_of(rf, step))
     if device.startswith("cuda") and torch.cuda.is_available():
         return ["eager", "cudagraph"]
+    if spec.factory and not relaunch and rf.step(step).mode == "graph":
+        # A graph runner of the engine's own ran this step (on the CPU too, as the reference
+        # engine's does): its factory rebuilds it with cudagraph on, so compare both.
+        return ["eager", "cudagraph"]
     if spec.kind is StepKind.COMPILED and (spec.compile or relaunch):
         return ["eager", "compiled"]
     return ["eager"]
