@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from replay import api
 from replay.cli.common import default_root, emit_json
 from replay.cli.info import info_data, render_info
 from replay.errors import ReplayError, UsageError
@@ -93,12 +94,7 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if node_rank is None:
-        node_rank = _node_rank_from_command(cmd)
-    if node_rank is None:
-        for var in ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"):
-            if os.environ.get(var, "").isdigit():
-                node_rank = int(os.environ[var])
-                break
+        node_rank = api.detect_node_rank(cmd)
     # issue 16: an --out holding a recording is refused (unless --add, or another node of the
     # same multi-node run); when nothing can be recorded, --run-anyway decides whether CMD runs.
     from replay.format.manifest import claim_recording
@@ -150,17 +146,6 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
         for j in result.still_live:
             click.echo(f"replay: {j} is still being written by a running process; seal it later with `replay seal`", err=True)
     return result.exit_code
-
-
-def _node_rank_from_command(cmd: list[str]) -> int | None:
-    """torchrun's ``--node-rank N`` (or ``--node_rank=N``) in CMD: which node this launcher is."""
-    for i, a in enumerate(cmd):
-        for flag in ("--node-rank", "--node_rank"):
-            if a == flag and i + 1 < len(cmd) and cmd[i + 1].isdigit():
-                return int(cmd[i + 1])
-            if a.startswith(flag + "=") and a.split("=", 1)[1].isdigit():
-                return int(a.split("=", 1)[1])
-    return None
 
 
 def _pyproject_permissions() -> str | None:

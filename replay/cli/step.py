@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,7 @@ import click
 import torch
 
 from replay.analysis.summary import choose_part
-from replay.cli.common import emit_json, json_option, open_run, part_option, run_argument, save_and_emit
+from replay.cli.common import emit_json, json_option, open_run, parse_options, parse_ranks, part_option, run_argument, save_and_emit
 from replay.cli.render import style, table
 from replay.errors import ReplayError, RerunError, UsageError
 from replay.format.reader import Part
@@ -26,33 +25,6 @@ Examples:
   replay step --rank 2 --step 57 --factory mypkg.engine:build --json
   replay step --ranks 0-3 --step 57 --devices cuda:0,cuda:1
 """
-
-
-def parse_ranks(text: str) -> list[int]:
-    out: list[int] = []
-    for piece in text.split(","):
-        piece = piece.strip()
-        if not piece:
-            continue
-        lo, sep, hi = piece.partition("-")
-        try:
-            out += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
-        except ValueError:
-            raise UsageError(f"--ranks {text!r}: use a list like 0-3 or 0,2,5") from None
-    return sorted(set(out))
-
-
-def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--set {item!r}: use --set key=value")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
 
 
 def default_device(recorded: str | None) -> str:

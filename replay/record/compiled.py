@@ -11,7 +11,7 @@ are: their steps are recorded where their class's ``forward`` is named or found 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
