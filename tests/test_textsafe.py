@@ -29,3 +29,13 @@ def test_printable_text_is_unchanged() -> None:
 def test_newlines_only_when_asked() -> None:
     assert escape("a\nb") == "a\\x0ab"
     assert escape("a\nb", keep_newlines=True) == "a\nb"
+
+
+def test_error_lines_quote_recording_text_escaped(tmp_path, capsys) -> None:
+    """An error line that quotes a path or name from the user or a recording cannot carry an
+    escape sequence to the terminal."""
+    from replay.cli.main import main
+
+    code = main(["info", str(tmp_path / "no\x1b]0;title\x07such")])
+    err = capsys.readouterr().err
+    assert code != 0 and "\x1b" not in err and "\x07" not in err and "\\x1b]0;title\\x07" in err

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from replay._version import __version__
+from replay.textsafe import escape
 from replay.errors import ReplayError
 
 __all__ = ["cli", "main"]
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rv: Any = cli.main(args=argv, prog_name="replay", standalone_mode=False)
     except ReplayError as e:
-        click.echo(f"replay: error: {e}", err=True)
+        # Error messages may quote the recording (a part, a field, a factory, an exception text).
+        click.echo(f"replay: error: {escape(e)}", err=True)
         return e.exit_code
     except click.exceptions.Abort:
         click.echo("replay: interrupted", err=True)
@@ -74,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     except click.UsageError as e:
         # One line, as for every other error: what is wrong, and where the valid choices are.
         where = e.ctx.command_path if e.ctx is not None else "replay"
-        click.echo(f"replay: error: {_one_line(e.format_message())} (see `{where} --help`)", err=True)
+        click.echo(f"replay: error: {escape(_one_line(e.format_message()))} (see `{where} --help`)", err=True)
         return e.exit_code
     except click.ClickException as e:
-        click.echo(f"replay: error: {_one_line(e.format_message())}", err=True)
+        click.echo(f"replay: error: {escape(_one_line(e.format_message()))}", err=True)
         return e.exit_code
     except KeyboardInterrupt:
         click.echo("replay: interrupted", err=True)
@@ -96,13 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("REPLAY_DEBUG"):
             traceback.print_exc()
         where = f"{e.filename}: " if e.filename else ""
-        click.echo(f"replay: error: {where}{e.strerror or e}", err=True)
+        click.echo(f"replay: error: {escape(where)}{escape(e.strerror or e)}", err=True)
         return 74  # EX_IOERR
     except Exception as e:  # noqa: BLE001 - the last line of defence against a traceback
         if os.environ.get("REPLAY_DEBUG"):
             traceback.print_exc()
         click.echo(
-            f"replay: internal error: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+            f"replay: internal error: {e.__class__.__name__}: {escape(str(e).splitlines()[0]) if str(e) else ''} "
             "(set REPLAY_DEBUG=1 for the traceback, and please report it)",
             err=True,
         )
