@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from replay.analysis.divergence import order_in_step
 from replay.analysis.unshard import Missing, field_row
 from replay.format.reader import RankFile
 from replay.format.schema import StepStatus
@@ -94,14 +95,6 @@ class RowDiff:
         return int(self.step.size)
 
 
-def _order_in_step(steps: np.ndarray) -> np.ndarray:
-    if steps.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.flatnonzero(np.concatenate(([True], steps[1:] != steps[:-1])))
-    pos = np.arange(steps.size, dtype=np.int64)
-    return pos - np.repeat(pos[starts], np.diff(np.append(starts, steps.size)))
-
-
 def diff_rows(a: FieldRows, b: FieldRows, common_steps: np.ndarray) -> RowDiff:
     """Rows whose digests differ, and rows recorded on one side only at a step both recorded."""
     if a.step.size == b.step.size and np.array_equal(a.step, b.step) and np.array_equal(a.gid, b.gid):
@@ -112,7 +105,7 @@ def diff_rows(a: FieldRows, b: FieldRows, common_steps: np.ndarray) -> RowDiff:
                        has_a=ones, has_b=ones.copy(), compared=int(a.step.size))
     ka = (a.step << _SHIFT) | a.gid
     kb = (b.step << _SHIFT) | b.gid
-    oa, ob = _order_in_step(a.step), _order_in_step(b.step)
+    oa, ob = order_in_step(a.step), order_in_step(b.step)
     _, ia, ib = np.intersect1d(ka, kb, assume_unique=False, return_indices=True)
     neq = a.digest[ia] != b.digest[ib]
     ia_d, ib_d = ia[neq], ib[neq]

@@ -15,7 +15,7 @@ import numpy as np
 from replay.analysis.vote import vote
 from replay.format.reader import Part, RankFile
 
-__all__ = ["Divergence", "first_divergence", "vote"]
+__all__ = ["Divergence", "first_divergence", "order_in_step", "vote"]
 
 _ABSENT = np.uint64(0)
 
@@ -110,7 +110,7 @@ def _general(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], part: P
     rows by (step, field) and compare; a field missing at a step a rank did record differs."""
     chosen = sorted(rows)
     keys = {r: (rows[r][0].astype(np.int64) << 20) | rows[r][1] for r in chosen}
-    order_in_step = {r: _order_in_step(rows[r][0]) for r in chosen}
+    row_order = {r: order_in_step(rows[r][0]) for r in chosen}
     merged = np.sort(np.concatenate(list(keys.values())), kind="stable")
     if merged.size == 0:
         return None
@@ -128,7 +128,7 @@ def _general(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], part: P
         present[idx] = True
         dig = np.zeros(n, dtype=np.uint64)
         dig[idx] = rows[r][2]
-        order[idx] = np.minimum(order[idx], order_in_step[r])
+        order[idx] = np.minimum(order[idx], row_order[r])
         last_step = int(rows[r][0].max()) if rows[r][0].size else -1
         missing = ~present & (key_step <= last_step)
         newref = present & ~have_ref
@@ -151,7 +151,7 @@ def _general(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], part: P
     return _verdict(int(key_step[first]), ids[int(all_keys[first] & ((1 << 20) - 1))], values)
 
 
-def _order_in_step(steps: np.ndarray) -> np.ndarray:
+def order_in_step(steps: np.ndarray) -> np.ndarray:
     """Position of each row within its step (rows of a step are contiguous, in program order)."""
     if steps.size == 0:
         return np.zeros(0, dtype=np.int64)
