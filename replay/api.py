@@ -45,6 +45,7 @@ __all__ = [
     "VerifyResult",
     "bisect_config",
     "bisect_layers",
+    "bisect_runs",
     "bisect_steps",
     "bisect_steps_rerun",
     "choose_part",
@@ -467,6 +468,41 @@ def bisect_layers(part: Part, between: str, *, step: int | None = None, rank: in
     announce(f"re-running step {step} as {a.label} and as {b.label}, with taps on every module")
     return _bisect(part, step, a, b, modules=modules, device=o.device_for(part), factory=o.factory, context=context,
                    recording=_recording_of(part), progress=progress)
+
+
+def bisect_runs(part_a: Part, part_b: Part, *, rank_a: int | None = None, rank_b: int | None = None,
+                step: int | None = None, mode: str | None = None, options: RerunOptions | None = None,
+                modules: list[str] | None = None, context: int = 3, names: tuple[str, str] = ("A", "B"),
+                announce: Announce = _quiet, progress: Progress = _no_progress) -> LayersBisection:
+    """Two runs, module by module (``replay bisect layers --between run:A,run:B``): re-run ``step``
+    of rank ``rank_a`` of ``part_a`` and of rank ``rank_b`` of ``part_b``, each from its own
+    recording, with taps on every module; name the module that makes the difference and the
+    first whose outputs differ, and the parameters whose bits differ between the runs.
+
+    Ranks default to the first of each part; ``step`` to the first step whose recorded bits
+    differ between the two (a UsageError when none does). ``names``: how the two runs are called."""
+    from replay.analysis.diff import first_difference
+    from replay.bisect.layers import Side, recorded_mode
+    from replay.bisect.layers import bisect_layers as _bisect
+    from replay.errors import UsageError
+
+    o = options or RerunOptions()
+    ra = next(iter(part_a)) if rank_a is None else rank_a
+    rb = next(iter(part_b)) if rank_b is None else rank_b
+    where_a, where_b = f"{_recording_of(part_a)}:{part_a.name}/{ra}", f"{_recording_of(part_b)}:{part_b.name}/{rb}"
+    if step is None:
+        first = first_difference(part_a[ra], part_b[rb])
+        if first is None:
+            raise UsageError(f"{where_a} and {where_b} record the same bits at every step they share: give --step S")
+        step = first.step
+        announce(f"bisecting step {step}, where the two runs first differ ({first.field})")
+    sides = []
+    for label, part, rank, where in ((names[0], part_a, ra, where_a), (names[1], part_b, rb, where_b)):
+        m = mode or recorded_mode(part, rank, step)  # each run re-run as it ran, unless --mode
+        sides.append(Side(f"run {label}", rank, m, dict(o.toggles), part=part, where=where))
+    announce(f"re-running step {step} of run {names[0]} ({where_a}) and run {names[1]} ({where_b}), with taps on every module")
+    return _bisect(part_a, step, sides[0], sides[1], modules=modules, device=o.device_for(part_a), factory=o.factory,
+                   context=context, recording=_recording_of(part_a), progress=progress)
 
 
 def bisect_config(part: Part, settings: ConfigBisectSettings, *, announce: Announce = _quiet,

@@ -36,7 +36,7 @@ from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, f
 from replay.format.reader import RankFile
 
 __all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "RecordingDiff",
-           "diff_runs", "diff"]
+           "diff_runs", "diff", "first_difference"]
 
 
 # -- fields laid out differently ----------------------------------------------------------------
@@ -292,6 +292,12 @@ def _headline(rd: RunDiff) -> str:
     reasons = ([f"{s.name}: {r}" for s in rd.streams for r in s.reasons] + [f"{u.field}: {u.note}" for u in rd.unsharded if u.note]
                + [n for n in rd.notes if n.endswith("not compared")])
     return f"not shown to be the same: {reasons[0] if reasons else 'nothing was compared'}"
+
+
+def first_difference(ra: RankFile, rb: RankFile) -> FirstDifference | None:
+    """The first (step, field), in program order, whose bits differ between two rank files of
+    runs with one layout (every field compared, none read but the summary tables)."""
+    return compare_stream(ra, rb, Names(), lambda n: True, DiffOptions(), True).first
 
 
 def diff(a: str, b: str, options: DiffOptions | None = None) -> RunDiff | RecordingDiff:

@@ -8,7 +8,10 @@ The two executions (``--between A,B``) are re-runs of one recorded step:
   stands for the recording, which holds no per-module outputs; the result says whether it
   reproduces the recorded digests);
 - ``rerun``: rank R in ``--mode`` with the current settings: no recorded tuner choices, ``--set``
-  overrides applied.
+  overrides applied;
+- ``run:SPEC``: a rank of another recording (``recB``, ``recB:run-000/3``, as ``replay diff``
+  takes them), each re-run from its own keyframe and inputs: two runs compared module by module
+  (``replay.api.bisect_runs``). The parameters whose bits differ between the two runs are named.
 
 Each side is tapped (``replay.bisect.taps``), so module outputs are captured inside CUDA graphs
 too. Outputs are paired by (module, nth call, nth tensor) and compared in the execution order
@@ -39,7 +42,8 @@ from replay.format.reader import Part
 from replay.rerun.runner import Replayer
 from replay.rerun.target import Target
 
-__all__ = ["LayersBisection", "ModuleVerdict", "Side", "SideRun", "bisect_layers", "parse_between", "recorded_mode"]
+__all__ = ["LayersBisection", "ModuleVerdict", "Side", "SideRun", "bisect_layers", "differing_params", "parse_between",
+           "recorded_mode"]
 
 MISSING = "missing"
 
@@ -53,6 +57,11 @@ class Side:
     mode: str
     options: dict[str, Any] = field(default_factory=dict)
     use_recorded_tuner: bool = True
+    part: Part | None = None  # another recording's part (between two runs); None: the bisected part
+    where: str = ""  # which recording, part and rank, when the two sides come from different runs
+
+    def of(self, default: Part) -> Part:
+        return self.part if self.part is not None else default
 
 
 @dataclass(slots=True)
@@ -72,6 +81,7 @@ class SideRun:
         cap = self.capture
         return {
             "label": self.side.label, "rank": self.side.rank, "mode": self.side.mode, "keyframe": self.keyframe,
+            "where": self.side.where or None,
             "reproduces_recording": self.reproduces, "departed": self.departed, "ran_as": self.ran_as,
             "tapped": len(cap.tapped), "fired": len(cap.fired), "events": len(cap.events),
             "graph_events": sum(1 for e in cap.events if e.source == "graph"),
@@ -136,50 +146,77 @@ class LayersBisection:
     outputs: list[Comparison]
     silent: list[str]  # tapped modules whose forward ran on neither side
     notes: list[str] = field(default_factory=list)
+    param_diffs: list[str] = field(default_factory=list)  # between two runs: parameters whose bits differ
 
     @property
     def between(self) -> list[str]:
         return [s.side.label for s in self.sides]
 
+    def _head(self) -> str:
+        sa, sb = (r.side for r in self.sides)
+        if sa.where or sb.where:  # two runs: say which recording each side is
+            return f"step {self.step}, {sa.label} ({sa.where}) vs {sb.label} ({sb.where}): "
+        who = f"rank {sa.rank}" if sa.rank == sb.rank else f"ranks {sa.rank} and {sb.rank}"
+        return f"{who}, step {self.step}, {sa.label} vs {sb.label}: "
+
+    def _raised(self) -> SideRun | None:
+        return next((s for s in self.sides if s.error), None)
+
     def verdict(self) -> str:
-        a, b = self.between
-        head = f"rank {self.sides[0].side.rank}" if self.sides[0].side.rank == self.sides[1].side.rank else f"ranks {self.sides[0].side.rank} and {self.sides[1].side.rank}"
-        head += f", step {self.step}, {a} vs {b}: "
-        compared = [m for m in self.modules if not m.rank_local]
-        raised = next((s for s in self.sides if s.error), None)
+        """The first line: the module that makes the difference first, then the first that differs."""
+        head = self._head()
         if self.first is None:
-            if raised is not None:
-                return head + (f"{raised.side.label} raised {raised.error} in the step; none of the {len(compared)} module "
-                               "outputs compared before that differs, nothing after it was compared")
-            if not compared:
-                return head + "no module output could be compared (no tap fired on both sides)"
-            local = [m for m in self.modules if m.rank_local and m.differs]
-            if local:
-                # Never "nothing differs" over a table that shows a difference: say what differs.
-                eq = next((m for m in local if m.inputs_equal), local[0])
-                return head + (f"no replicated module output differs; {len(local)} rank-local (shard) outputs differ, as "
-                               f"shards do, the first from {'equal' if eq.inputs_equal else 'different'} inputs: {eq.name} "
-                               f"({eq.figures()}); if {eq.module} is not sharded, it makes the difference")
-            if any(not c.equal for c in self.outputs):
-                return head + f"the step's outputs differ but none of the {len(compared)} tapped module outputs does"
-            if not self.outputs:
-                return head + f"all {len(compared)} module outputs are bitwise equal; the step returned no output to compare"
-            return head + f"all {len(compared)} module outputs are bitwise equal"
+            return head + self._no_first()
         n_eq = sum(1 for m in self.before_first() if not m.differs)
         first = f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
+        line = head + first
         if self.maker is not None and self.maker is not self.first:
             # Lead with the module that makes the difference: the first one to differ may only
             # pass on a difference made elsewhere, or differ by rounding.
             line = head + f"the difference is made in {self.maker.name} ({self.maker.figures()}) from bitwise equal inputs; " + first
-        else:
-            line = head + first
+        elif self.maker is None and self.first.inputs_equal is False:
+            line += "; no module turns bitwise equal inputs into different outputs (the difference comes in with its inputs)"
+        own = self.maker_params()
+        if own:
+            line += f"; its parameters differ between the runs: {', '.join(own[:3])}{', ...' if len(own) > 3 else ''}"
+        raised = self._raised()
         if raised is not None:
             line += f"; {raised.side.label} raised {raised.error} in the step"
         return line
 
+    def _no_first(self) -> str:
+        """The verdict when no replicated module output differs: never "equal" unless compared."""
+        compared = [m for m in self.modules if not m.rank_local]
+        raised = self._raised()
+        if raised is not None:
+            return (f"{raised.side.label} raised {raised.error} in the step; none of the {len(compared)} module "
+                    "outputs compared before that differs, nothing after it was compared")
+        if not compared:
+            return "no module output could be compared (no tap fired on both sides)"
+        local = [m for m in self.modules if m.rank_local and m.differs]
+        if local:
+            # Never "nothing differs" over a table that shows a difference: say what differs.
+            eq = next((m for m in local if m.inputs_equal), local[0])
+            return (f"no replicated module output differs; {len(local)} rank-local (shard) outputs differ, as "
+                    f"shards do, the first from {'equal' if eq.inputs_equal else 'different'} inputs: {eq.name} "
+                    f"({eq.figures()}); if {eq.module} is not sharded, it makes the difference")
+        if any(not c.equal for c in self.outputs):
+            return f"the step's outputs differ but none of the {len(compared)} tapped module outputs does"
+        if not self.outputs:
+            return f"all {len(compared)} module outputs are bitwise equal; the step returned no output to compare"
+        return f"all {len(compared)} module outputs are bitwise equal"
+
+    def maker_params(self) -> list[str]:
+        """Parameters of the module that makes the difference whose bits differ between the two runs."""
+        m = self.maker
+        if m is None or not self.param_diffs:
+            return []
+        prefix = m.module + "." if m.module else ""
+        return [n for n in self.param_diffs if n.startswith(prefix)]
+
     def problem(self) -> str | None:
         """Why the two executions could not both be compared in full; None if they were."""
-        raised = next((s for s in self.sides if s.error), None)
+        raised = self._raised()
         if raised is not None:
             return f"{raised.side.label}: step {self.step} raised {raised.error}"
         if not [m for m in self.modules if not m.rank_local] and not self.outputs:
@@ -211,6 +248,7 @@ class LayersBisection:
             "silent": self.silent,
             "sides": [s.to_json() for s in self.sides],
             "notes": self.notes,
+            "parameters_differ": self.param_diffs,
         }
 
 
@@ -228,6 +266,8 @@ def parse_between(text: str, *, rank: int | None, mode: str | None, recorded: Ca
     opts = dict(options or {})
     sides = []
     for item in items:
+        if item.startswith("run:"):
+            raise UsageError(f"--between {text}: two runs (run:A,run:B) are bisected by replay.api.bisect_runs")
         if item.startswith("rank:"):
             try:
                 r = int(item.partition(":")[2])
@@ -394,6 +434,11 @@ def replicated_differing(a: dict[str, "ParamSig | int"], b: dict[str, "ParamSig 
                   if _sig(a[n]).digest != _sig(b[n]).digest and not _is_shard(_sig(a[n]), _sig(b[n])))
 
 
+def differing_params(a: dict[str, "ParamSig | int"], b: dict[str, "ParamSig | int"]) -> list[str]:
+    """Between two runs of one model: parameters on one side only, or whose bits differ."""
+    return sorted(n for n in a.keys() | b.keys() if n not in a or n not in b or _sig(a[n]).digest != _sig(b[n]).digest)
+
+
 def _rank_local(e: TapEvent, sharded_params: set[str]) -> bool:
     """Whether ``e`` is a shard's partial result (see the module docstring)."""
 
@@ -487,55 +532,93 @@ def bisect_layers(
     recording: str = "",
     progress: Callable[..., Iterable[int]] = lambda it, label="": it,
 ) -> LayersBisection:
-    """Re-run ``step`` as ``a`` and as ``b`` with taps on every module; name the first that differs."""
+    """Re-run ``step`` as ``a`` and as ``b`` with taps on every module; name the first that differs.
+
+    A side with its own ``part`` (another recording) is re-run from that part's data."""
     for s in (a, b):
-        part[s.rank].step(step)
-    want_params = a.rank != b.rank
-    runs = [_run_side(part, s, step, patterns=modules, device=device, factory=factory, want_params=want_params,
-                      progress=progress) for s in (a, b)]
+        s.of(part)[s.rank].step(step)
+    across_runs = a.part is not None or b.part is not None
+    runs = [_run_side(s.of(part), s, step, patterns=modules, device=device, factory=factory,
+                      want_params=a.rank != b.rank or across_runs, progress=progress) for s in (a, b)]
     ra, rb = runs
     rows = compare_captures(ra, rb)
     first = next((m for m in rows if m.differs and not m.rank_local), None)
     makers = [m for m in rows if m.differs and not m.rank_local and m.inputs_equal]
-    # A module that turns equal inputs into outputs that differ only within tolerance is rounding
-    # (a GEMM whose blocking depends on the batch size, say a padded graph batch against the eager
-    # one): name it, but the module that makes the real difference is the first that turns equal
-    # inputs into outputs beyond tolerance.
-    # A parent whose child already makes a difference only passes it on.
-    inner = [m for m in makers if not any(_encloses(m, c, ra) for c in makers if c is not m)]
-    maker = next((m for m in inner if m.verdict == str(Verdict.DIFFERENT)), makers[0] if makers else None)
+    maker = _maker(makers, ra)
     before: list[ModuleVerdict] = []
-    if first is not None:
-        i = rows.index(first)
-        before = [m for m in rows[:i] if not m.rank_local][-context:] if context > 0 else []
+    if first is not None and context > 0:
+        before = [m for m in rows[:rows.index(first)] if not m.rank_local][-context:]
     outputs = [compare_tensors(*_align(ra.outputs[k], rb.outputs[k])[:2], name_a=f"{a.label} {k}", name_b=f"{b.label} {k}")
                for k in ra.outputs if k in rb.outputs]
     silent = [m for m in ra.capture.tapped if m not in ra.capture.called and m not in rb.capture.called]
+    param_diffs = differing_params(ra.params, rb.params) if across_runs else []
+    notes = [n for r in runs for n in _side_notes(r, step)] + _rounding_notes(rows, makers, maker)
+    notes += _param_notes(ra, rb, param_diffs) + _row_notes(rows)
+    return LayersBisection(recording=recording, part=part.name, step=step, sides=runs, modules=rows, first=first,
+                           maker=maker, before=before, origin=_origin(first, rows, ra), outputs=outputs, silent=silent,
+                           notes=notes, param_diffs=param_diffs)
+
+
+def _maker(makers: list[ModuleVerdict], ra: SideRun) -> ModuleVerdict | None:
+    """The module that makes the difference, among those that turn equal inputs into outputs that differ.
+
+    One whose outputs differ only within tolerance is rounding (a GEMM whose blocking depends on
+    the batch size, say a padded graph batch against the eager one): the module that makes the
+    real difference is the first that turns equal inputs into outputs beyond tolerance. A parent
+    whose child already makes a difference only passes it on."""
+    inner = [m for m in makers if not any(_encloses(m, c, ra) for c in makers if c is not m)]
+    return next((m for m in inner if m.verdict == str(Verdict.DIFFERENT)), makers[0] if makers else None)
+
+
+def _side_notes(r: SideRun, step: int) -> list[str]:
+    """What the re-run of one side says about itself: reproduced or not, departed, taps."""
+    label = r.side.label
     notes: list[str] = []
-    for r in runs:
-        if r.reproduces is None:
-            notes.append(f"{r.side.label}: step {step} has no recorded output to compare this re-run with")
-        elif not r.reproduces:
-            notes.append(f"{r.side.label}: the re-run of step {step} does not reproduce rank {r.side.rank}'s recorded outputs"
-                         + (" (as expected: it runs with other settings than recorded)" if r.side.label in ("rerun", "eager", "cudagraph") else ""))
-        if r.departed:
-            notes.append(f"{r.side.label}: the fast-forward from the keyframe at step {r.keyframe} departed from the recording at {r.departed}")
-        notes += [f"{r.side.label}: {n}" for n in r.capture.notes]
-        if not r.capture.events:
-            notes.append(f"{r.side.label}: no tap fired at all in step {step}")
-    rounding = [m for m in makers if m is not maker and rows.index(m) < (rows.index(maker) if maker else len(rows))]
-    if rounding:
-        notes.append(f"{rounding[0].name} already turns equal inputs into outputs that differ within tolerance "
-                     f"({rounding[0].figures()}): rounding, not the difference {maker.name if maker else 'that matters'} makes")
-    if a.rank != b.rank:
-        odd = replicated_differing(ra.params, rb.params)
-        if odd:
-            notes.append(f"{len(odd)} replicated parameter(s) differ across ranks {a.rank} and {b.rank} "
-                         f"(same shape, close values: not shards): {', '.join(odd[:6])}")
+    if r.reproduces is None:
+        notes.append(f"{label}: step {step} has no recorded output to compare this re-run with")
+    elif not r.reproduces:
+        expected = label in ("rerun", "eager", "cudagraph")
+        notes.append(f"{label}: the re-run of step {step} does not reproduce rank {r.side.rank}'s recorded outputs"
+                     + (" (as expected: it runs with other settings than recorded)" if expected else ""))
+    if r.departed:
+        notes.append(f"{label}: the fast-forward from the keyframe at step {r.keyframe} departed from the recording at {r.departed}")
+    notes += [f"{label}: {n}" for n in r.capture.notes]
+    if not r.capture.events:
+        notes.append(f"{label}: no tap fired at all in step {step}")
+    return notes
+
+
+def _rounding_notes(rows: list[ModuleVerdict], makers: list[ModuleVerdict], maker: ModuleVerdict | None) -> list[str]:
+    end = rows.index(maker) if maker else len(rows)
+    rounding = [m for m in makers if m is not maker and rows.index(m) < end]
+    if not rounding:
+        return []
+    return [f"{rounding[0].name} already turns equal inputs into outputs that differ within tolerance "
+            f"({rounding[0].figures()}): rounding, not the difference {maker.name if maker else 'that matters'} makes"]
+
+
+def _param_notes(ra: SideRun, rb: SideRun, param_diffs: list[str]) -> list[str]:
+    a, b = ra.side, rb.side
+    if param_diffs:
+        return [f"{len(param_diffs)} parameter(s) differ between {a.label} and {b.label}: {', '.join(param_diffs[:6])}"
+                + (", ..." if len(param_diffs) > 6 else "")]
+    if a.part is not None or b.part is not None:
+        return [f"every parameter has the same bits in {a.label} and {b.label} ({len(ra.params)} compared)"] if ra.params else []
+    if a.rank == b.rank:
+        return []
+    odd = replicated_differing(ra.params, rb.params)
+    if not odd:
+        return []
+    return [f"{len(odd)} replicated parameter(s) differ across ranks {a.rank} and {b.rank} "
+            f"(same shape, close values: not shards): {', '.join(odd[:6])}"]
+
+
+def _row_notes(rows: list[ModuleVerdict]) -> list[str]:
+    notes = []
     only = {m.module for m in rows if m.verdict == MISSING}
     if only:
         notes.append(f"{len(only)} module(s) have outputs on one side only: their taps never fired on the other ({', '.join(sorted(only)[:5])})")
-    if sum(1 for m in rows if m.rank_local):
-        notes.append(f"{sum(1 for m in rows if m.rank_local)} outputs are rank-local (shards of a tensor-parallel model before their reduction): shown, not named first")
-    return LayersBisection(recording=recording, part=part.name, step=step, sides=runs, modules=rows, first=first,
-                           maker=maker, before=before, origin=_origin(first, rows, ra), outputs=outputs, silent=silent, notes=notes)
+    local = sum(1 for m in rows if m.rank_local)
+    if local:
+        notes.append(f"{local} outputs are rank-local (shards of a tensor-parallel model before their reduction): shown, not named first")
+    return notes

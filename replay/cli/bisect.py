@@ -8,6 +8,7 @@ scripts and older docs, still work: they are read as the sub-command they name.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ Examples:
   replay bisect layers --rank 3 --step 812 --between eager,cudagraph     first module that differs
   replay bisect layers --step 812 --between rank:0,rank:3 --modules 'layers.*'
   replay bisect layers --rank 3 --step 812 --between recorded,rerun
+  replay bisect layers --between run:recA,run:recB:run-000/3  two runs: the module that makes the difference
   replay bisect config --rank 3 --step 812 --toggles deterministic,tuner,cudagraph
   replay bisect config --rank 0 --step 5 --criterion reproduce   what makes the re-run match the recording
   replay bisect config --rank 3 --step 812 --criterion live     all ranks at once, live collectives
@@ -153,10 +155,13 @@ def steps(run: Path | None, root: str, part: str | None, ranks_text: str | None,
 
 @bisect.command(epilog="\b\nExamples:\n  replay bisect layers --rank 3 --step 812 --between eager,cudagraph\n"
                        "  replay bisect layers --between rank:0,rank:3 --modules 'layers.*'\n"
-                       "  replay bisect layers --rank 3 --step 812 --between recorded,rerun")
+                       "  replay bisect layers --rank 3 --step 812 --between recorded,rerun\n"
+                       "  replay bisect layers --between run:recA,run:recB:run-000/3   two runs, module by module")
 @run_argument
 @part_option
-@click.option("--between", required=True, metavar="A,B", help="The two executions: eager,cudagraph | rank:0,rank:3 | recorded,rerun.")
+@click.option("--between", required=True, metavar="A,B",
+              help="The two executions: eager,cudagraph | rank:0,rank:3 | recorded,rerun | run:PATH_A,run:PATH_B "
+                   "(two recordings; PATH[:PART[/RANK]] as replay diff takes them; run:PATH_B alone: RUN against it).")
 @click.option("--rank", type=int, default=None, help="The rank to re-run (for eager, cudagraph, recorded, rerun).")
 @click.option("--step", "step_index", type=int, default=None, help="The step (default, between two ranks: where they first disagree).")
 @click.option("--modules", "modules_text", multiple=True, metavar="PATTERN", help="Tap only modules matching these globs (comma-separated).")
@@ -166,8 +171,13 @@ def steps(run: Path | None, root: str, part: str | None, ranks_text: str | None,
 def layers(run: Path | None, root: str, part: str | None, between: str, rank: int | None, step_index: int | None,
            modules_text: tuple[str, ...], context: int, mode: str | None, device: str | None, factory: str | None,
            sets: tuple[str, ...], no_save: bool, trust: bool, as_json: bool) -> int:
-    """The first module whose output differs between two executions of a step."""
+    """The first module whose output differs between two executions of a step, or two runs."""
     options = api.RerunOptions(device=device, factory=factory, toggles=parse_options(sets))
+    runs = _run_specs(between)
+    if runs:
+        return _layers_between_runs(run, root, part, runs, rank=rank, step=step_index, mode=mode, options=options,
+                                    modules=split_list(modules_text) or None, context=context, trust=trust,
+                                    save=not no_save, as_json=as_json)
     rec, p = _part(run, root, part, as_json)
     with rec:
         _admit(p, factory=factory, trust=trust, say=_say(as_json))
@@ -175,6 +185,47 @@ def layers(run: Path | None, root: str, part: str | None, between: str, rank: in
                                    modules=split_list(modules_text) or None, context=context, announce=_say(as_json),
                                    progress=progress)
     return _finish(rec.path, result, save=not no_save, as_json=as_json)
+
+
+def _run_specs(between: str) -> list[str]:
+    """``run:A,run:B`` (or ``run:B`` alone) as the recording specs; [] when ``between`` names no run."""
+    items = [x.strip() for x in between.split(",") if x.strip()]
+    runs = [x for x in items if x.startswith("run:")]
+    if not runs:
+        return []
+    if len(runs) != len(items) or len(items) > 2 or not all(x[4:] for x in runs):
+        raise UsageError(f"--between {between}: two runs are run:PATH_A,run:PATH_B (or run:PATH_B, against RUN); "
+                         "run: cannot be mixed with eager, cudagraph, rank:N, recorded or rerun")
+    return [x[4:] for x in runs]
+
+
+def _layers_between_runs(run: Path | None, root: str, part: str | None, runs: list[str], *, rank: int | None,
+                         step: int | None, mode: str | None, options: api.RerunOptions, modules: list[str] | None,
+                         context: int, trust: bool, save: bool, as_json: bool) -> int:
+    """``--between run:A,run:B``: rank R of each run's part (R from PATH:PART/R, else --rank, else
+    the first), re-run each from its own recording."""
+    from replay.analysis.diff_sides import open_side
+
+    if len(runs) == 2 and (run is not None or part is not None):
+        raise UsageError("--between run:A,run:B names both recordings: give no RUN or --part (or --between run:B alone)")
+    say = _say(as_json)
+    with ExitStack() as stack:
+        if len(runs) == 2:
+            sa = open_side(runs[0], "A")
+            stack.callback(sa.recording.close)
+            part_a, rank_a, path_a = sa.part, sa.ranks[0] if sa.rank_given else rank, sa.recording.path
+        else:
+            rec, part_a = _part(run, root, part, as_json)
+            stack.callback(rec.close)
+            rank_a, path_a = rank, rec.path
+        sb = open_side(runs[-1], "B")
+        stack.callback(sb.recording.close)
+        rank_b = sb.ranks[0] if sb.rank_given else rank
+        for p in (part_a, sb.part):
+            _admit(p, factory=options.factory, trust=trust, say=say)
+        result = api.bisect_runs(part_a, sb.part, rank_a=rank_a, rank_b=rank_b, step=step, mode=mode, options=options,
+                                 modules=modules, context=context, announce=say, progress=progress)
+    return _finish(path_a, result, save=save, as_json=as_json)
 
 
 @bisect.command(epilog="\b\nExamples:\n  replay bisect config --rank 3 --step 812 --toggles deterministic,tuner,cudagraph\n"
