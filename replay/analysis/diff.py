@@ -51,38 +51,53 @@ def _unsharded(name: str, a: Side, b: Side, la: Layout, lb: Layout, opts: DiffOp
     fa, fb = [a.part[r] for r in a.part], [b.part[r] for r in b.part]
     common = np.intersect1d(fa[0].tables.steps["step"], fb[0].tables.steps["step"])
     u = UnshardedField(field=name, layout_a=la.describe(), layout_b=lb.describe(), verdict=DiffVerdict.SAME)
-    for w, files, lay, world in (("A", fa, la, worlds[0]), ("B", fb, lb, worlds[1])):
-        if lay.kind is LayoutKind.SHARDED and [rf.rank for rf in files] != list(range(world)):
-            u.verdict = DiffVerdict.INCOMPLETE
-            u.note = (f"{w}: sharded over {world} ranks but rank files {', '.join(str(rf.rank) for rf in files)} are "
-                      "all there is: it cannot be unsharded; not compared")
-            return u
-    from replay.analysis.compare import Verdict, compare_tensors
-
+    incomplete = _incomplete_shards(((("A", fa, la, worlds[0]), ("B", fb, lb, worlds[1]))))
+    if incomplete:
+        u.verdict, u.note = DiffVerdict.INCOMPLETE, incomplete
+        return u
     for step in common[: opts.max_tensor_compares]:
-        step = int(step)
-        ta, tb = whole_tensor(fa, step, name, la), whole_tensor(fb, step, name, lb)
-        if isinstance(ta, Missing) or isinstance(tb, Missing):
-            u.verdict = DiffVerdict.INCOMPLETE
-            u.note = f"{'A' if isinstance(ta, Missing) else 'B'}: {ta if isinstance(ta, Missing) else tb}; not compared"
+        if not _compare_whole(u, int(step), fa, fb, la, lb, opts):
             return u
-        u.compared_steps += 1
-        rtol, atol = opts.tolerances()
-        c = compare_tensors(ta, tb, name_a="A", name_b="B", rtol=rtol, atol=atol, k=opts.topk)
-        if c.verdict is Verdict.BITWISE_EQUAL or (opts.tolerant and within_tolerance(c, opts)):
-            if c.verdict is not Verdict.BITWISE_EQUAL and u.verdict is DiffVerdict.SAME:
-                u.verdict = DiffVerdict.WITHIN_TOLERANCE
-            continue
-        u.differing_steps += 1
-        if u.first_step is None:
-            u.first_step, u.comparison = step, c.to_json()
-        u.verdict = DiffVerdict.DIFFERENT
     if common.size == 0:
         u.verdict, u.note = DiffVerdict.INCOMPLETE, "no step recorded in both"
     elif common.size > opts.max_tensor_compares and u.verdict is not DiffVerdict.DIFFERENT:
         u.verdict = DiffVerdict.INCOMPLETE
         u.note = f"compared the first {opts.max_tensor_compares} of {common.size} steps (--max-tensor-compares)"
     return u
+
+
+def _incomplete_shards(sides: tuple[tuple[str, list[RankFile], Layout, int], ...]) -> str:
+    """Why a side's shards cannot be put back together (a rank file missing), or ""."""
+    for w, files, lay, world in sides:
+        if lay.kind is LayoutKind.SHARDED and [rf.rank for rf in files] != list(range(world)):
+            return (f"{w}: sharded over {world} ranks but rank files {', '.join(str(rf.rank) for rf in files)} are "
+                    "all there is: it cannot be unsharded; not compared")
+    return ""
+
+
+def _compare_whole(u: UnshardedField, step: int, fa: list[RankFile], fb: list[RankFile], la: Layout, lb: Layout,
+                   opts: DiffOptions) -> bool:
+    """Compare ``u.field`` at ``step``, put back together on both sides, into ``u``; False when a
+    side cannot be read back whole (``u`` then says why and is not the same)."""
+    from replay.analysis.compare import Verdict, compare_tensors
+
+    ta, tb = whole_tensor(fa, step, u.field, la), whole_tensor(fb, step, u.field, lb)
+    if isinstance(ta, Missing) or isinstance(tb, Missing):
+        u.verdict = DiffVerdict.INCOMPLETE
+        u.note = f"{'A' if isinstance(ta, Missing) else 'B'}: {ta if isinstance(ta, Missing) else tb}; not compared"
+        return False
+    u.compared_steps += 1
+    rtol, atol = opts.tolerances()
+    c = compare_tensors(ta, tb, name_a="A", name_b="B", rtol=rtol, atol=atol, k=opts.topk)
+    if c.verdict is Verdict.BITWISE_EQUAL or (opts.tolerant and within_tolerance(c, opts)):
+        if c.verdict is not Verdict.BITWISE_EQUAL and u.verdict is DiffVerdict.SAME:
+            u.verdict = DiffVerdict.WITHIN_TOLERANCE
+        return True
+    u.differing_steps += 1
+    if u.first_step is None:
+        u.first_step, u.comparison = step, c.to_json()
+    u.verdict = DiffVerdict.DIFFERENT
+    return True
 
 
 # -- the whole diff -----------------------------------------------------------------------------
@@ -183,25 +198,9 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     notes: list[str] = list(missing)
     unsharded: list[UnshardedField] = []
     excluded: set[str] = set()
-    a0, b0 = a.part[next(iter(a.part))], b.part[next(iter(b.part))]
     if wa != wb:
-        # Laid out differently: a sharded field's per-rank digests differ by design, so such a
-        # field is compared whole instead of rank by rank; and collectives belong to a layout (a
-        # TP=1 run has no all-reduce), so they are not compared at all.
-        names_ab = sorted(set(_field_names(a0)) | set(_field_names(b0)))
-        coll = [n for n in names_ab if n.startswith("collective.")]
-        excluded.update(coll)
-        if coll:
-            notes.append(f"{len(coll)} collective field(s) not compared: collectives differ with the layout")
-        for name in (n for n in names_ab if not n.startswith("collective.")):
-            la, lb = field_layout(a0.attrs, name, opts.shards), field_layout(b0.attrs, name, opts.shards)
-            if la.kind is LayoutKind.REPLICATED and lb.kind is LayoutKind.REPLICATED:
-                continue
-            excluded.add(name)
-            unsharded.append(_unsharded(name, a, b, la, lb, opts, (wa, wb)))
-        notes.append(f"A has {wa} rank(s) and B {wb}: replicated fields are compared rank against rank, "
-                     "sharded fields whole" + ("" if unsharded else " (no field has a recorded or declared shard layout)"))
-        notes += _shape_notes(files[0], excluded)
+        unsharded, excluded, layout_notes = _across_layouts(a, b, opts, (wa, wb))
+        notes += layout_notes + _shape_notes(files[0], excluded)
     elif opts.shards:
         notes.append("--shard ignored: A and B have the same layout, so shards are compared shard against shard")
     jobs = [_PairJob(dir_a=a.part.path, rank_a=x, dir_b=b.part.path, rank_b=y, excluded=frozenset(excluded),
@@ -213,13 +212,35 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
                                   same_layout=wa == wb, numerics_per_step=next((n for *_, n in done if n), None))
     weights = next(c for c in context if c.category is Category.WEIGHTS)
     verdict = worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
-                     + ([DiffVerdict.DIFFERENT] if weights.differs else [])
-                     + ([DiffVerdict.INCOMPLETE] if missing else []))
+                    + ([DiffVerdict.DIFFERENT] if weights.differs else [])
+                    + ([DiffVerdict.INCOMPLETE] if missing else []))
     rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
                  layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
                  batching=batching if batching.batched_differently else None, context=context, notes=notes)
     rd.headline = _headline(rd)
     return rd
+
+
+def _across_layouts(a: Side, b: Side, opts: DiffOptions, worlds: tuple[int, int]) -> tuple[list[UnshardedField], set[str], list[str]]:
+    """Runs laid out differently: a sharded field's per-rank digests differ by design, so such a
+    field is compared whole instead of rank by rank; and collectives belong to a layout (a TP=1
+    run has no all-reduce), so they are not compared at all. Returns (fields compared whole,
+    fields taken out of the streams, notes)."""
+    a0, b0 = a.part[next(iter(a.part))], b.part[next(iter(b.part))]
+    names_ab = sorted(set(_field_names(a0)) | set(_field_names(b0)))
+    coll = [n for n in names_ab if n.startswith("collective.")]
+    excluded = set(coll)
+    notes = [f"{len(coll)} collective field(s) not compared: collectives differ with the layout"] if coll else []
+    unsharded: list[UnshardedField] = []
+    for name in (n for n in names_ab if not n.startswith("collective.")):
+        la, lb = field_layout(a0.attrs, name, opts.shards), field_layout(b0.attrs, name, opts.shards)
+        if la.kind is LayoutKind.REPLICATED and lb.kind is LayoutKind.REPLICATED:
+            continue
+        excluded.add(name)
+        unsharded.append(_unsharded(name, a, b, la, lb, opts, worlds))
+    notes.append(f"A has {worlds[0]} rank(s) and B {worlds[1]}: replicated fields are compared rank against rank, "
+                 "sharded fields whole" + ("" if unsharded else " (no field has a recorded or declared shard layout)"))
+    return unsharded, excluded, notes
 
 
 def _batching(s: StreamDiff, pair: tuple[RankFile, RankFile]) -> BatchAlignment:
@@ -255,43 +276,59 @@ def _fmt_margin(m: float | None) -> str:
 def _headline(rd: RunDiff) -> str:
     """The first line of the output: the verdict, then the one fact that says most."""
     v = rd.verdict
-    n_steps = max((s.facts.common.size for s in rd.streams), default=0)
     if v is DiffVerdict.SAME:
-        return (f"the same: every field of every step has the same bits ({len(rd.streams)} stream"
-                f"{'s' if len(rd.streams) != 1 else ''} x {n_steps} steps"
-                + (f", {len(rd.unsharded)} field(s) compared unsharded" if rd.unsharded else "") + ")")
+        return _same_headline(rd)
     if v is DiffVerdict.WITHIN_TOLERANCE:
         n = sum(s.differing_rows for s in rd.streams)
         return f"the same within tolerance ({rd.tolerance}): {n} field(s) differ in bits, every one within tolerance"
-    first, tok = rd.first, rd.first_token
     if v is DiffVerdict.DIFFERENT:
-        if first is not None:
-            s, f = first
-            steps = sum(x.differing_steps for x in rd.streams if x is s)
-            text = f"different: {s.name} step {f.step}: {f.field} first differs; {steps} of {s.facts.common.size} steps differ"
-            if tok is not None:
-                ts, t = tok
-                text += f"; first token divergence step {t.step} ({t.field}, margin A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
-            else:
-                text += "; no token divergence"
-            if rd.batching is not None:
-                text += "; the runs batched differently" + (" (rows aligned below)" if rd.batching.aligned else "")
-            weights = next((c for c in rd.context if c.category is Category.WEIGHTS and c.differs), None)
-            if weights is not None:  # the likeliest cause, named on the first line
-                text += f"; weights differ: {weights.items[0]['name']}" + (f" and {weights.count - 1} more" if weights.count > 1 else "")
-            return text
-        bad = [u for u in rd.unsharded if u.verdict is DiffVerdict.DIFFERENT]
-        if bad:
-            return f"different: {bad[0].field} (compared unsharded) first differs at step {bad[0].first_step}"
-        weights = next((c for c in rd.context if c.category is Category.WEIGHTS and c.differs), None)
-        if weights is not None:
-            names = ", ".join(str(i["name"]) for i in weights.items[:3])
-            return f"different: weights differ ({names}{', ...' if weights.count > 3 else ''}); every step's fields have the same bits"
-        s = next(x for x in rd.streams if x.verdict is DiffVerdict.DIFFERENT)
-        return f"different: {s.name}: {'; '.join(s.reasons) or 'fields differ'}"
+        return _different_headline(rd) if rd.first is not None else _different_elsewhere(rd)
     reasons = ([f"{s.name}: {r}" for s in rd.streams for r in s.reasons] + [f"{u.field}: {u.note}" for u in rd.unsharded if u.note]
                + [n for n in rd.notes if n.endswith("not compared")])
     return f"not shown to be the same: {reasons[0] if reasons else 'nothing was compared'}"
+
+
+def _same_headline(rd: RunDiff) -> str:
+    n_steps = max((s.facts.common.size for s in rd.streams), default=0)
+    plural = "s" if len(rd.streams) != 1 else ""
+    unsharded = f", {len(rd.unsharded)} field(s) compared unsharded" if rd.unsharded else ""
+    return f"the same: every field of every step has the same bits ({len(rd.streams)} stream{plural} x {n_steps} steps{unsharded})"
+
+
+def _differing_weights(rd: RunDiff) -> Any:
+    return next((c for c in rd.context if c.category is Category.WEIGHTS and c.differs), None)
+
+
+def _different_headline(rd: RunDiff) -> str:
+    """Different, with a first (step, field): where, how many steps, the tokens, then the likeliest cause."""
+    assert rd.first is not None
+    s, f = rd.first
+    steps = sum(x.differing_steps for x in rd.streams if x is s)
+    text = f"different: {s.name} step {f.step}: {f.field} first differs; {steps} of {s.facts.common.size} steps differ"
+    if rd.first_token is not None:
+        t = rd.first_token[1]
+        text += f"; first token divergence step {t.step} ({t.field}, margin A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
+    else:
+        text += "; no token divergence"
+    if rd.batching is not None:
+        text += "; the runs batched differently" + (" (rows aligned below)" if rd.batching.aligned else "")
+    weights = _differing_weights(rd)
+    if weights is not None:  # the likeliest cause, named on the first line
+        text += f"; weights differ: {weights.items[0]['name']}" + (f" and {weights.count - 1} more" if weights.count > 1 else "")
+    return text
+
+
+def _different_elsewhere(rd: RunDiff) -> str:
+    """Different, with no stream row that differs: an unsharded field, the weights, or a stream's reasons."""
+    bad = [u for u in rd.unsharded if u.verdict is DiffVerdict.DIFFERENT]
+    if bad:
+        return f"different: {bad[0].field} (compared unsharded) first differs at step {bad[0].first_step}"
+    weights = _differing_weights(rd)
+    if weights is not None:
+        names = ", ".join(str(i["name"]) for i in weights.items[:3])
+        return f"different: weights differ ({names}{', ...' if weights.count > 3 else ''}); every step's fields have the same bits"
+    s = next(x for x in rd.streams if x.verdict is DiffVerdict.DIFFERENT)
+    return f"different: {s.name}: {'; '.join(s.reasons) or 'fields differ'}"
 
 
 def first_difference(ra: RankFile, rb: RankFile) -> FirstDifference | None:

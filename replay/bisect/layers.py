@@ -545,18 +545,32 @@ def bisect_layers(
     first = next((m for m in rows if m.differs and not m.rank_local), None)
     makers = [m for m in rows if m.differs and not m.rank_local and m.inputs_equal]
     maker = _maker(makers, ra)
-    before: list[ModuleVerdict] = []
-    if first is not None and context > 0:
-        before = [m for m in rows[:rows.index(first)] if not m.rank_local][-context:]
-    outputs = [compare_tensors(*_align(ra.outputs[k], rb.outputs[k])[:2], name_a=f"{a.label} {k}", name_b=f"{b.label} {k}")
-               for k in ra.outputs if k in rb.outputs]
-    silent = [m for m in ra.capture.tapped if m not in ra.capture.called and m not in rb.capture.called]
+    before = _before(rows, first, context)
     param_diffs = differing_params(ra.params, rb.params) if across_runs else []
     notes = [n for r in runs for n in _side_notes(r, step)] + _rounding_notes(rows, makers, maker)
     notes += _param_notes(ra, rb, param_diffs) + _row_notes(rows)
     return LayersBisection(recording=recording, part=part.name, step=step, sides=runs, modules=rows, first=first,
-                           maker=maker, before=before, origin=_origin(first, rows, ra), outputs=outputs, silent=silent,
-                           notes=notes, param_diffs=param_diffs)
+                           maker=maker, before=before, origin=_origin(first, rows, ra), outputs=_outputs(ra, rb),
+                           silent=_silent(ra, rb), notes=notes, param_diffs=param_diffs)
+
+
+def _before(rows: list[ModuleVerdict], first: ModuleVerdict | None, context: int) -> list[ModuleVerdict]:
+    """The ``context`` replicated module outputs just before the first that differs."""
+    if first is None or context <= 0:
+        return []
+    return [m for m in rows[:rows.index(first)] if not m.rank_local][-context:]
+
+
+def _outputs(ra: SideRun, rb: SideRun) -> list[Comparison]:
+    """The step's own outputs, compared by name."""
+    a, b = ra.side.label, rb.side.label
+    return [compare_tensors(*_align(ra.outputs[k], rb.outputs[k])[:2], name_a=f"{a} {k}", name_b=f"{b} {k}")
+            for k in ra.outputs if k in rb.outputs]
+
+
+def _silent(ra: SideRun, rb: SideRun) -> list[str]:
+    """Tapped modules whose forward ran on neither side."""
+    return [m for m in ra.capture.tapped if m not in ra.capture.called and m not in rb.capture.called]
 
 
 def _maker(makers: list[ModuleVerdict], ra: SideRun) -> ModuleVerdict | None:
