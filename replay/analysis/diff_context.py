@@ -117,24 +117,38 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
     if not have_a or not have_b:
         which = "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
         return ContextDiff(category=Category.WEIGHTS, compared=False, note=f"weights not recorded in {which}")
-    items: list[dict[str, Any]] = []
-    for (ra, rb), da, db in zip(pairs, wa, wb):
-        for name in sorted(set(da) | set(db)):
-            pa, pb = da.get(name), db.get(name)
-            if pa is None or pb is None:
-                items.append({"name": name, "ranks": [ra.rank, rb.rank], "a": "absent" if pa is None else "present",
-                              "b": "absent" if pb is None else "present"})
-                continue
-            if not isinstance(pa, dict) or not isinstance(pb, dict):
-                continue
-            if pa.get("shape") != pb.get("shape") or pa.get("dtype") != pb.get("dtype"):
-                items.append({"name": name, "ranks": [ra.rank, rb.rank],
-                              "a": f"{pa.get('dtype')} {pa.get('shape')}", "b": f"{pb.get('dtype')} {pb.get('shape')}",
-                              "why": "shape or dtype" + ("" if same_layout else " (the runs are laid out differently: may be a shard)")})
-            elif same_layout and pa.get("digest") != pb.get("digest"):
-                items.append({"name": name, "ranks": [ra.rank, rb.rank], "a": _short(pa.get("digest")),
-                              "b": _short(pb.get("digest")), "why": "digest"})
-    # The same parameter on every rank pair is one difference, named once with its ranks.
+    items = [it for (ra, rb), da, db in zip(pairs, wa, wb) for name in sorted(set(da) | set(db))
+             if (it := _weight_item(name, da.get(name), db.get(name), (ra.rank, rb.rank), same_layout)) is not None]
+    merged = list(_merge_ranks(items).values())
+    if same_layout:
+        return _capped(Category.WEIGHTS, merged)
+    if not merged:
+        # Digests of shards cannot be compared across layouts: do not call the weights the same.
+        return ContextDiff(category=Category.WEIGHTS, compared=False,
+                           note="names, shapes and dtypes the same; digests are per shard, so the values cannot be "
+                                "compared across layouts")
+    return _capped(Category.WEIGHTS, merged, "the runs are laid out differently: only names, shapes and dtypes compared")
+
+
+def _weight_item(name: str, pa: Any, pb: Any, ranks: tuple[int, int], same_layout: bool) -> dict[str, Any] | None:
+    """How one parameter differs between a rank of A and a rank of B, or None when it does not
+    (or cannot be told: digests of shards across layouts)."""
+    if pa is None or pb is None:
+        return {"name": name, "ranks": list(ranks), "a": "absent" if pa is None else "present",
+                "b": "absent" if pb is None else "present"}
+    if not isinstance(pa, dict) or not isinstance(pb, dict):
+        return None
+    if pa.get("shape") != pb.get("shape") or pa.get("dtype") != pb.get("dtype"):
+        return {"name": name, "ranks": list(ranks), "a": f"{pa.get('dtype')} {pa.get('shape')}",
+                "b": f"{pb.get('dtype')} {pb.get('shape')}",
+                "why": "shape or dtype" + ("" if same_layout else " (the runs are laid out differently: may be a shard)")}
+    if same_layout and pa.get("digest") != pb.get("digest"):
+        return {"name": name, "ranks": list(ranks), "a": _short(pa.get("digest")), "b": _short(pb.get("digest")), "why": "digest"}
+    return None
+
+
+def _merge_ranks(items: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The same parameter on every rank pair is one difference, named once with its ranks."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
     for it in items:
         key = (it["name"], it.get("why", ""))
@@ -142,15 +156,7 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
             merged[key]["ranks_a"].append(it["ranks"][0])
         else:
             merged[key] = {**{k: v for k, v in it.items() if k != "ranks"}, "ranks_a": [it["ranks"][0]]}
-    if same_layout:
-        return _capped(Category.WEIGHTS, list(merged.values()))
-    if not merged:
-        # Digests of shards cannot be compared across layouts: do not call the weights the same.
-        return ContextDiff(category=Category.WEIGHTS, compared=False,
-                           note="names, shapes and dtypes the same; digests are per shard, so the values cannot be "
-                                "compared across layouts")
-    return _capped(Category.WEIGHTS, list(merged.values()),
-                   "the runs are laid out differently: only names, shapes and dtypes compared")
+    return merged
 
 
 def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
@@ -175,26 +181,31 @@ def _numerics(a: RankMeta, b: RankMeta, per_step: dict[str, Any] | None) -> Cont
         items += _dict_diff({"launch_env": la.get("env_numerics") or {}}, {"launch_env": lb.get("env_numerics") or {}})
     # Per-step numerics contexts (optional): every distinct context each rank ran a step under.
     na, nb = _target(a).get("numerics"), _target(b).get("numerics")
-    note = ""
     if isinstance(na, dict) and isinstance(nb, dict):
-        ctx_a = _contexts(na)
-        ctx_b = _contexts(nb)
-        if per_step is not None:
-            changes = per_step["changes"] or [{"name": "step_context", "a": "?", "b": "?"}]
-            for c in changes:
-                items.append({**c, "name": f"step {per_step['step']}: {c['name']}", "steps": per_step["steps_differ"]})
-            note = f"the step contexts first differ at step {per_step['step']} ({per_step['steps_differ']} steps differ)"
-        elif ctx_a != ctx_b:
-            first_a, first_b = na.get("first"), nb.get("first")
-            items += _dict_diff({"step_context": (na.get("contexts") or {}).get(first_a) or {}},
-                                {"step_context": (nb.get("contexts") or {}).get(first_b) or {}})
-            if len(ctx_a) != len(ctx_b):
-                items.append({"name": "step_context.distinct", "a": len(ctx_a), "b": len(ctx_b)})
+        step_items, note = _context_changes(na, nb, per_step)
+        items += step_items
     elif na is None and nb is None:
         note = "no per-step numerics context recorded"
     else:
         note = f"per-step numerics context recorded in run {'A' if na is not None else 'B'} only"
     return _capped(Category.NUMERICS, items, note)
+
+
+def _context_changes(na: dict[str, Any], nb: dict[str, Any], per_step: dict[str, Any] | None) -> tuple[list[dict[str, Any]], str]:
+    """How the per-step numerics contexts of the two runs differ: at the first step where they
+    do (``per_step``, when known), else the first context of each run. (items, note)"""
+    if per_step is not None:
+        changes = per_step["changes"] or [{"name": "step_context", "a": "?", "b": "?"}]
+        items = [{**c, "name": f"step {per_step['step']}: {c['name']}", "steps": per_step["steps_differ"]} for c in changes]
+        return items, f"the step contexts first differ at step {per_step['step']} ({per_step['steps_differ']} steps differ)"
+    ctx_a, ctx_b = _contexts(na), _contexts(nb)
+    if ctx_a == ctx_b:
+        return [], ""
+    items = _dict_diff({"step_context": (na.get("contexts") or {}).get(na.get("first")) or {}},
+                       {"step_context": (nb.get("contexts") or {}).get(nb.get("first")) or {}})
+    if len(ctx_a) != len(ctx_b):
+        items.append({"name": "step_context.distinct", "a": len(ctx_a), "b": len(ctx_b)})
+    return items, ""
 
 
 def _contexts(n: dict[str, Any]) -> list[str]:

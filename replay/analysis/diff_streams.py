@@ -213,42 +213,57 @@ def compare_stream(ra: RankFile, rb: RankFile, names: Names, keep: Callable[[str
     """Rank ``ra`` of A against rank ``rb`` of B: every (step, field) row, and what the steps say."""
     facts = step_facts(ra, rb)
     rd = diff_rows(field_rows(ra, names, keep), field_rows(rb, names, keep), facts.common)
-    is_token = np.array([n.startswith("tokens.") for n in names.names] + [False], dtype=bool)
-    first = _first(rd, 0, names, ra, rb, opts) if rd.size else None
-    tok_idx = np.flatnonzero(is_token[rd.gid]) if rd.size else np.zeros(0, dtype=np.int64)
-    first_token = _first(rd, int(tok_idx[0]), names, ra, rb, opts) if tok_idx.size else None
+    first = first_token = None
+    if rd.size:
+        is_token = np.array([n.startswith("tokens.") for n in names.names] + [False], dtype=bool)
+        first = _first(rd, 0, names, ra, rb, opts)
+        tok_idx = np.flatnonzero(is_token[rd.gid])
+        first_token = _first(rd, int(tok_idx[0]), names, ra, rb, opts) if tok_idx.size else None
     s = StreamDiff(rank_a=ra.rank, rank_b=rb.rank, verdict=DiffVerdict.SAME, facts=facts, compared_rows=rd.compared,
                    differing_rows=rd.size, differing_steps=int(np.unique(rd.step).size), first=first, first_token=first_token,
                    same_layout=same_layout)
+    beyond = rd.size
     if rd.size:
         ids, n = np.unique(rd.gid, return_counts=True)  # one row per (step, field): a count of steps
         top = np.argsort(-n, kind="stable")[:8]
         s.by_field = {names.names[int(ids[i])]: int(n[i]) for i in top}
-    beyond = rd.size
-    if opts.tolerant and rd.size:
-        beyond = _apply_tolerance(s, rd, names, ra, rb, opts)
-    reasons = s.reasons
+        if opts.tolerant:
+            beyond = _apply_tolerance(s, rd, names, ra, rb, opts)
+    s.reasons += _step_reasons(facts)
+    s.verdict = _stream_verdict(facts, rd, beyond)
+    if s.verdict is DiffVerdict.INCOMPLETE and rd.compared == 0 and facts.common.size:
+        s.reasons.append("no field recorded in both")
+    return s
+
+
+def _step_reasons(facts: StreamFacts) -> list[str]:
+    """Steps one run recorded and the other did not, steps that raised, no common step."""
+    reasons = []
     if facts.only_a.size or facts.only_b.size:
-        reasons.append(", ".join(f"{n} step{'s' if a.size != 1 else ''} recorded in {w} only (first: {int(a[0])})"
-                                 for w, a, n in (("A", facts.only_a, facts.only_a.size), ("B", facts.only_b, facts.only_b.size)) if a.size))
-    raised_differ = set(facts.raised_a) != set(facts.raised_b) or facts.n_raised_a != facts.n_raised_b
+        reasons.append(", ".join(f"{a.size} step{'s' if a.size != 1 else ''} recorded in {w} only (first: {int(a[0])})"
+                                 for w, a in (("A", facts.only_a), ("B", facts.only_b)) if a.size))
     for w, n, r in (("A", facts.n_raised_a, facts.raised_a), ("B", facts.n_raised_b, facts.raised_b)):
         if n:
             k = next(iter(r))
             reasons.append(f"{n} step{'s' if n != 1 else ''} raised in {w} (first: step {k}: {r[k][:120]})")
     if facts.common.size == 0:
         reasons.append("no step recorded in both")
+    return reasons
+
+
+def _stream_verdict(facts: StreamFacts, rd: RowDiff, beyond: int) -> DiffVerdict:
+    """Different when a field differs beyond tolerance or the steps differ (recorded, raised);
+    not shown the same when a step raised in both or nothing was compared."""
+    raised_differ = set(facts.raised_a) != set(facts.raised_b) or facts.n_raised_a != facts.n_raised_b
     if rd.size and beyond:
-        s.verdict = DiffVerdict.DIFFERENT
-    elif facts.only_a.size or facts.only_b.size or raised_differ:
-        s.verdict = DiffVerdict.DIFFERENT
-    elif facts.n_raised_a or facts.common.size == 0 or rd.compared == 0:
-        s.verdict = DiffVerdict.INCOMPLETE
-        if rd.compared == 0 and facts.common.size:
-            reasons.append("no field recorded in both")
-    elif rd.size:
-        s.verdict = DiffVerdict.WITHIN_TOLERANCE
-    return s
+        return DiffVerdict.DIFFERENT
+    if facts.only_a.size or facts.only_b.size or raised_differ:
+        return DiffVerdict.DIFFERENT
+    if facts.n_raised_a or facts.common.size == 0 or rd.compared == 0:
+        return DiffVerdict.INCOMPLETE
+    if rd.size:
+        return DiffVerdict.WITHIN_TOLERANCE
+    return DiffVerdict.SAME
 
 
 def _apply_tolerance(s: StreamDiff, rd: RowDiff, names: Names, ra: RankFile, rb: RankFile, opts: DiffOptions) -> int:
