@@ -19,7 +19,6 @@ MAX_COMPLEXITY = 20
 # offender is split instead.
 ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/rerun/runner.py::rerun_step": 38,  # the re-run (issue #14) splits it
-    "replay/bisect/layers.py::bisect_layers": 49,  # the re-run (issue #14); grew in 86d8bb1 and after
     "replay/record/writer.py::Writer._emit": 30,  # the recorder (overhead issue)
     "replay/record/calls.py::split_arguments": 24,  # the recorder (overhead issue)
     "replay/format/tables.py::check_payload_bounds": 27,  # the reader (issue #16)
@@ -27,20 +26,9 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/cli/step.py::render_step": 25,  # the re-run owns cli/step.py (issue #14)
     "replay/workloads/mtp/launch.py::run_many": 22,  # the reference workload
     # Landed on main while this check was written (merged at 9fcf8ee):
-    "replay/analysis/align.py::align_batches": 23,  # replay diff (issue #17)
-    "replay/analysis/diff.py::_headline": 38,  # replay diff (issue #17)
-    "replay/analysis/diff.py::_unsharded": 22,  # replay diff (issue #17)
-    "replay/analysis/diff.py::diff_runs": 26,  # replay diff (issue #17)
-    "replay/analysis/diff_context.py::_numerics": 25,  # replay diff (issue #17)
-    "replay/analysis/diff_context.py::_weights": 31,  # replay diff (issue #17)
-    "replay/analysis/diff_streams.py::compare_stream": 30,  # replay diff (issue #17)
-    "replay/analysis/unshard.py::field_row": 23,  # replay diff (issue #17)
-    "replay/cli/diff.py::render_diff": 36,  # replay diff (issue #17)
-    "replay/report/diff_section.py::render_diff_section": 27,  # replay diff (issue #17)
     "replay/cli/record.py::record": 31,  # the recorder owns cli/record.py (overhead issue)
     "replay/trust.py::check": 24,  # the trust model (issue #16)
     # Landed on main by 23:09 (merged at d2317ab):
-    "replay/bisect/layers.py::LayersBisection.verdict": 24,  # the re-run (issue #14)
     "replay/rerun/target.py::TargetSpec.from_rank_file": 30,  # the re-run (issue #14)
     "replay/record/calls.py::to_json_safe": 24,  # the recorder
     "replay/record/discovery.py::summary_lines": 27,  # the recorder (step discovery, issue #14)

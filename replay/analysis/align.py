@@ -110,11 +110,8 @@ def align_batches(a: RankFile, b: RankFile, steps_a: np.ndarray, steps_b: np.nda
         return BatchAlignment(batched_differently=False, note="no common step to compare batching at")
     s0 = int(common[0])
     ia, ib = _input_shapes(a, s0), _input_shapes(b, s0)
-    evidence = ""
-    for name in sorted(set(ia) & set(ib)):
-        if ia[name][:1] != ib[name][:1]:
-            evidence = f"input.{name} has shape {ia[name]} in A and {ib[name]} in B at step {s0}"
-            break
+    evidence = next((f"input.{name} has shape {ia[name]} in A and {ib[name]} in B at step {s0}"
+                     for name in sorted(set(ia) & set(ib)) if ia[name][:1] != ib[name][:1]), "")
     if not evidence:
         return BatchAlignment(batched_differently=False)
     req = _pick(set(ia) & set(ib), REQUEST_INPUTS)
@@ -131,6 +128,17 @@ def align_batches(a: RankFile, b: RankFile, steps_a: np.ndarray, steps_b: np.nda
         return BatchAlignment(batched_differently=True, evidence=evidence,
                               note=f"rows cannot be aligned: {'A ' + why_a if why_a else 'B ' + why_b}")
     keys = sorted(set(rows_a) & set(rows_b), key=lambda k: (k[1], k[0]))
+    differ, first, fields = _compare_rows(keys, rows_a, rows_b)
+    left = [f"{w} has {n - MAX_STEPS} more steps, not read" for w, n in (("A", steps_a.size), ("B", steps_b.size)) if n > MAX_STEPS]
+    only = len(set(rows_a) ^ set(rows_b))
+    notes = left + ([f"{only} (request, position) rows recorded in one run only"] if only else [])
+    return BatchAlignment(batched_differently=True, evidence=evidence, aligned=True, note="; ".join(notes),
+                          rows_compared=len(keys), rows_differ=differ, first=first, fields=sorted(fields))
+
+
+def _compare_rows(keys: list[Any], rows_a: dict[Any, dict[str, Any]], rows_b: dict[Any, dict[str, Any]]
+                  ) -> tuple[int, dict[str, Any] | None, set[str]]:
+    """(rows that differ, the first of them, every field compared), over the (request, position) keys."""
     fields: set[str] = set()
     differ = 0
     first = None
@@ -143,8 +151,4 @@ def align_batches(a: RankFile, b: RankFile, steps_a: np.ndarray, steps_b: np.nda
             differ += 1
             if first is None:
                 first = {"request": k[0], "position": k[1], "field": bad[0], "step_a": ra["step"], "step_b": rb["step"]}
-    left = [f"{w} has {n - MAX_STEPS} more steps, not read" for w, n in (("A", steps_a.size), ("B", steps_b.size)) if n > MAX_STEPS]
-    only = len(set(rows_a) ^ set(rows_b))
-    notes = left + ([f"{only} (request, position) rows recorded in one run only"] if only else [])
-    return BatchAlignment(batched_differently=True, evidence=evidence, aligned=True, note="; ".join(notes),
-                          rows_compared=len(keys), rows_differ=differ, first=first, fields=sorted(fields))
+    return differ, first, fields

@@ -113,38 +113,50 @@ def field_row(rf: RankFile, step: int, field: str) -> np.void | Missing:
     if rf.tables.payload_size == 0:
         # No tensor bytes at all: known from the summary, without reading /tensors.
         return Missing("recorded as a digest only")
-    t = rf.full()
     if field.startswith("collective."):
-        c = t.collectives[t.collectives["step"] == step]
-        c = c[np.argsort(c["ordinal"], kind="stable")]
-        try:
-            n = int(field.split(".")[1])
-        except (IndexError, ValueError):
-            return Missing(f"{field}: not a collective field name")
-        if n >= c.size or int(c["out_tensor"][n]) < 0:
-            return Missing("collective output recorded as a digest only")
-        i = int(c["out_tensor"][n])
-        if i >= t.tensors.size:
-            raise RecordingDamaged(f"{rf.path}: collective of step {step} points outside /tensors")
-        return t.tensors[i]
+        return _collective_row(rf, step, field)
     kind = next((k for p, k in _KIND.items() if field.startswith(p)), None)
     if kind is None:
         return Missing(f"{field} has no tensor (it is a digest of the step's graph/mode)")
+    t = rf.full()
     name = field.split(".", 1)[1]
     rows = rf.tensor_rows(step)
     found = [r for r in rows if int(r["kind"]) == int(kind) and t.string(int(r["name"])) == name]
     if kind is TensorKind.OUTPUT and (not found or int(found[-1]["offset"]) < 0):
-        # Outputs are digests by default; the logits ring may still hold this step's logits.
-        logits_name = (rf.attrs.get("recorder") or {}).get("logits", "logits")
-        if name == logits_name:
-            ring = [r for r in rows if int(r["kind"]) == int(TensorKind.LOGITS)]
-            if ring:
-                return ring[-1]
+        ring = _logits_ring_row(rf, rows, name)
+        if ring is not None:
+            return ring
     if not found:
         return Missing(f"{field} has no tensor row at step {step}")
     if int(found[-1]["offset"]) < 0:
         return Missing("recorded as a digest only")
     return found[-1]
+
+
+def _collective_row(rf: RankFile, step: int, field: str) -> np.void | Missing:
+    """``collective.N...``: the output of the step's N-th collective, when kept in full."""
+    t = rf.full()
+    c = t.collectives[t.collectives["step"] == step]
+    c = c[np.argsort(c["ordinal"], kind="stable")]
+    try:
+        n = int(field.split(".")[1])
+    except (IndexError, ValueError):
+        return Missing(f"{field}: not a collective field name")
+    if n >= c.size or int(c["out_tensor"][n]) < 0:
+        return Missing("collective output recorded as a digest only")
+    i = int(c["out_tensor"][n])
+    if i >= t.tensors.size:
+        raise RecordingDamaged(f"{rf.path}: collective of step {step} points outside /tensors")
+    return t.tensors[i]
+
+
+def _logits_ring_row(rf: RankFile, rows: Any, name: str) -> np.void | None:
+    """Outputs are digests by default; the logits ring may still hold this step's logits."""
+    logits_name = (rf.attrs.get("recorder") or {}).get("logits", "logits")
+    if name != logits_name:
+        return None
+    ring = [r for r in rows if int(r["kind"]) == int(TensorKind.LOGITS)]
+    return ring[-1] if ring else None
 
 
 def field_tensor(rf: RankFile, step: int, field: str) -> torch.Tensor | Missing:

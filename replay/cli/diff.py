@@ -121,78 +121,96 @@ def render_recording_diff(r: RecordingDiff) -> str:
 
 
 def render_diff(r: RunDiff) -> str:
+    """One part against another: the verdict on the first line, then the evidence."""
     colour = {"the same": "green", "the same within tolerance": "yellow"}.get(str(r.verdict), "red")
-    lines = [style(_e(r.headline), fg=colour, bold=True)]
-    lines.append(f"A  {_e(r.a)}")
-    lines.append(f"B  {_e(r.b)}")
-    lines.append(f"compared {r.tolerance}; {len(r.streams)} stream{'s' if len(r.streams) != 1 else ''}")
-    for n in r.notes:
-        lines.append(f"  {_e(n)}")
+    lines = [style(_e(r.headline), fg=colour, bold=True), f"A  {_e(r.a)}", f"B  {_e(r.b)}",
+             f"compared {r.tolerance}; {len(r.streams)} stream{'s' if len(r.streams) != 1 else ''}"]
+    lines += [f"  {_e(n)}" for n in r.notes]
+    lines += _stream_lines(r)
+    lines += _unsharded_lines(r)
+    lines += _batching_lines(r)
+    lines.append("what else differs, most likely cause first:")
+    lines.append(table(["", ""], [_context_row(c) for c in r.context]).split("\n", 1)[1])
+    return "\n".join(lines)
+
+
+def _stream_lines(r: RunDiff) -> list[str]:
+    """The streams table (those that differ first), the first difference's figures, the fields
+    that differ per stream, and each stream's other findings."""
     shown = sorted(r.streams, key=lambda s: (s.verdict.exit_code == 0, s.rank_a))[:_MAX_STREAM_ROWS]
-    rows = []
-    for s in sorted(shown, key=lambda s: s.rank_a):
-        rows.append([s.name, str(s.verdict), _where(s.first),
-                     _where(s.first_token) + (_margins(s.first_token) if s.first_token else ""),
-                     f"{s.differing_steps} of {s.facts.common.size}"])
-    lines.append(table(["stream", "verdict", "first difference", "first token divergence", "steps differ"], rows))
+    rows = [[s.name, str(s.verdict), _where(s.first), _where(s.first_token) + (_margins(s.first_token) if s.first_token else ""),
+             f"{s.differing_steps} of {s.facts.common.size}"] for s in sorted(shown, key=lambda s: s.rank_a)]
+    lines = [table(["stream", "verdict", "first difference", "first token divergence", "steps differ"], rows)]
     if len(r.streams) > len(shown):
         lines.append(f"  ... {len(r.streams) - len(shown)} more streams, all the same (--json lists them)")
-    first = r.first
-    if first is not None:
-        s, f = first
+    if r.first is not None:
+        s, f = r.first
         detail = _comparison_line(f, bitwise=r.tolerance == "bitwise")
         if detail:
             lines.append(f"at the first difference ({s.name}, step {f.step}, {_e(f.field)}): {detail}")
-    # Streams that differ in the same fields at as many steps are one line (8 drifting ranks: one).
+    lines += _field_groups(r)
+    for s in r.streams:
+        if s.first_beyond_tolerance is not None:
+            f = s.first_beyond_tolerance
+            lines.append(f"{s.name}: first beyond tolerance at step {f.step} {_e(f.field)}: {_comparison_line(f)}")
+        lines += [f"{s.name}: {_e(reason)}" for reason in s.reasons]
+    return lines
+
+
+def _field_groups(r: RunDiff) -> list[str]:
+    """Streams that differ in the same fields at as many steps are one line (8 drifting ranks: one)."""
     groups: dict[str, list[str]] = {}
     for s in r.streams:
         if s.by_field:
             fields = ", ".join(f"{_e(k)} ({v} step{'s' if v != 1 else ''})" for k, v in s.by_field.items())
             groups.setdefault(fields, []).append(s.name)
+    lines = []
     for fields, names in list(groups.items())[:_MAX_STREAM_ROWS]:
+        ranks = all(n.startswith("rank ") for n in names)
         who = names[0] if len(names) == 1 else (
-            "ranks " + ", ".join(n.removeprefix("rank ") for n in names) if all(n.startswith("rank ") for n in names)
-            else "; ".join(names))
+            "ranks " + ", ".join(n.removeprefix("rank ") for n in names) if ranks else "; ".join(names))
         lines.append(f"{who}: fields that differ: {fields}")
-    for s in r.streams:
-        if s.first_beyond_tolerance is not None:
-            f = s.first_beyond_tolerance
-            lines.append(f"{s.name}: first beyond tolerance at step {f.step} {_e(f.field)}: {_comparison_line(f)}")
-        for reason in s.reasons:
-            lines.append(f"{s.name}: {_e(reason)}")
-    if r.unsharded:
-        lines.append(f"compared unsharded (A has {r.layouts['a']} ranks, B {r.layouts['b']}):")
-        for u in r.unsharded:
-            what = str(u.verdict)
-            if u.compared_steps:
-                what += f" at {u.compared_steps} step(s)"
-            if u.first_step is not None:
-                what += f", first at step {u.first_step}, {u.differing_steps} step(s) differ"
-            lines.append(f"  {_e(u.field)}: {what}; A {_e(u.layout_a)}, B {_e(u.layout_b)}"
-                         + (f"; {_e(u.note)}" if u.note else ""))
-    if r.batching is not None:
-        bt = r.batching
-        lines.append(f"batched differently: {_e(bt.evidence)}")
-        if bt.aligned:
-            first_b = bt.first
-            tail = (f"; first at request {_e(first_b['request'])} position {_e(first_b['position'])}: {_e(first_b['field'])} "
-                    f"(A step {first_b['step_a']}, B step {first_b['step_b']})") if first_b else ""
-            lines.append(f"  aligned by request and position: {bt.rows_differ} of {bt.rows_compared} rows differ ({_e(', '.join(bt.fields))}){tail}")
-        if bt.note:
-            lines.append(f"  {_e(bt.note)}")
-    lines.append("what else differs, most likely cause first:")
-    crow = []
-    for c in r.context:
-        if not c.compared:
-            crow.append([c.category.value, _e(c.note)])
-            continue
-        if not c.differs:
-            crow.append([c.category.value, "the same" + (f" ({_e(c.note)})" if c.note else "")])
-            continue
-        shown_items = "; ".join(_item(i) for i in c.items[:3]) + (f"; ... {c.count - 3} more" if c.count > 3 else "")
-        crow.append([c.category.value, style(f"{c.count} differ: ", fg="red") + shown_items + (f" ({_e(c.note)})" if c.note else "")])
-    lines.append(table(["", ""], crow).split("\n", 1)[1])
-    return "\n".join(lines)
+    return lines
+
+
+def _unsharded_lines(r: RunDiff) -> list[str]:
+    if not r.unsharded:
+        return []
+    lines = [f"compared unsharded (A has {r.layouts['a']} ranks, B {r.layouts['b']}):"]
+    for u in r.unsharded:
+        what = str(u.verdict)
+        if u.compared_steps:
+            what += f" at {u.compared_steps} step(s)"
+        if u.first_step is not None:
+            what += f", first at step {u.first_step}, {u.differing_steps} step(s) differ"
+        lines.append(f"  {_e(u.field)}: {what}; A {_e(u.layout_a)}, B {_e(u.layout_b)}" + (f"; {_e(u.note)}" if u.note else ""))
+    return lines
+
+
+def _batching_lines(r: RunDiff) -> list[str]:
+    bt = r.batching
+    if bt is None:
+        return []
+    lines = [f"batched differently: {_e(bt.evidence)}"]
+    if bt.aligned:
+        fb = bt.first
+        tail = (f"; first at request {_e(fb['request'])} position {_e(fb['position'])}: {_e(fb['field'])} "
+                f"(A step {fb['step_a']}, B step {fb['step_b']})") if fb else ""
+        lines.append(f"  aligned by request and position: {bt.rows_differ} of {bt.rows_compared} rows differ ({_e(', '.join(bt.fields))}){tail}")
+    if bt.note:
+        lines.append(f"  {_e(bt.note)}")
+    return lines
+
+
+def _context_row(c: Any) -> list[str]:
+    """One row of what else differs: not compared (why), the same, or the first items that differ."""
+    if not c.compared:
+        return [c.category.value, _e(c.note)]
+    note = f" ({_e(c.note)})" if c.note else ""
+    if not c.differs:
+        return [c.category.value, "the same" + note]
+    shown = "; ".join(_item(i) for i in c.items[:3]) + (f"; ... {c.count - 3} more" if c.count > 3 else "")
+    return [c.category.value, style(f"{c.count} differ: ", fg="red") + shown + note]
 
 
 def _item(i: dict[str, Any]) -> str:
