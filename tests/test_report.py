@@ -52,7 +52,7 @@ def diverged(tmp_path_factory):
 def test_report_shows_the_divergence(diverged, run_cli):
     res = run_cli("report", diverged)
     assert res.code == 0, res.err
-    path = Path(res.out.strip())
+    path = Path(res.out.splitlines()[-1])
     assert path == diverged / "report.html" and res.err == ""
     page = path.read_text()
     _check_self_contained(page)
@@ -99,7 +99,7 @@ def test_no_divergence(tmp_path, run_cli):
     rec = make_recording(tmp_path, ranks=2, steps=5)
     res = run_cli("report", rec)
     assert res.code == 0, res.err
-    page = Path(res.out.strip()).read_text()
+    page = Path(res.out.splitlines()[-1]).read_text()
     _check_self_contained(page)
     assert "No divergence" in page and "First divergence" not in page
     assert "Tuner choices agree on every rank" in page and "No saved results yet" in page
@@ -201,7 +201,7 @@ def test_saved_results_are_data_and_odd_ones_are_skipped(diverged, tmp_path, run
     (res_dir / "z-broken.json").write_text("{not json")
     res = run_cli("report", rec)
     assert res.code == 0, res.err
-    page = Path(res.out.strip()).read_text()
+    page = Path(res.out.splitlines()[-1]).read_text()
     _check_self_contained(page)
     assert "first module that differs: <b><code>l.1</code>" in page
     assert page.count('src="data:image/png;base64,') == 5  # the four plots and one layer curve

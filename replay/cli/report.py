@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -42,7 +43,27 @@ def report(run: Path | None, root: str, output: Path | None, part: str | None, a
     if as_json:
         emit_json(result.to_json())
     else:
-        if result.data.diff is not None:  # issue 17: the verdict first
-            click.echo(escape(result.data.diff["headline"]))
+        # The verdict first (issue 17): against B, the diff's; else where the ranks first disagree.
+        # The page's path is the last line, for scripts.
+        click.echo(escape(result.data.diff["headline"] if result.data.diff is not None else report_verdict(result.data.summary)))
         click.echo(escape(str(result.path)))
     return report_unreadable(result.data.part, result.data.summary.get("unreadable_ranks") or [])
+
+
+def report_verdict(summary: dict[str, Any]) -> str:
+    """What the page says first: the first divergence across ranks (and of tokens), or that
+    there is none, or that one rank has nothing to compare with."""
+    d, t = summary.get("first_divergence"), summary.get("first_token_divergence")
+    ranks = summary.get("ranks") or []
+    left_out = " (among the ranks that can be read)" if summary.get("unreadable_ranks") else ""
+    if d is None:
+        if len(ranks) < 2:
+            return f"one rank{left_out}: nothing to compare across ranks; report written"
+        return f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step; report written"
+    text = (f"first divergence at step {d['step']}{left_out}: {d['field']} differs on rank(s) "
+            f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d.get('majority') or []))})")
+    if t is not None:
+        text += f"; first token divergence at step {t['step']} ({t['field']})"
+    else:
+        text += "; no token divergence"
+    return text + "; report written"

@@ -27,7 +27,8 @@ def seal(run: Path | None, root: str, as_json: bool) -> int:
 
 
 def render_seal(result: api.SealOutcome) -> str:
-    lines = []
+    """The verdict first (sealed, nothing to seal, or what could not be sealed), then each journal."""
+    lines = [_headline(result)]
     for part, r in result.sealed:
         if r.error:
             lines.append(f"{escape(part)} rank {r.rank}: cannot be sealed ({escape(r.error)}); its journal is kept and readable")
@@ -35,4 +36,20 @@ def render_seal(result: api.SealOutcome) -> str:
             lines.append(f"{escape(part)} rank {r.rank}: sealed {r.steps} steps" + ("" if r.complete else " (ended early)"))
     for part, journal in result.live:
         lines.append(f"{escape(part)} {escape(journal)}: still being written by a running process; not sealed")
-    return "\n".join(lines) or "nothing to seal"
+    return "\n".join(lines)
+
+
+def _headline(result: api.SealOutcome) -> str:
+    where = escape(result.recording)
+    failed = [r for _, r in result.sealed if r.error]
+    done = [r for _, r in result.sealed if not r.error]
+    live = f"; {len(result.live)} still being written, not sealed" if result.live else ""
+    if not result.sealed:
+        if result.live:
+            return f"nothing sealed in {where}: {len(result.live)} journal(s) still being written by a running process"
+        return f"nothing to seal in {where}: no journal is left (every rank file is sealed)"
+    early = sum(1 for r in done if not r.complete)
+    text = f"sealed {len(done)} journal(s) in {where}" + (f" ({early} ended early)" if early else "")
+    if failed:
+        text = f"{len(failed)} of {len(result.sealed)} journal(s) cannot be sealed in {where}" + (f"; {text}" if done else "")
+    return text + live

@@ -31,7 +31,8 @@ def verify(run: Path | None, root: str, quick: bool, as_json: bool) -> int:
 
 
 def render_verify(result: api.VerifyResult) -> str:
-    lines = []
+    """The verdict first (intact, incomplete or damaged, and how much was checked), then each rank file."""
+    lines = [style(_headline(result), fg=_COLOUR[result.state], bold=True)]
     for c in result.checks:
         head = f"{escape(c.part)} rank {c.rank}: {c.steps} steps, {c.tensors_checked} tensors checked"
         if c.intact:
@@ -40,5 +41,17 @@ def render_verify(result: api.VerifyResult) -> str:
             state = CheckState(c.state)
             lines.append(f"{head}: " + style(state.value.upper(), fg=_COLOUR[state], bold=True))
             lines += [f"  - {escape(p)}" for p in c.problems]
-    lines.append(style(str(result), fg=_COLOUR[result.state]))
     return "\n".join(lines)
+
+
+def _headline(result: api.VerifyResult) -> str:
+    """``recording is damaged: 1 of 3 rank files (rank 2)``; ``recording is intact: 3 rank files, ...``."""
+    checks = result.checks
+    bad = [c for c in checks if not c.intact]
+    if bad:
+        ranks = ", ".join(f"{escape(c.part)} rank {c.rank}" for c in bad[:4]) + (", ..." if len(bad) > 4 else "")
+        return f"{result}: {len(bad)} of {len(checks)} rank file{'s' if len(checks) != 1 else ''} ({ranks})"
+    tensors = sum(c.tensors_checked for c in checks)
+    how = f"{tensors} tensors re-digested" if tensors else "structure checked, payload not re-digested"
+    return (f"{result}: {len(checks)} rank file{'s' if len(checks) != 1 else ''}, "
+            f"{sum(c.steps for c in checks)} steps, {how}")
