@@ -535,3 +535,56 @@ def test_weights_across_layouts_are_not_called_the_same(tmp_path):
     tp1 = record_run(tmp_path / "tp1", tp=1, weights=_weights(True))
     w = next(c for c in diff(str(tp2), str(tp1)).context if c.category.value == "weights")
     assert not w.compared and "cannot be compared across layouts" in w.note
+
+
+# -- shard layouts of the weights (replay.record.weights) ---------------------------------------
+
+
+def _param(shape: list[int], layout: dict | None = None, fill: float = 1.0) -> dict:
+    from replay.digest import digest, format_digest
+
+    entry = {"digest": format_digest(digest(torch.full(shape, fill))), "shape": shape, "dtype": "torch.float32"}
+    if layout is not None:
+        entry["layout"] = layout
+    return entry
+
+
+@pytest.mark.parametrize("layout_a, shape_b, expected", [
+    ({"shard_dim": 0, "declared": True}, [8, 8], None),  # the same whole shape: sharded as recorded, not a difference
+    ({"placements": ["Shard(0)"], "mesh": [2], "global_shape": [8, 8]}, [8, 8], None),
+    ({"shard_dim": 0, "declared": True}, [6, 8], "whole shape, from the recorded shard layouts"),
+    (None, [8, 8], "no shard layout is recorded: may be a shard"),  # never guessed from shapes
+], ids=["declared", "dtensor", "declared-other-shape", "none"])
+def test_recorded_weight_layouts_across_tp(tmp_path, layout_a, shape_b, expected):
+    tp2 = record_run(tmp_path / "tp2", tp=2, weights={"w": _param([4, 8], layout_a)})
+    tp1 = record_run(tmp_path / "tp1", tp=1, weights={"w": _param(shape_b)})
+    w = next(c for c in diff(str(tp2), str(tp1)).context if c.category.value == "weights")
+    if expected is None:
+        assert not w.compared and "cannot be compared across layouts" in w.note  # digests of shards: values unknown
+    else:
+        assert w.differs and expected in w.items[0]["why"], w.items
+
+
+def test_weight_digests_record_dtensor_placements_and_declared_shards(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from replay.analysis.unshard import LayoutKind, layout_of, param_global_shape
+    from replay.record.weights import weight_digests
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        net[0].weight = torch.nn.Parameter(distribute_tensor(net[0].weight.detach(), mesh, [Shard(0)]))
+        net[0].bias = torch.nn.Parameter(distribute_tensor(net[0].bias.detach(), mesh, [Replicate()]))
+        w = weight_digests(net, {"1.w*": 1})
+    finally:
+        dist.destroy_process_group()
+    assert w["0.weight"]["layout"] == {"placements": ["Shard(0)"], "mesh": [1], "global_shape": [6, 4]}
+    assert w["0.bias"]["layout"]["placements"] == ["Replicate()"]
+    assert w["1.weight"]["layout"] == {"shard_dim": 1, "declared": True}
+    assert "layout" not in w["1.bias"]  # a plain tensor nobody declared: no layout, never a guess
+    assert layout_of(w["0.weight"]["layout"]).kind is LayoutKind.SHARDED and layout_of(w["0.weight"]["layout"]).dim == 0
+    assert param_global_shape(w["1.weight"], 4) == (2, 24) and param_global_shape(w["1.bias"], 4) is None

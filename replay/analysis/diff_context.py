@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from replay.analysis.summary import short_kernel_name
+from replay.analysis.unshard import param_global_shape
 from replay.format.reader import RankFile
 
 __all__ = ["Category", "ContextDiff", "RankMeta", "rank_meta", "context_differences", "first_numerics_difference"]
@@ -117,8 +118,9 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
     if not have_a or not have_b:
         which = "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
         return ContextDiff(category=Category.WEIGHTS, compared=False, note=f"weights not recorded in {which}")
+    worlds = (_world(pairs[0][0]), _world(pairs[0][1]))
     items = [it for (ra, rb), da, db in zip(pairs, wa, wb) for name in sorted(set(da) | set(db))
-             if (it := _weight_item(name, da.get(name), db.get(name), (ra.rank, rb.rank), same_layout)) is not None]
+             if (it := _weight_item(name, da.get(name), db.get(name), (ra.rank, rb.rank), worlds)) is not None]
     merged = list(_merge_ranks(items).values())
     if same_layout:
         return _capped(Category.WEIGHTS, merged)
@@ -130,21 +132,43 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
     return _capped(Category.WEIGHTS, merged, "the runs are laid out differently: only names, shapes and dtypes compared")
 
 
-def _weight_item(name: str, pa: Any, pb: Any, ranks: tuple[int, int], same_layout: bool) -> dict[str, Any] | None:
+def _world(m: RankMeta) -> int:
+    ws = m.attrs.get("world_size")
+    return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else 1
+
+
+def _weight_item(name: str, pa: Any, pb: Any, ranks: tuple[int, int], worlds: tuple[int, int]) -> dict[str, Any] | None:
     """How one parameter differs between a rank of A and a rank of B, or None when it does not
     (or cannot be told: digests of shards across layouts)."""
+    same_layout = worlds[0] == worlds[1]
     if pa is None or pb is None:
         return {"name": name, "ranks": list(ranks), "a": "absent" if pa is None else "present",
                 "b": "absent" if pb is None else "present"}
     if not isinstance(pa, dict) or not isinstance(pb, dict):
         return None
-    if pa.get("shape") != pb.get("shape") or pa.get("dtype") != pb.get("dtype"):
+    if pa.get("dtype") != pb.get("dtype") or pa.get("shape") != pb.get("shape") and same_layout:
         return {"name": name, "ranks": list(ranks), "a": f"{pa.get('dtype')} {pa.get('shape')}",
-                "b": f"{pb.get('dtype')} {pb.get('shape')}",
-                "why": "shape or dtype" + ("" if same_layout else " (the runs are laid out differently: may be a shard)")}
+                "b": f"{pb.get('dtype')} {pb.get('shape')}", "why": "shape or dtype"}
+    if pa.get("shape") != pb.get("shape"):
+        return _shard_shapes(name, pa, pb, ranks, worlds)
     if same_layout and pa.get("digest") != pb.get("digest"):
         return {"name": name, "ranks": list(ranks), "a": _short(pa.get("digest")), "b": _short(pb.get("digest")), "why": "digest"}
     return None
+
+
+def _shard_shapes(name: str, pa: dict[str, Any], pb: dict[str, Any], ranks: tuple[int, int],
+                  worlds: tuple[int, int]) -> dict[str, Any] | None:
+    """Across layouts, a parameter whose shapes differ: with both shard layouts recorded
+    (``replay.record.weights``), the whole shapes say whether it is the same parameter sharded
+    differently (not a difference) or another one; without them it may be a shard."""
+    ga, gb = param_global_shape(pa, worlds[0]), param_global_shape(pb, worlds[1])
+    if ga is not None and gb is not None:
+        if ga == gb:
+            return None  # the same whole shape, sharded as recorded
+        return {"name": name, "ranks": list(ranks), "a": f"{pa.get('dtype')} {list(ga)} (whole)",
+                "b": f"{pb.get('dtype')} {list(gb)} (whole)", "why": "whole shape, from the recorded shard layouts"}
+    return {"name": name, "ranks": list(ranks), "a": f"{pa.get('dtype')} {pa.get('shape')}", "b": f"{pb.get('dtype')} {pb.get('shape')}",
+            "why": "shape or dtype (the runs are laid out differently and no shard layout is recorded: may be a shard)"}
 
 
 def _merge_ranks(items: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:

@@ -29,7 +29,8 @@ from replay.errors import RecordingDamaged
 from replay.format.reader import RankFile
 from replay.format.schema import TensorKind
 
-__all__ = ["Layout", "LayoutKind", "Missing", "field_layout", "field_row", "field_shape", "field_tensor", "whole_tensor"]
+__all__ = ["Layout", "LayoutKind", "Missing", "field_layout", "field_row", "field_shape", "field_tensor", "layout_of",
+           "param_global_shape", "whole_tensor"]
 
 _SHARD = re.compile(r"^\s*Shard\(\s*(?:dim\s*=\s*)?(-?\d+)\s*\)\s*$")
 _REPLICATE = re.compile(r"^\s*Replicate\(\s*\)\s*$")
@@ -76,29 +77,62 @@ def field_layout(attrs: Mapping[str, Any], field: str, declared: Mapping[str, in
     spec = _declared(attrs, field)
     if spec is None:
         return Layout(kind=LayoutKind.REPLICATED, source="no layout recorded")
+    return layout_of(spec)
+
+
+def layout_of(spec: Any) -> Layout:
+    """A recorded layout (``{"placements": [...]}``, ``{"shard_dim": d}``, ``{"replicated": true}``)."""
     if not isinstance(spec, dict):
         return Layout(kind=LayoutKind.UNSUPPORTED, detail=f"layout {str(spec)[:60]!r} is not understood", source="recorded")
     if "placements" in spec:
-        pl = spec["placements"]
-        if not isinstance(pl, list) or not pl:
-            return Layout(kind=LayoutKind.UNSUPPORTED, detail="placements is not a list", source="recorded placements")
-        if len(pl) > 1:
-            return Layout(kind=LayoutKind.UNSUPPORTED, detail=f"a {len(pl)}-D device mesh ({', '.join(map(str, pl))})",
-                          source="recorded placements")
-        p = str(pl[0])
-        if m := _SHARD.match(p):
-            return Layout(kind=LayoutKind.SHARDED, dim=int(m.group(1)), source="recorded placements")
-        if _REPLICATE.match(p):
-            return Layout(kind=LayoutKind.REPLICATED, source="recorded placements")
-        if _PARTIAL.match(p):
-            return Layout(kind=LayoutKind.PARTIAL, detail=f"{p}: each rank holds a summand", source="recorded placements")
-        return Layout(kind=LayoutKind.UNSUPPORTED, detail=f"placement {p[:40]!r}", source="recorded placements")
+        return _placements(spec["placements"])
     dim = spec.get("shard_dim")
     if isinstance(dim, int) and not isinstance(dim, bool):
-        return Layout(kind=LayoutKind.SHARDED, dim=dim, source="recorded shard_dim")
+        return Layout(kind=LayoutKind.SHARDED, dim=dim, source="declared shard_dim" if spec.get("declared") else "recorded shard_dim")
     if dim is None and spec.get("replicated") is True:
         return Layout(kind=LayoutKind.REPLICATED, source="recorded")
     return Layout(kind=LayoutKind.UNSUPPORTED, detail="no placements or shard_dim", source="recorded")
+
+
+def _placements(pl: Any) -> Layout:
+    """DTensor placements over a 1-D mesh; anything else cannot be rebuilt (said, not guessed)."""
+    if not isinstance(pl, list) or not pl:
+        return Layout(kind=LayoutKind.UNSUPPORTED, detail="placements is not a list", source="recorded placements")
+    if len(pl) > 1:
+        return Layout(kind=LayoutKind.UNSUPPORTED, detail=f"a {len(pl)}-D device mesh ({', '.join(map(str, pl))})",
+                      source="recorded placements")
+    p = str(pl[0])
+    if m := _SHARD.match(p):
+        return Layout(kind=LayoutKind.SHARDED, dim=int(m.group(1)), source="recorded placements")
+    if _REPLICATE.match(p):
+        return Layout(kind=LayoutKind.REPLICATED, source="recorded placements")
+    if _PARTIAL.match(p):
+        return Layout(kind=LayoutKind.PARTIAL, detail=f"{p}: each rank holds a summand", source="recorded placements")
+    return Layout(kind=LayoutKind.UNSUPPORTED, detail=f"placement {p[:40]!r}", source="recorded placements")
+
+
+def param_global_shape(entry: Mapping[str, Any], world: int) -> tuple[int, ...] | None:
+    """The whole shape of a recorded parameter (``replay.record.weights``), or None when its
+    layout is not recorded: a DTensor's global shape; a declared shard's local shape with the
+    shard dimension times ``world`` (plain-tensor TP splits evenly); a replicated one's own shape;
+    any parameter's own shape when ``world`` is 1."""
+    lay = entry.get("layout")
+    shape = entry.get("shape")
+    if not isinstance(shape, list):
+        return None
+    if not isinstance(lay, dict):
+        return tuple(shape) if world == 1 else None  # one rank holds every tensor whole
+    g = lay.get("global_shape")
+    if isinstance(g, list) and all(isinstance(x, int) for x in g):
+        return tuple(g)
+    layout = layout_of(lay)
+    if layout.kind is LayoutKind.REPLICATED:
+        return tuple(shape)
+    if layout.kind is not LayoutKind.SHARDED or layout.dim is None or not -len(shape) <= layout.dim < len(shape):
+        return None
+    whole = list(shape)
+    whole[layout.dim] *= world
+    return tuple(whole)
 
 
 class Missing(str):
