@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["FieldRows", "Names", "RowDiff", "field_rows", "diff_rows", "step_facts", "margin_at", "used_ids", "compare_stream", "within_tolerance"]
 
 _SHIFT = 24  # (step << _SHIFT) | field id: one int64 key per row
+_MAP_ALL_STRINGS = 4096
 
 
 class Names:
@@ -66,7 +67,11 @@ def field_rows(rf: RankFile, names: Names, keep: Callable[[str], bool]) -> Field
     t = rf.tables
     f = t.fields
     lut = np.full(len(t.strings) + 1, -1, dtype=np.int64)
-    for i in used_ids(f["field"]):
+    # Few strings (the usual case): map them all, which costs nothing, instead of finding the
+    # ids the column uses (a pass over every row). A string that names no field gets an id no
+    # row carries.
+    ids = range(len(t.strings)) if len(t.strings) <= _MAP_ALL_STRINGS else used_ids(f["field"])
+    for i in ids:
         name = t.string(int(i))
         if keep(name):
             lut[int(i)] = names.id(name)
