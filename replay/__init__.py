@@ -33,7 +33,7 @@ _EXPORTS = {
     "ConfigBisectSettings": "replay.bisect.config",
     **{name: _API for name in (
         "InfoResult", "PartInfo", "RecordOutcome", "ReportResult", "RerunOptions", "SealOutcome", "VerifyResult",
-        "bisect_config", "bisect_layers", "bisect_steps", "bisect_steps_rerun", "choose_part", "default_device",
+        "bisect_config", "bisect_layers", "bisect_runs", "bisect_steps", "bisect_steps_rerun", "choose_part", "default_device",
         "detect_node_rank", "info", "make_recording_dir", "make_report", "record_run", "seal", "step", "step_ranks", "verify",
     )},
 }
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         VerifyResult,
         bisect_config,
         bisect_layers,
+        bisect_runs,
         bisect_steps,
         bisect_steps_rerun,
         choose_part,
