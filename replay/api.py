@@ -477,13 +477,15 @@ def bisect_runs(part_a: Part, part_b: Part, *, rank_a: int | None = None, rank_b
     """Two runs, module by module (``replay bisect layers --between run:A,run:B``): re-run ``step``
     of rank ``rank_a`` of ``part_a`` and of rank ``rank_b`` of ``part_b``, each from its own
     recording, with taps on every module; name the module that makes the difference and the
-    first whose outputs differ, and the parameters whose bits differ between the runs.
+    first whose outputs differ, and the parameters whose bits differ between the runs. When the
+    step's inputs or carried-over state already differ, run B's model is also run on run A's data,
+    so that a module is compared from equal inputs (``result.equal_inputs``).
 
     Ranks default to the first of each part; ``step`` to the first step whose recorded bits
     differ between the two (a UsageError when none does). ``names``: how the two runs are called."""
     from replay.analysis.diff import first_difference
     from replay.bisect.layers import Side, recorded_mode
-    from replay.bisect.layers import bisect_layers as _bisect
+    from replay.bisect.layers import bisect_runs as _bisect
     from replay.errors import UsageError
 
     o = options or RerunOptions()
@@ -501,7 +503,7 @@ def bisect_runs(part_a: Part, part_b: Part, *, rank_a: int | None = None, rank_b
         m = mode or recorded_mode(part, rank, step)  # each run re-run as it ran, unless --mode
         sides.append(Side(f"run {label}", rank, m, dict(o.toggles), part=part, where=where))
     announce(f"re-running step {step} of run {names[0]} ({where_a}) and run {names[1]} ({where_b}), with taps on every module")
-    return _bisect(part_a, step, sides[0], sides[1], modules=modules, device=o.device_for(part_a), factory=o.factory,
+    return _bisect(step, sides[0], sides[1], modules=modules, device=o.device_for(part_a), factory=o.factory,
                    context=context, recording=_recording_of(part_a), progress=progress)
 
 

@@ -69,9 +69,27 @@ def test_run_against_run_b_alone_and_a_later_step(runs, run_cli):
     assert res.code == 0, res.err
     data = res.json()
     assert data["step"] == 3 and data["maker"] is None and data["first"] == "block.norm"
+    assert data["equal_inputs"]["maker"] is None  # the catch-up from step 2 with B's model already changed the state
     assert data["modules"][0]["verdict"] == "bitwise equal"  # embed: the step's inputs are the same
     text = _bisect(run_cli, runs["a"], "--step", 3, "--between", f"run:{runs['b']}")
     assert "no module turns bitwise equal inputs into different outputs" in text.out.splitlines()[0]
+
+
+def test_from_equal_inputs_run_b_s_model_on_run_a_s_data(runs, run_cli):
+    """At step 2 (a keyframe) the carried-over state differs between the runs, so no module has
+    equal inputs on both; run B's model re-run from run A's keyframe and inputs does, and the
+    module whose weight was changed is named first."""
+    res = _bisect(run_cli, "--between", f"run:{runs['a']},run:{runs['b']}", "--step", 2, "--json")
+    assert res.code == 0, res.err
+    data = res.json()
+    assert data["maker"] is None and data["first"] == "block.norm"
+    sub = data["equal_inputs"]
+    assert sub["maker"] == "block.mix" and sub["sides"][1]["label"] == "run B's model on run A's data"
+    assert [m["inputs_equal"] for m in sub["modules"][:3]] == [True, True, True]
+    head = _bisect(run_cli, "--between", f"run:{runs['a']},run:{runs['b']}", "--step", 2).out.splitlines()[0]
+    assert "from equal inputs (run B's model on run A's data) the difference is made in block.mix" in head
+    assert head.index("block.mix") < head.index("first module that differs: block.norm")
+    assert "its parameters differ between the runs: block.mix.weight" in head
 
 
 def test_the_old_one_command_form(runs, run_cli):

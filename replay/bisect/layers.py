@@ -37,13 +37,14 @@ import torch
 from replay.analysis.compare import Comparison, Verdict, compare_tensors
 from replay.bisect.taps import TapCapture, TapEvent, Taps
 from replay.digest import digest
-from replay.errors import UsageError
+from replay.errors import ReplayError, UsageError
 from replay.format.reader import Part
 from replay.rerun.runner import Replayer
-from replay.rerun.target import Target
+from replay.rerun.streams import stream_of
+from replay.rerun.target import Target, TargetSpec
 
-__all__ = ["LayersBisection", "ModuleVerdict", "Side", "SideRun", "bisect_layers", "differing_params", "parse_between",
-           "recorded_mode"]
+__all__ = ["LayersBisection", "ModuleVerdict", "Side", "SideRun", "bisect_layers", "bisect_runs", "differing_params",
+           "parse_between", "recorded_mode"]
 
 MISSING = "missing"
 
@@ -59,6 +60,7 @@ class Side:
     use_recorded_tuner: bool = True
     part: Part | None = None  # another recording's part (between two runs); None: the bisected part
     where: str = ""  # which recording, part and rank, when the two sides come from different runs
+    model_from: tuple[Part, int] | None = None  # build the target this (part, rank) recorded, run on this side's data
 
     def of(self, default: Part) -> Part:
         return self.part if self.part is not None else default
@@ -147,6 +149,8 @@ class LayersBisection:
     silent: list[str]  # tapped modules whose forward ran on neither side
     notes: list[str] = field(default_factory=list)
     param_diffs: list[str] = field(default_factory=list)  # between two runs: parameters whose bits differ
+    # Between two runs whose inputs already differ at the step: run A against run B's model on run A's data.
+    equal_inputs: "LayersBisection | None" = None
 
     @property
     def between(self) -> list[str]:
@@ -169,13 +173,10 @@ class LayersBisection:
             return head + self._no_first()
         n_eq = sum(1 for m in self.before_first() if not m.differs)
         first = f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
-        line = head + first
-        if self.maker is not None and self.maker is not self.first:
-            # Lead with the module that makes the difference: the first one to differ may only
-            # pass on a difference made elsewhere, or differ by rounding.
-            line = head + f"the difference is made in {self.maker.name} ({self.maker.figures()}) from bitwise equal inputs; " + first
-        elif self.maker is None and self.first.inputs_equal is False:
-            line += "; no module turns bitwise equal inputs into different outputs (the difference comes in with its inputs)"
+        # Lead with the module that makes the difference: the first one to differ may only pass
+        # on a difference made elsewhere, or differ by rounding.
+        lead = self._lead()
+        line = head + (f"{lead}; {first}" if lead else first) + self._equal_inputs_tail(lead)
         own = self.maker_params()
         if own:
             line += f"; its parameters differ between the runs: {', '.join(own[:3])}{', ...' if len(own) > 3 else ''}"
@@ -183,6 +184,38 @@ class LayersBisection:
         if raised is not None:
             line += f"; {raised.side.label} raised {raised.error} in the step"
         return line
+
+    def _swapped_maker(self) -> ModuleVerdict | None:
+        """From equal inputs (run B's model on run A's data), the module that makes the difference."""
+        sub = self.equal_inputs
+        if sub is None or sub.problem() is not None:
+            return None
+        return sub.maker
+
+    def _lead(self) -> str:
+        if self.maker is not None and self.maker is not self.first:
+            return f"the difference is made in {self.maker.name} ({self.maker.figures()}) from bitwise equal inputs"
+        m = self._swapped_maker() if self.maker is None else None
+        if m is None or self.equal_inputs is None:
+            return ""
+        return f"from equal inputs ({self.equal_inputs.sides[1].side.label}) the difference is made in {m.name} ({m.figures()})"
+
+    def _equal_inputs_tail(self, lead: str) -> str:
+        """When nothing makes the difference from equal inputs, say so (and why), never name one."""
+        if lead or self.maker is not None or self.first is None or self.first.inputs_equal is not False:
+            return ""
+        sub = self.equal_inputs
+        if sub is not None and sub.problem() is not None:
+            return f"; no module could be compared from equal inputs ({sub.problem()})"
+        if sub is not None and sub.first is None:
+            return (f"; with equal inputs ({sub.sides[1].side.label}) no module output differs: the difference comes in "
+                    "with the inputs or state the runs carry into this step")
+        if sub is not None:
+            kf = sub.sides[1].keyframe
+            return (f"; no module turns bitwise equal inputs into different outputs, not even with {sub.sides[1].side.label}: "
+                    f"its catch-up from the keyframe at step {kf} already changed the state (bisect the first step where "
+                    "the runs differ)")
+        return "; no module turns bitwise equal inputs into different outputs (the difference comes in with its inputs)"
 
     def _no_first(self) -> str:
         """The verdict when no replicated module output differs: never "equal" unless compared."""
@@ -208,7 +241,7 @@ class LayersBisection:
 
     def maker_params(self) -> list[str]:
         """Parameters of the module that makes the difference whose bits differ between the two runs."""
-        m = self.maker
+        m = self.maker or self._swapped_maker()
         if m is None or not self.param_diffs:
             return []
         prefix = m.module + "." if m.module else ""
@@ -249,6 +282,7 @@ class LayersBisection:
             "sides": [s.to_json() for s in self.sides],
             "notes": self.notes,
             "parameters_differ": self.param_diffs,
+            "equal_inputs": self.equal_inputs.to_json() if self.equal_inputs is not None else None,
         }
 
 
@@ -294,8 +328,12 @@ def parse_between(text: str, *, rank: int | None, mode: str | None, recorded: Ca
 def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, device: str, factory: str | None,
               want_params: bool, progress: Callable[..., Iterable[int]]) -> SideRun:
     t0 = time.perf_counter()
+    spec = None
+    if side.model_from is not None:  # another run's model (target, config, weights) on this part's data
+        mp, mr = side.model_from
+        spec = TargetSpec.from_rank_file(mp[mr], stream_of(mp[mr], step))
     rp = Replayer(part, side.rank, mode=side.mode, device=device, factory=factory, options=side.options,
-                  use_recorded_tuner=side.use_recorded_tuner)
+                  use_recorded_tuner=side.use_recorded_tuner, spec=spec)
     kf, _ = rp.keyframe_for(step)
     rp.check(kf, step)
     rc = rp.collectives
@@ -537,21 +575,64 @@ def bisect_layers(
     A side with its own ``part`` (another recording) is re-run from that part's data."""
     for s in (a, b):
         s.of(part)[s.rank].step(step)
-    across_runs = a.part is not None or b.part is not None
-    runs = [_run_side(s.of(part), s, step, patterns=modules, device=device, factory=factory,
-                      want_params=a.rank != b.rank or across_runs, progress=progress) for s in (a, b)]
-    ra, rb = runs
+    want_params = a.rank != b.rank or a.part is not None or b.part is not None
+    ra, rb = (_run_side(s.of(part), s, step, patterns=modules, device=device, factory=factory, want_params=want_params,
+                        progress=progress) for s in (a, b))
+    return _bisection(part, step, ra, rb, context=context, recording=recording)
+
+
+def _bisection(part: Part, step: int, ra: SideRun, rb: SideRun, *, context: int, recording: str) -> LayersBisection:
+    """Compare two sides' module outputs and name what differs."""
+    across_runs = ra.side.part is not None or rb.side.part is not None
     rows = compare_captures(ra, rb)
     first = next((m for m in rows if m.differs and not m.rank_local), None)
     makers = [m for m in rows if m.differs and not m.rank_local and m.inputs_equal]
     maker = _maker(makers, ra)
-    before = _before(rows, first, context)
     param_diffs = differing_params(ra.params, rb.params) if across_runs else []
-    notes = [n for r in runs for n in _side_notes(r, step)] + _rounding_notes(rows, makers, maker)
+    notes = [n for r in (ra, rb) for n in _side_notes(r, step)] + _rounding_notes(rows, makers, maker)
     notes += _param_notes(ra, rb, param_diffs) + _row_notes(rows)
-    return LayersBisection(recording=recording, part=part.name, step=step, sides=runs, modules=rows, first=first,
-                           maker=maker, before=before, origin=_origin(first, rows, ra), outputs=_outputs(ra, rb),
-                           silent=_silent(ra, rb), notes=notes, param_diffs=param_diffs)
+    return LayersBisection(recording=recording, part=part.name, step=step, sides=[ra, rb], modules=rows, first=first,
+                           maker=maker, before=_before(rows, first, context), origin=_origin(first, rows, ra),
+                           outputs=_outputs(ra, rb), silent=_silent(ra, rb), notes=notes, param_diffs=param_diffs)
+
+
+def bisect_runs(
+    step: int,
+    a: Side,
+    b: Side,
+    *,
+    modules: list[str] | None = None,
+    device: str = "cpu",
+    factory: str | None = None,
+    context: int = 3,
+    recording: str = "",
+    progress: Callable[..., Iterable[int]] = lambda it, label="": it,
+) -> LayersBisection:
+    """Two runs (``a`` and ``b`` each name their ``part``), module by module, at ``step``.
+
+    When no module turns equal inputs into different outputs (the step's inputs or the state
+    carried over already differ between the runs), ``b``'s model is also run on ``a``'s data
+    (keyframe, inputs, recorded collectives): every input is then equal, and the module that
+    differs first is the one whose code, config or weights make the difference
+    (``LayersBisection.equal_inputs``)."""
+    assert a.part is not None and b.part is not None
+    kw: dict[str, Any] = dict(patterns=modules, device=device, factory=factory, want_params=True, progress=progress)
+    for s in (a, b):
+        s.of(a.part)[s.rank].step(step)
+    ra = _run_side(a.part, a, step, **kw)
+    rb = _run_side(b.part, b, step, **kw)
+    result = _bisection(a.part, step, ra, rb, context=context, recording=recording)
+    if result.first is None or result.maker is not None or result.problem() is not None:
+        return result
+    swapped = Side(f"{b.label}'s model on {a.label}'s data", a.rank, b.mode, dict(b.options), part=a.part,
+                   where=f"the model of {b.where} on the data of {a.where}", model_from=(b.part, b.rank))
+    try:
+        rs = _run_side(a.part, swapped, step, **kw)
+    except ReplayError as e:
+        result.notes.append(f"{swapped.label}: could not be run ({e}), so no module was compared from equal inputs")
+        return result
+    result.equal_inputs = _bisection(a.part, step, ra, rs, context=context, recording=recording)
+    return result
 
 
 def _before(rows: list[ModuleVerdict], first: ModuleVerdict | None, context: int) -> list[ModuleVerdict]:
@@ -591,7 +672,7 @@ def _side_notes(r: SideRun, step: int) -> list[str]:
     if r.reproduces is None:
         notes.append(f"{label}: step {step} has no recorded output to compare this re-run with")
     elif not r.reproduces:
-        expected = label in ("rerun", "eager", "cudagraph")
+        expected = label in ("rerun", "eager", "cudagraph") or r.side.model_from is not None
         notes.append(f"{label}: the re-run of step {step} does not reproduce rank {r.side.rank}'s recorded outputs"
                      + (" (as expected: it runs with other settings than recorded)" if expected else ""))
     if r.departed:
