@@ -86,7 +86,9 @@ def test_from_equal_inputs_run_b_s_model_on_run_a_s_data(runs, run_cli):
     sub = data["equal_inputs"]
     assert sub["maker"] == "block.mix" and sub["sides"][1]["label"] == "run B's model on run A's data"
     assert [m["inputs_equal"] for m in sub["modules"][:3]] == [True, True, True]
-    head = _bisect(run_cli, "--between", f"run:{runs['a']},run:{runs['b']}", "--step", 2).out.splitlines()[0]
+    out = _bisect(run_cli, "--between", f"run:{runs['a']},run:{runs['b']}", "--step", 2).out
+    head = out.splitlines()[0]
+    assert "\nfrom equal inputs: step 2, run A (" in out and "block.mix receives bitwise equal inputs" in out
     assert "from equal inputs (run B's model on run A's data) the difference is made in block.mix" in head
     assert head.index("block.mix") < head.index("first module that differs: block.norm")
     assert "its parameters differ between the runs: block.mix.weight" in head

@@ -327,6 +327,12 @@ def render_layers(r: LayersBisection) -> str:
         lines.append(table(["#", "module", "verdict", "max abs", "max rel", "inputs", "ran"],
                            [_row(idx[id(m)], m, r.first) for m in shown]))
     lines += [f"  step output: {escape(c)}" for c in r.outputs if not c.equal]
+    if r.equal_inputs is not None:
+        # Between two runs whose inputs already differed: run A against run B's model on run A's data.
+        sub = r.equal_inputs
+        lines.append(f"from equal inputs: {escape(sub.verdict())}")
+        if sub.origin:
+            lines.append(f"  {escape(sub.origin)}")
     if r.silent:
         lines.append(f"  {len(r.silent)} tapped module(s) never ran in this step on either side: {escape(', '.join(r.silent[:6]))}")
     lines += [f"  note: {escape(n)}" for n in r.notes]
