@@ -62,6 +62,13 @@ def test_the_changed_weight_is_named_with_the_module_that_makes_the_difference(r
     assert "its parameters differ between the runs: block.mix.weight" in head
 
 
+def test_diff_names_the_bisection_to_run_next(runs, run_cli):
+    res = run_cli("diff", runs["a"], runs["b"], "--json")
+    assert res.code == 1
+    assert res.json()["next"] == f"replay bisect layers --between run:{runs['a']}:run-000/0,run:{runs['b']}:run-000/0 --step 0"
+    assert run_cli("diff", runs["a"], runs["b"]).out.splitlines()[-1].startswith("next: replay bisect layers --between run:")
+
+
 def test_run_against_run_b_alone_and_a_later_step(runs, run_cli):
     """RUN is run A (rank from --rank); at step 3 the carried-over state already differs, so no
     module makes the difference from equal inputs, and the verdict says so instead of naming one."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shlex
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,7 +219,23 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
                  layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
                  batching=batching if batching.batched_differently else None, context=context, notes=notes)
     rd.headline = _headline(rd)
+    rd.next = _next_command(rd, a, b)
     return rd
+
+
+def _next_command(rd: RunDiff, a: Side, b: Side) -> str:
+    """``replay bisect layers --between run:A,run:B`` at the first difference, when both rank
+    files name a target a re-run can rebuild (a factory or a step callable); else ""."""
+    if rd.first is None or rd.verdict is not DiffVerdict.DIFFERENT:
+        return ""
+    s, f = rd.first
+    files = (a.part[s.rank_a], b.part[s.rank_b])
+    targets = [rf.attrs.get("target") for rf in files]
+    if not all(isinstance(t, dict) and (t.get("factory") or t.get("step")) for t in targets):
+        return ""
+    spec_a = f"{a.recording.path}:{a.part.name}/{s.rank_a}"
+    spec_b = f"{b.recording.path}:{b.part.name}/{s.rank_b}"
+    return f"replay bisect layers --between {shlex.quote(f'run:{spec_a},run:{spec_b}')} --step {f.step}"
 
 
 def _across_layouts(a: Side, b: Side, opts: DiffOptions, worlds: tuple[int, int]) -> tuple[list[UnshardedField], set[str], list[str]]:

@@ -202,6 +202,7 @@ class RunDiff:
     batching: BatchAlignment | None
     context: list[ContextDiff]
     notes: list[str]
+    next: str = ""  # the command that finds the module making the first difference, when both runs can be re-run
 
     @property
     def exit_code(self) -> int:
@@ -236,6 +237,7 @@ class RunDiff:
             "batching": self.batching.to_json() if self.batching else None,
             "other_differences": [c.to_json() for c in self.context],
             "notes": self.notes,
+            "next": self.next or None,
         }
 
 

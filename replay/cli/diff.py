@@ -131,6 +131,8 @@ def render_diff(r: RunDiff) -> str:
     lines += _batching_lines(r)
     lines.append("what else differs, most likely cause first:")
     lines.append(table(["", ""], [_context_row(c) for c in r.context]).split("\n", 1)[1])
+    if r.next:
+        lines.append(f"next: {_e(r.next)}   (the module that makes the difference)")
     return "\n".join(lines)
 
 
