@@ -45,6 +45,10 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--collectives", type=click.Choice(["digest", "auto", "full"]), default=None,
               help="Collective outputs: digests, in full, or auto (in full up to 1 MiB each) [auto].")
 @click.option("--durability", type=click.Choice(["step", "async"]), default=None, help="step: no completed step lost on SIGKILL.")
+@click.option("--record-ring-mib", type=click.IntRange(min=0), default=None,
+              help="Size of each rank's record ring in /dev/shm, MiB; 0: no ring [64].")
+@click.option("--ring-full", type=click.Choice(["block", "drop"]), default=None,
+              help="A full record ring: block (wait at the step boundary) or drop (record a gap) [block].")
 @click.option("--max-bytes", type=click.IntRange(min=1), default=None, help="Stop recording a rank past this many bytes.")
 @click.option("--check-lockstep", is_flag=True, default=None, help="Compare output digests across ranks every step.")
 @click.option("--stop-on-divergence", is_flag=True, default=None, help="With --check-lockstep: stop at the first mismatch.")
@@ -59,7 +63,7 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(out, name, steps, profile, state, config_attr, factory, tuner, modules, graph_capture, graph_replay, probes, outputs,
-           keyframe_every, ring, collectives, durability, max_bytes, check_lockstep, stop_on_divergence, node_rank,
+           keyframe_every, ring, collectives, durability, record_ring_mib, ring_full, max_bytes, check_lockstep, stop_on_divergence, node_rank,
            grace, quiet, as_json, cmd, add=False, run_anyway=False, permissions=None) -> int:
     """Run CMD (after --) and record every rank of every Python process it starts."""
     cmd = list(cmd)
@@ -89,7 +93,7 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
             steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
             modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), outputs=list(outputs),
             keyframe_every=keyframe_every, ring=ring, collectives=collectives, durability=durability,
-            max_bytes=max_bytes, check_lockstep=check_lockstep, stop_on_divergence=stop_on_divergence,
+            record_ring_mib=record_ring_mib, ring_full=ring_full, max_bytes=max_bytes, check_lockstep=check_lockstep, stop_on_divergence=stop_on_divergence,
         )
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None

@@ -170,7 +170,8 @@ def _np_dtype(name: str) -> np.dtype | None:
         return None
 
 
-def _floats(data: np.ndarray, at: int, dtype: str, shape: list[int]) -> np.ndarray:
+def floats_at(data: np.ndarray, at: int, dtype: str, shape: list[int]) -> np.ndarray:
+    """``shape`` values of ``dtype`` at byte ``at`` of ``data``, as float32 (bfloat16 included)."""
     n = math.prod(shape)
     if dtype == "bfloat16":
         raw = data[at : at + 2 * n].view(np.uint16).astype(np.uint32) << np.uint32(16)
@@ -224,7 +225,7 @@ def _frame(data: np.ndarray, seq: int, meta: dict[str, Any], *, base: int) -> tu
         body["margin"] = float(data[meta["m"] : meta["m"] + 4].view(np.float32)[0])
     if "margin" in fin:
         at, dtype, shape = fin["margin"]
-        body["margin"] = margin_of(_floats(data, at, dtype, shape))
+        body["margin"] = margin_of(floats_at(data, at, dtype, shape))
     if "acc" in fin:
         at, dtype, shape, nbytes = fin["acc"]
         dt = _np_dtype(dtype)

@@ -39,7 +39,7 @@ from replay.format.journal import FrameKind, JournalWriter
 from replay.format.manifest import host_facts, numerics_env, numerics_flags, versions, write_manifest
 from replay.format.schema import FORMAT_VERSION, TensorKind, dtype_to_str, rank_stem
 from replay.format import perms as _perms  # issue 16
-from replay.format.ring_salvage import assemble_collectives as _assemble_collectives
+from replay.format.ring_salvage import assemble_collectives as _assemble_collectives, floats_at, margin_of
 from replay.format.seal import seal_rank
 from replay.log import get_logger
 from replay.record import rng as _rng
@@ -477,11 +477,7 @@ class Recorder:
             if coll_meta:
                 j.body["collectives"] = _assemble_collectives(j.body, coll_meta)
             if margin_src is not None:
-                m = margin_src
-                if isinstance(m, tuple):
-                    m = torch.from_numpy(m[0]).view(m[1]).view(m[2])
-                top = m.float().topk(2, dim=-1).values
-                j.body["margin"] = float((top[..., 0] - top[..., 1]).min())
+                j.body["margin"] = _host_margin(margin_src)
             accepted = entry_tensor(accepted_entry) if accepted_entry is not None else None
             if accepted is not None:
                 j.body["accepted"] = int(accepted.to(torch.int64).sum())
@@ -779,6 +775,16 @@ class Recorder:
             except OSError:
                 pass
             self._lock_fd = None
+
+
+def _host_margin(m: Any) -> float:
+    """The top-2 margin of logits copied to the host: numpy on the ring's bytes (as salvage
+    computes it), else torch on a host tensor."""
+    if isinstance(m, tuple):
+        npv, dtype, shape = m
+        return margin_of(floats_at(npv, 0, dtype_to_str(dtype), list(shape)))
+    top = m.float().topk(2, dim=-1).values
+    return float((top[..., 0] - top[..., 1]).min())
 
 
 def _drop_drained_ring(ring: ShmRing, pointer: Any) -> None:

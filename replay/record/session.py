@@ -256,6 +256,8 @@ class Session:
             inputs=s.inputs,
             collectives=s.collectives,
             max_bytes=s.max_bytes,
+            record_ring_bytes=s.record_ring_mib << 20,
+            ring_full=s.ring_full,
         )
         self.part = part
         self._streams = _PartStreams()
