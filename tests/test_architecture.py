@@ -20,7 +20,6 @@ MAX_COMPLEXITY = 20
 ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/rerun/runner.py::rerun_step": 38,  # the re-run (issue #14) splits it
     "replay/bisect/layers.py::bisect_layers": 49,  # the re-run (issue #14); grew in 86d8bb1 and after
-    "replay/record/writer.py::Writer._emit": 30,  # the recorder (overhead issue)
     "replay/record/calls.py::split_arguments": 24,  # the recorder (overhead issue)
     "replay/format/tables.py::check_payload_bounds": 27,  # the reader (issue #16)
     "replay/format/tables.py::_Builder.step": 26,  # the reader (issue #16)
@@ -37,17 +36,12 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/analysis/unshard.py::field_row": 23,  # replay diff (issue #17)
     "replay/cli/diff.py::render_diff": 36,  # replay diff (issue #17)
     "replay/report/diff_section.py::render_diff_section": 27,  # replay diff (issue #17)
-    "replay/cli/record.py::record": 31,  # the recorder owns cli/record.py (overhead issue)
     "replay/trust.py::check": 24,  # the trust model (issue #16)
     # Landed on main by 23:09 (merged at d2317ab):
     "replay/bisect/layers.py::LayersBisection.verdict": 24,  # the re-run (issue #14)
     "replay/rerun/target.py::TargetSpec.from_rank_file": 30,  # the re-run (issue #14)
     "replay/record/calls.py::to_json_safe": 24,  # the recorder
     "replay/record/discovery.py::summary_lines": 27,  # the recorder (step discovery, issue #14)
-    "replay/record/session.py::Session._recorder_for": 29,  # the recorder
-    "replay/record/session.py::Session._stream_info": 21,  # the recorder
-    "replay/record/settings.py::RecordSettings.__post_init__": 21,  # the recorder / settings validation (issue #16)
-    "replay/format/ring_salvage.py::_frame": 22,  # the recorder's ring (overhead issue), merged at 47c1e67
 }
 
 

@@ -393,8 +393,7 @@ class Recorder:
             return  # the same logits seen twice in a step (a probe's argument, then the output)
         st.logits_key = key
         if t.device.type == "cuda":
-            top = t.detach().float().topk(2, dim=-1).values
-            st.margin_dev = (top[..., 0] - top[..., 1]).min()
+            st.margin_dev = _device_margin(t.detach())
         else:
             if entry is None or entry.packed is not None:
                 entry = self._staging.entries(st.rjob, None, [("margin", TensorKind.OUTPUT, t, False)])[0]
@@ -775,6 +774,19 @@ class Recorder:
             except OSError:
                 pass
             self._lock_fd = None
+
+
+def _device_margin(t: torch.Tensor) -> torch.Tensor:
+    """The top-1/top-2 margin (minimum over rows) as a device scalar, queued without a host sync.
+
+    Not ``topk``: on CUDA it waits for the device (measured on an H200: ~0.3 ms a graph step, the
+    whole queue on an eager one). The largest value, then the largest of the rest once its own
+    slot is masked, give topk's two values, ties and NaN (the largest for both) included; half
+    and bfloat16 widen to float32 exactly, after the reductions."""
+    top1, idx = t.max(dim=-1, keepdim=True)
+    rest = t.scatter(-1, idx, float("-inf"))
+    top2 = rest.amax(dim=-1, keepdim=True)
+    return (top1.float() - top2.float()).min()
 
 
 def _host_margin(m: Any) -> float:

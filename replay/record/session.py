@@ -527,26 +527,7 @@ class Session:
     def _stream_info(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> dict[str, Any]:
         info: dict[str, Any] = {**spec.to_json(), "step": spec.step, "step_kind": spec.kind or "function", "profile": spec.profile}
         info["factory"] = self.settings.factory or spec.factory
-        config, config_attr = None, spec.config
-        if spec.config:
-            try:
-                config = to_json_safe(access(obj, spec.config))
-            except Exception as e:  # noqa: BLE001
-                self.warn_once(f"config:{spec.step}", f"cannot record the config of {spec.step} ({e}); re-runs will need --factory")
-        elif obj is not None:
-            # No --config: a model's own ``config`` attribute, when it is data.
-            for attr in ("config", "args", "cfg"):
-                try:
-                    v = getattr(obj, attr, None)
-                except Exception:  # noqa: BLE001 - a property that raises is not a config
-                    continue
-                if v is None or callable(v) and not hasattr(v, "__dataclass_fields__"):
-                    continue
-                try:
-                    config, config_attr = to_json_safe(v), attr
-                    break
-                except NotJSON:
-                    continue
+        config, config_attr = self._config_of(spec, obj)
         info["config"] = config
         info["config_attr"] = config_attr
         devices = {str(t.device) for t in inputs.values()}
@@ -567,6 +548,30 @@ class Session:
             except Exception as e:  # noqa: BLE001
                 self.warn_once(f"weights:{spec.step}", f"cannot digest the weights of {spec.step} ({e})")
         return info
+
+    def _config_of(self, spec: StepSpec, obj: Any) -> tuple[Any, str | None]:
+        """The JSON-safe config a factory rebuilds the target from, and the attribute it came from."""
+        if spec.config:
+            try:
+                return to_json_safe(access(obj, spec.config)), spec.config
+            except Exception as e:  # noqa: BLE001
+                self.warn_once(f"config:{spec.step}", f"cannot record the config of {spec.step} ({e}); re-runs will need --factory")
+                return None, spec.config
+        if obj is None:
+            return None, None
+        # No --config: a model's own ``config`` attribute, when it is data.
+        for attr in ("config", "args", "cfg"):
+            try:
+                v = getattr(obj, attr, None)
+            except Exception:  # noqa: BLE001 - a property that raises is not a config
+                continue
+            if v is None or callable(v) and not hasattr(v, "__dataclass_fields__"):
+                continue
+            try:
+                return to_json_safe(v), attr
+            except NotJSON:
+                continue
+        return None, None
 
     def _stream_state(self, spec: StepSpec, obj: Any) -> Callable[[], dict[str, torch.Tensor]] | None:
         if obj is None:
@@ -622,48 +627,11 @@ class Session:
             return rec, st
         # A new target object. While the earlier ones are alive it is another model of the same
         # loop (a draft beside its target): a new stream of this part. Once they are gone it is
-        # a new run (a new engine after the first), so a new part. Ranks switch engines at the
-        # same point of the same program, so with a process group they agree on its name
-        # through the group's store; alone, a process takes the next free one.
+        # a new run (a new engine after the first), so a new part.
         alive = [s for s in self._streams.streams if s.weak and s.obj() is not None]
         if self._streams.streams and not alive:
-            import torch.distributed as dist
-
-            _, world = self._rank_world()
-            self.close_recorder()
-            if world > 1 and dist.is_available() and dist.is_initialized():
-                self._pg_runs += 1
-                try:
-                    part = self._agree_part(dist, run=self._pg_runs)
-                except Exception as e:  # noqa: BLE001
-                    part = f"run-pid{os.getpid()}-{self._pg_runs}"
-                    self.warn_once("part", f"could not agree on a part name with the other ranks ({e}); using {part}")
-            else:
-                part = allocate_part(self.out)
-            rec = self._new_recorder(part)
-            if self.lockstep is not None:
-                self.lockstep.prefix = f"replay/ls/{part}"
-        from replay.record.streams import stream_name
-
-        taken = {s.name for s in self._streams.streams}
-        if any(s.obj() is obj for s in self._streams.streams):
-            # The same object through another step callable (prefill eager, decode compiled).
-            base = spec.step.partition(":")[2].rsplit(".", 1)[-1] or "step"
-            name, i = base, 2
-            while name in taken:
-                name, i = f"{base}{i}", i + 1
-        elif not self._streams.streams:
-            # Named only once a second model appears: reading a caller's variables (f_locals)
-            # keeps them alive in Python 3.11, and a lone engine must be freed when the program
-            # drops it (a new engine is then a new part, not a stream).
-            name = "main"
-        else:
-            name = stream_name(obj, taken)
-            first = self._streams.streams[0]
-            if first.name == "main" and len(self._streams.streams) == 1 and first.obj() is not None:
-                renamed = stream_name(first.obj(), {name})
-                if renamed != type(first.obj()).__name__:
-                    first.name = renamed
+            rec = self._next_part()
+        name = self._new_stream_name(spec, obj)
         weak = obj is not None and weakrefable(obj)
         ref = weakref.ref(obj) if weak else (lambda o=obj: o)
         st = _Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg), state=self._stream_state(spec, obj))
@@ -674,6 +642,54 @@ class Session:
             # The new stream's state must be in a keyframe before its first step.
             rec.snapshot_state()
         return rec, st
+
+    def _next_part(self) -> Recorder:
+        """Close this part and start the next. Ranks switch engines at the same point of the same
+        program, so with a process group they agree on its name through the group's store;
+        alone, a process takes the next free one."""
+        import torch.distributed as dist
+
+        _, world = self._rank_world()
+        self.close_recorder()
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            self._pg_runs += 1
+            try:
+                part = self._agree_part(dist, run=self._pg_runs)
+            except Exception as e:  # noqa: BLE001
+                part = f"run-pid{os.getpid()}-{self._pg_runs}"
+                self.warn_once("part", f"could not agree on a part name with the other ranks ({e}); using {part}")
+        else:
+            part = allocate_part(self.out)
+        rec = self._new_recorder(part)
+        if self.lockstep is not None:
+            self.lockstep.prefix = f"replay/ls/{part}"
+        return rec
+
+    def _new_stream_name(self, spec: StepSpec, obj: Any) -> str:
+        """The name of a new stream of this part (renaming a lone "main" once a second model appears)."""
+        from replay.record.streams import stream_name
+
+        streams = self._streams.streams
+        taken = {s.name for s in streams}
+        if any(s.obj() is obj for s in streams):
+            # The same object through another step callable (prefill eager, decode compiled).
+            base = spec.step.partition(":")[2].rsplit(".", 1)[-1] or "step"
+            name, i = base, 2
+            while name in taken:
+                name, i = f"{base}{i}", i + 1
+            return name
+        if not streams:
+            # Named only once a second model appears: reading a caller's variables (f_locals)
+            # keeps them alive in Python 3.11, and a lone engine must be freed when the program
+            # drops it (a new engine is then a new part, not a stream).
+            return "main"
+        name = stream_name(obj, taken)
+        first = streams[0]
+        if first.name == "main" and len(streams) == 1 and first.obj() is not None:
+            renamed = stream_name(first.obj(), {name})
+            if renamed != type(first.obj()).__name__:
+                first.name = renamed
+        return name
 
     def _recorder_failed(self, e: BaseException) -> None:
         """The recorder's own code failed around a step: warn once, stop recording, go on."""

@@ -104,13 +104,7 @@ class RecordSettings:
 
     def __post_init__(self) -> None:
         for name, kinds in _TYPES.items():
-            value = getattr(self, name)
-            ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-            if name in _LISTS and ok:
-                ok = all(isinstance(x, str) for x in value)
-            if not ok:
-                want = "a list of strings" if name in _LISTS else " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
-                raise ValueError(f"{name} = {value!r} must be {want}")
+            _check_type(name, getattr(self, name), kinds)
         for name in ("steps", "graph_capture", "graph_replay", "probes"):
             for target in getattr(self, name):
                 if ":" not in target:
@@ -171,6 +165,15 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "stop_on_divergence": (True, False),
     "cuda_graph_kernels": (True, False),
 }
+
+
+def _check_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if name in _LISTS and ok:
+        ok = all(isinstance(x, str) for x in value)
+    if not ok:
+        want = "a list of strings" if name in _LISTS else " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise ValueError(f"{name} = {value!r} must be {want}")
 
 
 def load_pyproject_settings(start: Path) -> dict[str, Any]:
