@@ -183,7 +183,7 @@ def test_the_sync_free_margin_equals_topk(rows) -> None:
     topk's value, edge cases included."""
     import math
 
-    from replay.record.recorder import _device_margin
+    from replay.record.margin import device_margin as _device_margin
 
     torch.manual_seed(0)
     for t in (torch.tensor(rows), torch.randn(8, 4, 1000), torch.randn(3, 7).half(), torch.randn(5, 33).bfloat16(),

@@ -25,7 +25,7 @@ from replay.format.schema import TensorKind, dtype_to_str
 from replay.record.ring import JOB_HEADER_BYTES, RingFull, ShmRing
 from replay.record.writer import Entry, Job, PinnedPool
 
-__all__ = ["Staging", "RingJob", "SMALL_BYTES"]
+__all__ = ["Staging", "RingJob", "SMALL_BYTES", "job_meta"]
 
 # CUDA tensors up to this size are packed and copied to the host in one transfer per call.
 SMALL_BYTES = 64 << 10
@@ -308,3 +308,33 @@ class Staging:
         job.ring_end = ring.head
         job.seq = seq
         return True
+
+
+def job_meta(job: Job, rjob: RingJob) -> dict[str, Any]:
+    """What salvage needs to turn a job's ring record into its frame, as the drain would."""
+    groups = {}
+    external = rjob.external
+    for name, entries in job.groups.items():
+        rows = []
+        for e in entries:
+            if e.packed is not None:
+                n = e.packed[2]
+            elif e.npv is not None:
+                n = e.npv.nbytes
+            elif e.host is not None:
+                n = e.host.numel() * e.host.element_size()
+            else:
+                n = 0
+            if e.ring_at < 0 and e.digest is None and (e.digest_slot < 0 or e.store):
+                external = True
+            dig = f"{e.digest:016x}" if e.digest is not None else None
+            rows.append([e.name, int(e.kind), e.dtype, list(e.shape), bool(e.store), e.ring_at, n, dig, e.digest_slot])
+        groups[name] = rows
+    meta: dict[str, Any] = {"b": job.body, "g": groups, "f": job.fin}
+    if job.digests_at >= 0 and job.digests_host is not None:
+        meta["d"] = [job.digests_at, int(job.digests_host.numel())]
+    if job.margin_at >= 0:
+        meta["m"] = job.margin_at
+    if external:
+        meta["x"] = 1
+    return meta
