@@ -83,8 +83,6 @@ def _metadata(plain: Callable, path: Path) -> Callable:
 
 def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps: int, *, batch: int,
              baselines: bool, ring: bool = True, label: str = "") -> list[dict]:
-    from replay.record import session as session_mod
-    from replay.record.config import RecorderConfig
     from replay.record.session import Session
     from replay.record.settings import RecordSettings
     from replay.workloads.mtp.engine import Engine
@@ -101,12 +99,9 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
     # the next configuration starts from the plain engine again.
     saved = [(cls, name, cls.__dict__[name]) for cls, names in ((Engine, ("decode_step", "accept")), (GraphRunner, ("capture", "replay")))
              for name in names]
-    saved_cfg = session_mod.RecorderConfig
-    if not ring:
-        session_mod.RecorderConfig = lambda **kw: RecorderConfig(**kw, record_ring_bytes=0)  # type: ignore[assignment]
     try:
         with tempfile.TemporaryDirectory(dir=os.environ.get("REPLAY_BENCH_DIR")) as tmp:
-            session = Session(Path(tmp) / "rec", RecordSettings())
+            session = Session(Path(tmp) / "rec", RecordSettings() if ring else RecordSettings(record_ring_mib=0))
             session.install()  # patches Engine.decode_step (the mtp profile) like `replay record` does
             recorded = Engine.decode_step
             assert recorded is not plain, "the profile did not patch the engine"
@@ -143,7 +138,6 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
             session.shutdown()
             session.disabled = True
     finally:
-        session_mod.RecorderConfig = saved_cfg
         for cls, name, value in saved:
             setattr(cls, name, value)
     mp = statistics.median([t for b in t_plain for t in b])

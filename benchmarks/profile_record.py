@@ -106,13 +106,12 @@ def main() -> int:
     from replay.record.config import RecorderConfig
 
     extra = {}
-    if args.no_ring:
-        extra["record_ring_bytes"] = 0
     if args.lag is not None:
         extra["drain_lag_s"] = args.lag
-    session_mod.RecorderConfig = lambda **kw: RecorderConfig(**kw, **extra)  # type: ignore[assignment]
+    if extra:
+        session_mod.RecorderConfig = lambda **kw: RecorderConfig(**kw, **extra)  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
-        session = Session(Path(tmp), RecordSettings(durability=args.durability))
+        session = Session(Path(tmp), RecordSettings(durability=args.durability, record_ring_mib=0 if args.no_ring else 64))
         session.install()
         recorded = Engine.decode_step
 

@@ -66,3 +66,28 @@ def test_current_reads_what_replay_record_set(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setenv(S.ENV_SETTINGS, RecordSettings(ring=5).to_env())
     got = S.current()
     assert got is not None and got[0] == tmp_path and got[1].ring == 5
+
+
+@pytest.mark.parametrize("bad", [{"record_ring_mib": -1}, {"ring_full": "wait"}, {"record_ring_mib": "64"}],
+                         ids=["negative", "policy", "type"])
+def test_record_ring_settings_are_checked_where_they_enter(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        RecordSettings(**bad)
+
+
+def test_record_ring_settings_from_pyproject_reach_the_recorder(tmp_path: Path) -> None:
+    """issue 15: [tool.replay] record-ring-mib / ring-full, then the command line, down to the
+    recorder's config (0 MiB: no ring, the writer-thread path)."""
+    from replay.record.session import Session
+
+    (tmp_path / "pyproject.toml").write_text('[tool.replay]\nrecord-ring-mib = 8\nring-full = "drop"\n')
+    s = RecordSettings(**load_pyproject_settings(tmp_path))
+    assert (s.record_ring_mib, s.ring_full) == (8, "drop")
+    assert s.merged(record_ring_mib=0, ring_full=None).record_ring_mib == 0  # 0 given is a value
+    session = Session(tmp_path / "rec", s)
+    try:
+        rec = session.ensure_recorder()
+        assert rec is not None and rec.config.record_ring_bytes == 8 << 20 and rec.config.ring_full == "drop"
+        assert rec.ring_stats()["policy"] == "drop"
+    finally:
+        session.shutdown()

@@ -168,3 +168,26 @@ def test_step_context_marks_raised_steps(tmp_path):
     rec.close()
     s = open_recording(tmp_path / "r")["run-000"][0].step(0)
     assert not s.ok and "rank drift" in s.reason
+
+
+@pytest.mark.parametrize("rows", [
+    [[1.0, 1.0, 0.0]],  # a tie: margin 0
+    [[float("nan"), 1.0, 2.0]],  # NaN is the largest, as in topk
+    [[1.0, float("nan"), float("nan")]],
+    [[3.0, float("-inf")]],
+    [[float("-inf"), float("-inf")]],
+    [[float("inf"), float("inf"), 1.0]],
+], ids=["tie", "nan", "two-nan", "neg-inf", "all-neg-inf", "two-inf"])
+def test_the_sync_free_margin_equals_topk(rows) -> None:
+    """issue 15: the device margin avoids topk (which waits for the device on CUDA) and must give
+    topk's value, edge cases included."""
+    import math
+
+    from replay.record.margin import device_margin as _device_margin
+
+    torch.manual_seed(0)
+    for t in (torch.tensor(rows), torch.randn(8, 4, 1000), torch.randn(3, 7).half(), torch.randn(5, 33).bfloat16(),
+              torch.randint(0, 3, (16, 9)).float()):
+        top = t.float().topk(2, dim=-1).values
+        want, got = float((top[..., 0] - top[..., 1]).min()), float(_device_margin(t))
+        assert want == got or (math.isnan(want) and math.isnan(got)), (t, want, got)

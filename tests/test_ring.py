@@ -163,6 +163,15 @@ def test_full_ring_drop_records_the_gap(tmp_path, gate):
     assert stats["dropped"] == list(range(3, 40))
     notes = [e for e in rf.tables.events if "not recorded: the record ring was full" in e]
     assert len(notes) == 37
+    # `replay info` shows the ring's figures from the end marker (issue 15).
+    from replay import api
+    from replay.cli.info import render_info
+
+    with open_recording(tmp_path / "r") as recording:
+        result = api.info(recording)
+    ring = result.to_json()["ranks"][0]["record_ring"]
+    assert ring == {"bytes": RING, "policy": "drop", "full_waits": 0, "full_wait_s": 0.0, "dropped_steps": 37}
+    assert "record ring (1 MiB, policy drop) full 0 times, 0.000 s waited, 37 steps dropped" in render_info(result)
 
 
 def test_clean_close_removes_the_ring(tmp_path):

@@ -31,6 +31,7 @@ class RankSummary:
     raised_steps: int
     last_error: str | None
     problem: str | None
+    record_ring: dict[str, Any] | None = None  # issue 15: the record ring's size, policy, waits, drops
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -58,7 +59,18 @@ def summarize_rank(rf: RankFile) -> RankSummary:
         raised_steps=int(raised.size),
         last_error=last_error,
         problem=problem,
+        record_ring=_ring_stats(t.attrs.get("record_ring")),
     )
+
+
+def _ring_stats(v: Any) -> dict[str, Any] | None:
+    """The record ring's figures from the end marker, kept only when they are well formed."""
+    if not isinstance(v, dict) or not v.get("enabled"):
+        return None
+    keys = {"bytes": int, "policy": str, "full_waits": int, "full_wait_s": (int, float), "dropped_steps": int}
+    if not all(isinstance(v.get(k), t) and not isinstance(v.get(k), bool) for k, t in keys.items()):
+        return None
+    return {k: v[k] for k in keys}
 
 
 def part_divergence(part: Part) -> tuple[Divergence | None, Divergence | None]:

@@ -86,7 +86,18 @@ def _rank_problems(s: dict[str, Any]) -> list[str]:
             lines.append(style(f"  rank {r['rank']}: {escape(r['problem'])}", fg="yellow"))
         if r["last_error"]:
             lines.append(f"  rank {r['rank']} raised: {escape(r['last_error'])}")
+        lines += _record_ring_line(r)
     return lines
+
+
+def _record_ring_line(r: dict[str, Any]) -> list[str]:
+    """issue 15: the record ring of a rank that waited for room or dropped steps (quiet otherwise)."""
+    g = r.get("record_ring")
+    if not isinstance(g, dict) or not (g.get("full_waits") or g.get("dropped_steps")):
+        return []
+    text = (f"  rank {r['rank']}: record ring ({int(g['bytes']) >> 20} MiB, policy {escape(str(g['policy']))}) "
+            f"full {g['full_waits']} times, {float(g['full_wait_s']):.3f} s waited, {g['dropped_steps']} steps dropped")
+    return [style(text, fg="yellow" if g.get("dropped_steps") else None)]
 
 
 def _ranks(xs: list[int]) -> str:

@@ -9,7 +9,7 @@ import click
 
 from replay import api
 from replay.cli.common import default_root, emit_json
-from replay.cli.info import info_data, render_info
+from replay.cli.info import render_info
 from replay.errors import ReplayError, UsageError
 from replay.format.reader import Recording
 from replay.record.discovery import read_reports, summary_lines
@@ -45,6 +45,10 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--collectives", type=click.Choice(["digest", "auto", "full"]), default=None,
               help="Collective outputs: digests, in full, or auto (in full up to 1 MiB each) [auto].")
 @click.option("--durability", type=click.Choice(["step", "async"]), default=None, help="step: no completed step lost on SIGKILL.")
+@click.option("--record-ring-mib", type=click.IntRange(min=0), default=None,
+              help="Size of each rank's record ring in /dev/shm, MiB; 0: no ring [64].")
+@click.option("--ring-full", type=click.Choice(["block", "drop"]), default=None,
+              help="A full record ring: block (wait at the step boundary) or drop (record a gap) [block].")
 @click.option("--max-bytes", type=click.IntRange(min=1), default=None, help="Stop recording a rank past this many bytes.")
 @click.option("--check-lockstep", is_flag=True, default=None, help="Compare output digests across ranks every step.")
 @click.option("--stop-on-divergence", is_flag=True, default=None, help="With --check-lockstep: stop at the first mismatch.")
@@ -59,7 +63,7 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(out, name, steps, profile, state, config_attr, factory, tuner, modules, graph_capture, graph_replay, probes, outputs,
-           keyframe_every, ring, collectives, durability, max_bytes, check_lockstep, stop_on_divergence, node_rank,
+           keyframe_every, ring, collectives, durability, record_ring_mib, ring_full, max_bytes, check_lockstep, stop_on_divergence, node_rank,
            grace, quiet, as_json, cmd, add=False, run_anyway=False, permissions=None) -> int:
     """Run CMD (after --) and record every rank of every Python process it starts."""
     cmd = list(cmd)
@@ -67,8 +71,34 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("no command to record: replay record -- CMD ...")
-    # issue 16: recordings are owner-only unless widened; the mode goes to every rank through
-    # the environment (replay/format/perms.py), and the program's umask is left alone.
+    _set_permissions(permissions)
+    settings = _settings(
+        steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
+        modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), outputs=list(outputs),
+        keyframe_every=keyframe_every, ring=ring, collectives=collectives, durability=durability,
+        record_ring_mib=record_ring_mib, ring_full=ring_full, max_bytes=max_bytes, check_lockstep=check_lockstep,
+        stop_on_divergence=stop_on_divergence,
+    )
+    if node_rank is None:
+        node_rank = api.detect_node_rank(cmd)
+    path = _recording_dir(cmd, out, name, node_rank, add)
+    if isinstance(path, str):
+        return _unrecordable(cmd, path, run_anyway)
+    try:
+        result = record_command(cmd, settings, out=path, node=node_rank, grace_s=grace)
+    except FileNotFoundError:
+        raise UsageError(f"command not found: {cmd[0]}") from None
+    except UsageError as e:
+        if "cannot write the recording" not in str(e):
+            raise
+        return _unrecordable(cmd, str(e).split(": choose")[0], run_anyway)
+    _report(path, result, quiet=quiet, as_json=as_json)
+    return result.exit_code
+
+
+def _set_permissions(permissions: str | None) -> None:
+    """issue 16: recordings are owner-only unless widened; the mode goes to every rank through
+    the environment (replay/format/perms.py), and the program's umask is left alone."""
     from replay.format import perms as _perms
 
     try:
@@ -76,6 +106,10 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
     except ValueError as e:
         raise UsageError(str(e)) from None
     os.environ[_perms.ENV_PERMISSIONS] = mode.value
+
+
+def _settings(**given: object) -> RecordSettings:
+    """[tool.replay] of the nearest pyproject.toml, then the command line; one line on a bad value."""
     try:
         table = load_pyproject_settings(Path.cwd())
     except ValueError as e:
@@ -85,67 +119,62 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
     except (TypeError, ValueError) as e:
         raise UsageError(f"[tool.replay] of the nearest pyproject.toml: {e}") from None
     try:
-        settings = base.merged(
-            steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
-            modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), outputs=list(outputs),
-            keyframe_every=keyframe_every, ring=ring, collectives=collectives, durability=durability,
-            max_bytes=max_bytes, check_lockstep=check_lockstep, stop_on_divergence=stop_on_divergence,
-        )
+        return base.merged(**given)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    if node_rank is None:
-        node_rank = api.detect_node_rank(cmd)
-    # issue 16: an --out holding a recording is refused (unless --add, or another node of the
-    # same multi-node run); when nothing can be recorded, --run-anyway decides whether CMD runs.
+
+
+def _recording_dir(cmd: list[str], out: Path | None, name: str | None, node_rank: int | None, add: bool) -> Path | str:
+    """The directory to record into, or why nothing can be recorded (a string).
+
+    issue 16: an --out holding a recording is refused (unless --add, or another node of the same
+    multi-node run); when nothing can be recorded, --run-anyway decides whether CMD runs."""
+    from replay.format import perms as _perms
     from replay.format.manifest import claim_recording
 
     try:
-        if out is not None:
-            fresh = not out.exists()
-            out.mkdir(parents=True, exist_ok=True)
-            if fresh:
-                os.chmod(out, _perms.dir_mode())
-            refused = claim_recording(out, node_rank, add=add)
-            if refused is not None:
-                raise UsageError(f"{refused}: give a new --out, or --add to add to it")
-            path = out
-        else:
-            path = recording_dir_for(cmd, Path(default_root()), name)
+        if out is None:
+            return recording_dir_for(cmd, Path(default_root()), name)
+        fresh = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            os.chmod(out, _perms.dir_mode())
+        refused = claim_recording(out, node_rank, add=add)
     except OSError as e:
         where = out if out is not None else Path(default_root())
-        return _unrecordable(cmd, f"cannot write the recording to {where} ({e.strerror or e})", run_anyway)
-    try:
-        result = record_command(cmd, settings, out=path, node=node_rank, grace_s=grace)
-    except FileNotFoundError:
-        raise UsageError(f"command not found: {cmd[0]}") from None
-    except UsageError as e:
-        if "cannot write the recording" not in str(e):
-            raise
-        return _unrecordable(cmd, str(e).split(": choose")[0], run_anyway)
+        return f"cannot write the recording to {where} ({e.strerror or e})"
+    if refused is not None:
+        raise UsageError(f"{refused}: give a new --out, or --add to add to it")
+    return out
+
+
+def _report(path: Path, result: object, *, quiet: bool, as_json: bool) -> None:
+    """What was recorded: the summary of ``replay info`` and each rank's steps."""
     summary = None
     nothing = None
     try:
         with Recording(path) as rec:
-            summary = info_data(rec)
+            summary = api.info(rec).to_json()
     except ReplayError as e:
         nothing = str(e)
     steps = summary_lines(read_reports(path))
     if as_json:
         emit_json({"recording": str(path), "exit_code": result.exit_code, "signal": result.signal,
                    "still_live": result.still_live, "info": summary, "steps": steps, "nothing_recorded": nothing})
-    elif not quiet:
-        if summary is not None:
-            click.echo(f"\nreplay: recorded {escape(str(path))} (command exit code {result.exit_code})", err=True)
-        else:
-            # One line, not "recorded nothing" followed by "recorded DIR".
-            click.echo(f"\nreplay: {escape(nothing or f'nothing was recorded in {path}')}", err=True)
-        for line in steps:
-            click.echo(line, err=True)
-        if summary is not None:
-            click.echo(render_info(summary), err=True)
-        for j in result.still_live:
-            click.echo(f"replay: {j} is still being written by a running process; seal it later with `replay seal`", err=True)
-    return result.exit_code
+        return
+    if quiet:
+        return
+    if summary is not None:
+        click.echo(f"\nreplay: recorded {escape(str(path))} (command exit code {result.exit_code})", err=True)
+    else:
+        # One line, not "recorded nothing" followed by "recorded DIR".
+        click.echo(f"\nreplay: {escape(nothing or f'nothing was recorded in {path}')}", err=True)
+    for line in steps:
+        click.echo(line, err=True)
+    if summary is not None:
+        click.echo(render_info(summary), err=True)
+    for j in result.still_live:
+        click.echo(f"replay: {j} is still being written by a running process; seal it later with `replay seal`", err=True)
 
 
 def _pyproject_permissions() -> str | None:

@@ -53,7 +53,7 @@ TABLES: dict[str, np.dtype] = {
 }
 
 # Attributes that are dicts are stored as JSON text: readable in h5dump, and never unpickled.
-_JSON_ATTRS = ("config", "env", "versions", "recorder", "gpus", "numerics", "target")
+_JSON_ATTRS = ("config", "env", "versions", "recorder", "gpus", "numerics", "target", "record_ring")
 
 # Rows per chunk of a table: chunked so that every table carries a Fletcher-32 checksum.
 _CHUNK_ROWS = 1 << 14

@@ -170,7 +170,8 @@ def _np_dtype(name: str) -> np.dtype | None:
         return None
 
 
-def _floats(data: np.ndarray, at: int, dtype: str, shape: list[int]) -> np.ndarray:
+def floats_at(data: np.ndarray, at: int, dtype: str, shape: list[int]) -> np.ndarray:
+    """``shape`` values of ``dtype`` at byte ``at`` of ``data``, as float32 (bfloat16 included)."""
     n = math.prod(shape)
     if dtype == "bfloat16":
         raw = data[at : at + 2 * n].view(np.uint16).astype(np.uint32) << np.uint32(16)
@@ -189,42 +190,52 @@ def margin_of(x: np.ndarray) -> float:
 
 def _frame(data: np.ndarray, seq: int, meta: dict[str, Any], *, base: int) -> tuple[FrameKind, dict[str, Any], list[memoryview]] | None:
     """A job's frame body and payload bytes (stored from payload offset ``base`` on)."""
+    body = dict(meta.get("b") or {})
+    d = meta.get("d")
+    digests = data[d[0] : d[0] + 8 * d[1]].view(np.int64) if d else None
+    views: list[memoryview] = []
+    off = [base]
+    for gname, entries in (meta.get("g") or {}).items():
+        refs = [_ref(data, row, digests, views, off) for row in entries]
+        if any(r is None for r in refs):
+            return None  # bytes the ring does not hold (they went to the writer)
+        body[gname] = refs
+    _finish(data, body, meta)
+    body["rs"] = seq
+    return FrameKind(meta["k"]), body, views
+
+
+def _ref(data: np.ndarray, row: list[Any], digests: np.ndarray | None, views: list[memoryview], off: list[int]) -> dict[str, Any] | None:
+    """One tensor's reference in the frame, its stored bytes appended to ``views``; None: its
+    bytes are not in the ring."""
     from replay.digest import digest_numpy, from_int64
 
-    body = dict(meta.get("b") or {})
-    digests = None
-    d = meta.get("d")
-    if d:
-        digests = data[d[0] : d[0] + 8 * d[1]].view(np.int64)
-    views: list[memoryview] = []
-    off = base
-    for gname, entries in (meta.get("g") or {}).items():
-        refs = []
-        for name, _kind, dtype, shape, store, at, nbytes, dig, slot in entries:
-            ref: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape)}
-            arr = data[at : at + nbytes] if at >= 0 else None
-            if dig is None and slot >= 0 and digests is not None:
-                dig = f"{from_int64(int(digests[slot])) & _MASK64:016x}"
-            if dig is None:
-                if arr is None:
-                    return None
-                dig = f"{digest_numpy(arr):016x}"
-            ref["dig"] = dig
-            if store:
-                if arr is None:
-                    return None
-                ref["off"], ref["n"] = off, int(nbytes)
-                if nbytes:
-                    views.append(memoryview(arr))
-                off += int(nbytes)
-            refs.append(ref)
-        body[gname] = refs
+    name, _kind, dtype, shape, store, at, nbytes, dig, slot = row
+    ref: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape)}
+    arr = data[at : at + nbytes] if at >= 0 else None
+    if dig is None and slot >= 0 and digests is not None:
+        dig = f"{from_int64(int(digests[slot])) & _MASK64:016x}"
+    if dig is None and arr is not None:
+        dig = f"{digest_numpy(arr):016x}"
+    if dig is None or (store and arr is None):
+        return None
+    ref["dig"] = dig
+    if store:
+        ref["off"], ref["n"] = off[0], int(nbytes)
+        if nbytes:
+            views.append(memoryview(arr))
+        off[0] += int(nbytes)
+    return ref
+
+
+def _finish(data: np.ndarray, body: dict[str, Any], meta: dict[str, Any]) -> None:
+    """What the drain computes once the bytes are in: the margin, the accepted count, collectives."""
     fin = meta.get("f") or {}
     if meta.get("m", -1) >= 0:
         body["margin"] = float(data[meta["m"] : meta["m"] + 4].view(np.float32)[0])
     if "margin" in fin:
         at, dtype, shape = fin["margin"]
-        body["margin"] = margin_of(_floats(data, at, dtype, shape))
+        body["margin"] = margin_of(floats_at(data, at, dtype, shape))
     if "acc" in fin:
         at, dtype, shape, nbytes = fin["acc"]
         dt = _np_dtype(dtype)
@@ -236,8 +247,6 @@ def _frame(data: np.ndarray, seq: int, meta: dict[str, Any], *, base: int) -> tu
             body.update(colls[0])
         else:
             body["collectives"] = colls
-    body["rs"] = seq
-    return FrameKind(meta["k"]), body, views
 
 
 def assemble_collectives(body: dict[str, Any], meta: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -326,6 +326,8 @@ class TablesBuilder:
         if closed is not None:
             attrs["ended_at"] = closed.get("ended_at")
             attrs["end_status"] = str(closed.get("status", "ok"))
+            if isinstance(closed.get("ring"), dict):
+                attrs["record_ring"] = closed["ring"]  # issue 15: waits for room, dropped steps
             if attrs["end_status"] == "stopped":
                 # The recorder switched itself off (size limit, full disk, a writer error) and
                 # said so: the file is whole, but the steps the program ran afterwards were not

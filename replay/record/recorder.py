@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import errno
 import fcntl
 import functools
 import os
@@ -44,14 +43,15 @@ from replay.format.seal import seal_rank
 from replay.log import get_logger
 from replay.record import rng as _rng
 from replay.record.config import RecorderConfig
+from replay.record.margin import device_margin, host_margin
 from replay.record.ring import ShmRing, ring_pointer
-from replay.record.staging import RingJob, Staging
+from replay.record.ring_setup import drop_drained_ring, open_rank_ring
+from replay.record.staging import RingJob, Staging, job_meta
 from replay.record.writer import Entry, Job, Writer, entry_tensor
 
 __all__ = ["Recorder"]
 
 log = get_logger("replay.record")
-_SMALL_RING = 8 << 20  # the ring's size when /dev/shm has no room for the configured one
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -176,37 +176,15 @@ class Recorder:
             )
 
     def _open_ring(self, journal_path: Any) -> list[str]:
-        """Create this rank's record ring and the pointer beside the journal; [] or why not."""
-        cfg = self.config
-        if not cfg.record_ring_bytes:
-            return []
-        notes = []
-        try:
-            try:
-                ring = ShmRing(cfg.record_ring_dir, cfg.record_ring_bytes, rank=cfg.rank)
-            except OSError as e:
-                if e.errno != errno.ENOSPC or cfg.record_ring_bytes <= _SMALL_RING:
-                    raise
-                # A small /dev/shm (a container's 64 MB): a smaller ring still keeps steps durable.
-                ring = ShmRing(cfg.record_ring_dir, _SMALL_RING, rank=cfg.rank)
-                notes.append(f"no room for a {cfg.record_ring_bytes >> 20} MiB record ring in {cfg.record_ring_dir}: using {_SMALL_RING >> 20} MiB")
-        except Exception as e:  # noqa: BLE001 - no /dev/shm, or no room in it
-            return [f"no record ring in {cfg.record_ring_dir} ({e.__class__.__name__}: {e}): steps go to the writer thread"]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            why = ring.register_cuda()
-            if why is not None:
-                ring.close(unlink=True)
-                return [f"the record ring could not be registered with CUDA ({why}): steps go to the writer thread"]
-        pointer = ring_pointer(journal_path)
-        tmp = pointer.with_name(pointer.name + ".tmp")
-        tmp.unlink(missing_ok=True)
-        _perms.write_new(tmp, (str(ring.path) + "\n").encode())
-        os.replace(tmp, pointer)
+        """This rank's record ring and the pointer beside the journal; notes say why not."""
+        ring, notes = open_rank_ring(self.config, journal_path)
+        if ring is None:
+            return notes
         self._rr = ring
         # A recorder that is dropped or exits without closing: its ring leaves /dev/shm with it
         # when the drain had moved everything to the journal (else it stays for `replay seal`).
-        self._ring_finalizer = weakref.finalize(self, _drop_drained_ring, ring, pointer)
-        self._staging = Staging(ring, block=cfg.ring_full == "block", timeout=cfg.sync_timeout_s)
+        self._ring_finalizer = weakref.finalize(self, drop_drained_ring, ring, ring_pointer(journal_path))
+        self._staging = Staging(ring, block=self.config.ring_full == "block", timeout=self.config.sync_timeout_s)
         self._staging.pool = self._pool
         return notes
 
@@ -257,13 +235,13 @@ class Recorder:
                 return
             rjob = self._staging.open_job_blocking()
         seq = self._seq
-        meta = _job_meta(job, rjob)
+        meta = job_meta(job, rjob)
         if not self._staging.seal_job(job, rjob, seq, int(job.kind), meta):
             # Policy "drop" and no room for the meta: the job becomes a note in its own reserve.
             self._dropped.append(int(job.body.get("step", -1)))
             job = Job(kind=FrameKind.NOTE, body={"step": job.body.get("step", -1), "message": f"a {job.kind.name.lower()} record was not kept: the record ring was full"})
             job.cuda_work = rjob.cuda is not None
-            self._staging.seal_job(job, rjob, seq, int(job.kind), _job_meta(job, rjob))
+            self._staging.seal_job(job, rjob, seq, int(job.kind), job_meta(job, rjob))
         self._seq += 1
         self._submit(job, wait=wait or rjob.external)
         while self._gaps:
@@ -271,7 +249,7 @@ class Recorder:
             if gap_job is None or gap_job.header_at < 0:
                 break
             gap = self._gaps.pop(0)
-            self._staging.seal_job(gap, gap_job, self._seq, int(gap.kind), _job_meta(gap, gap_job))
+            self._staging.seal_job(gap, gap_job, self._seq, int(gap.kind), job_meta(gap, gap_job))
             self._seq += 1
             self._submit(gap, wait=False)
         for n in self._staging.notes:
@@ -393,8 +371,7 @@ class Recorder:
             return  # the same logits seen twice in a step (a probe's argument, then the output)
         st.logits_key = key
         if t.device.type == "cuda":
-            top = t.detach().float().topk(2, dim=-1).values
-            st.margin_dev = (top[..., 0] - top[..., 1]).min()
+            st.margin_dev = device_margin(t.detach())
         else:
             if entry is None or entry.packed is not None:
                 entry = self._staging.entries(st.rjob, None, [("margin", TensorKind.OUTPUT, t, False)])[0]
@@ -477,11 +454,7 @@ class Recorder:
             if coll_meta:
                 j.body["collectives"] = _assemble_collectives(j.body, coll_meta)
             if margin_src is not None:
-                m = margin_src
-                if isinstance(m, tuple):
-                    m = torch.from_numpy(m[0]).view(m[1]).view(m[2])
-                top = m.float().topk(2, dim=-1).values
-                j.body["margin"] = float((top[..., 0] - top[..., 1]).min())
+                j.body["margin"] = host_margin(margin_src)
             accepted = entry_tensor(accepted_entry) if accepted_entry is not None else None
             if accepted is not None:
                 j.body["accepted"] = int(accepted.to(torch.int64).sum())
@@ -779,43 +752,3 @@ class Recorder:
             except OSError:
                 pass
             self._lock_fd = None
-
-
-def _drop_drained_ring(ring: ShmRing, pointer: Any) -> None:
-    if ring.tail != ring.head:
-        return
-    try:
-        ring.path.unlink(missing_ok=True)
-        pointer.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
-def _job_meta(job: Job, rjob: RingJob) -> dict[str, Any]:
-    """What salvage needs to turn a job's ring record into its frame, as the drain would."""
-    groups = {}
-    external = rjob.external
-    for name, entries in job.groups.items():
-        rows = []
-        for e in entries:
-            if e.packed is not None:
-                n = e.packed[2]
-            elif e.npv is not None:
-                n = e.npv.nbytes
-            elif e.host is not None:
-                n = e.host.numel() * e.host.element_size()
-            else:
-                n = 0
-            if e.ring_at < 0 and e.digest is None and (e.digest_slot < 0 or e.store):
-                external = True
-            dig = f"{e.digest:016x}" if e.digest is not None else None
-            rows.append([e.name, int(e.kind), e.dtype, list(e.shape), bool(e.store), e.ring_at, n, dig, e.digest_slot])
-        groups[name] = rows
-    meta: dict[str, Any] = {"b": job.body, "g": groups, "f": job.fin}
-    if job.digests_at >= 0 and job.digests_host is not None:
-        meta["d"] = [job.digests_at, int(job.digests_host.numel())]
-    if job.margin_at >= 0:
-        meta["m"] = job.margin_at
-    if external:
-        meta["x"] = 1
-    return meta

@@ -34,6 +34,7 @@ import os
 import secrets
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +96,8 @@ class ShmRing:
         self.tail_seq = 0
         self.full_waits = 0
         self.full_wait_s = 0.0
+        self.waiting = 0  # host threads waiting for room now: the drain must not hold a step back
+        self.on_full: Any = None  # called when the host starts waiting (wakes the drain)
         self._cond = threading.Condition()
 
     # -- host side -------------------------------------------------------------------------
@@ -151,8 +154,14 @@ class ShmRing:
 
         t0 = time.perf_counter()
         self.full_waits += 1
-        with self._cond:
-            ok = self._cond.wait_for(lambda: self.head + n - self.tail <= self.capacity, timeout)
+        self.waiting += 1
+        try:
+            if self.on_full is not None:
+                self.on_full()
+            with self._cond:
+                ok = self._cond.wait_for(lambda: self.head + n - self.tail <= self.capacity, timeout)
+        finally:
+            self.waiting -= 1
         self.full_wait_s += time.perf_counter() - t0
         if not ok:
             raise TimeoutError(f"the record ring stayed full for {timeout:.0f} s")

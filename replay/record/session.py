@@ -16,20 +16,18 @@ import sys
 import threading
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from replay import numerics
-from replay.format import perms as _perms  # issue 16
 from replay.log import get_logger
 from replay.record.config import RecorderConfig
 from replay.record.calls import (
     NotJSON,
     access,
-    call_key,
     capturing,
     module_state,
     name_outputs,
@@ -41,6 +39,8 @@ from replay.record.calls import (
 from replay.record.hooks import patch_callable, when_class_defined, when_imported
 from replay.record.launch import launch_info, main_names, module_name
 from replay.record.profiles import PROFILES, Profile, StepSpec
+from replay.record.graph_events import GraphEvents
+from replay.record.parts import PartStreams, Stream, allocate_part, new_stream_name
 from replay.record.recorder import Recorder
 from replay.record.settings import RecordSettings
 
@@ -50,63 +50,13 @@ log = get_logger("replay.record")
 
 
 
-@dataclass(slots=True)
-class _Stream:
-    """One model of the loop (a target object) inside the current part."""
-
-    name: str
-    ref: Any  # a weak reference, or a function returning the object (not weak-referenceable)
-    weak: bool
-    info: dict[str, Any]
-    state: Callable[[], dict[str, torch.Tensor]] | None = None
-
-    def obj(self) -> Any:
-        return self.ref()
-
-
-@dataclass(slots=True)
-class _PartStreams:
-    streams: list[_Stream] = field(default_factory=list)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for i, st in enumerate(self.streams):
-            if st.state is None:
-                continue
-            prefix = "" if i == 0 else f"{st.name}/"
-            for k, v in st.state().items():
-                out[prefix + k] = v
-        return out
-
-
 def normalize_step(target: str) -> str:
     """``__main__:f`` -> ``generate:f`` for ``python generate.py``: one name for one callable."""
     mod, sep, qual = target.partition(":")
     return f"{module_name(mod)}{sep}{qual}" if sep else target
 
 
-def allocate_part(out: Path) -> str:
-    """Create the next free ``run-NNN`` directory (atomic, also across nodes on a shared FS)."""
-    # An unwritable directory must not raise into the program (this runs inside its step or
-    # init_process_group call, and the other ranks wait for rank 0's answer): the name is
-    # returned anyway, and the recorder that cannot open it switches itself off with a warning.
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return "run-000"
-    for i in range(100_000):
-        name = f"run-{i:03d}"
-        try:
-            _perms.mkdir(out / name)  # issue 16: owner-only unless widened, whatever the umask
-            return name
-        except FileExistsError:
-            continue
-        except OSError:
-            return name
-    raise RuntimeError(f"no free part name under {out}")
-
-
-class Session:
+class Session(GraphEvents):
     """The recording state of one process (a singleton per process; see ``bootstrap``)."""
 
     def __init__(self, out: Path, settings: RecordSettings) -> None:
@@ -117,7 +67,7 @@ class Session:
         self.disabled = False
         self._lock = threading.RLock()
         self._local = threading.local()
-        self._streams = _PartStreams()
+        self._streams = PartStreams()
         self._numerics: dict[str, dict[str, Any]] = {}
         self._first_numerics: str | None = None
         self._launch: dict[str, Any] | None = None
@@ -256,9 +206,11 @@ class Session:
             inputs=s.inputs,
             collectives=s.collectives,
             max_bytes=s.max_bytes,
+            record_ring_bytes=s.record_ring_mib << 20,
+            ring_full=s.ring_full,
         )
         self.part = part
-        self._streams = _PartStreams()
+        self._streams = PartStreams()
         self._numerics = {}
         self._first_numerics = None
         self._cpu_graphs.clear()
@@ -525,26 +477,7 @@ class Session:
     def _stream_info(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> dict[str, Any]:
         info: dict[str, Any] = {**spec.to_json(), "step": spec.step, "step_kind": spec.kind or "function", "profile": spec.profile}
         info["factory"] = self.settings.factory or spec.factory
-        config, config_attr = None, spec.config
-        if spec.config:
-            try:
-                config = to_json_safe(access(obj, spec.config))
-            except Exception as e:  # noqa: BLE001
-                self.warn_once(f"config:{spec.step}", f"cannot record the config of {spec.step} ({e}); re-runs will need --factory")
-        elif obj is not None:
-            # No --config: a model's own ``config`` attribute, when it is data.
-            for attr in ("config", "args", "cfg"):
-                try:
-                    v = getattr(obj, attr, None)
-                except Exception:  # noqa: BLE001 - a property that raises is not a config
-                    continue
-                if v is None or callable(v) and not hasattr(v, "__dataclass_fields__"):
-                    continue
-                try:
-                    config, config_attr = to_json_safe(v), attr
-                    break
-                except NotJSON:
-                    continue
+        config, config_attr = self._config_of(spec, obj)
         info["config"] = config
         info["config_attr"] = config_attr
         devices = {str(t.device) for t in inputs.values()}
@@ -565,6 +498,30 @@ class Session:
             except Exception as e:  # noqa: BLE001
                 self.warn_once(f"weights:{spec.step}", f"cannot digest the weights of {spec.step} ({e})")
         return info
+
+    def _config_of(self, spec: StepSpec, obj: Any) -> tuple[Any, str | None]:
+        """The JSON-safe config a factory rebuilds the target from, and the attribute it came from."""
+        if spec.config:
+            try:
+                return to_json_safe(access(obj, spec.config)), spec.config
+            except Exception as e:  # noqa: BLE001
+                self.warn_once(f"config:{spec.step}", f"cannot record the config of {spec.step} ({e}); re-runs will need --factory")
+                return None, spec.config
+        if obj is None:
+            return None, None
+        # No --config: a model's own ``config`` attribute, when it is data.
+        for attr in ("config", "args", "cfg"):
+            try:
+                v = getattr(obj, attr, None)
+            except Exception:  # noqa: BLE001 - a property that raises is not a config
+                continue
+            if v is None or callable(v) and not hasattr(v, "__dataclass_fields__"):
+                continue
+            try:
+                return to_json_safe(v), attr
+            except NotJSON:
+                continue
+        return None, None
 
     def _stream_state(self, spec: StepSpec, obj: Any) -> Callable[[], dict[str, torch.Tensor]] | None:
         if obj is None:
@@ -605,13 +562,13 @@ class Session:
         info["numerics"] = {"first": self._first_numerics, "contexts": dict(self._numerics)}
         return info
 
-    def _find_stream(self, obj: Any, step: str) -> _Stream | None:
+    def _find_stream(self, obj: Any, step: str) -> Stream | None:
         for st in self._streams.streams:
             if st.obj() is obj and st.info.get("step") == step:
                 return st
         return None
 
-    def _recorder_for(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> tuple[Recorder | None, _Stream | None]:
+    def _recorder_for(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> tuple[Recorder | None, Stream | None]:
         rec = self.ensure_recorder()
         if rec is None:
             return None, None
@@ -620,51 +577,14 @@ class Session:
             return rec, st
         # A new target object. While the earlier ones are alive it is another model of the same
         # loop (a draft beside its target): a new stream of this part. Once they are gone it is
-        # a new run (a new engine after the first), so a new part. Ranks switch engines at the
-        # same point of the same program, so with a process group they agree on its name
-        # through the group's store; alone, a process takes the next free one.
+        # a new run (a new engine after the first), so a new part.
         alive = [s for s in self._streams.streams if s.weak and s.obj() is not None]
         if self._streams.streams and not alive:
-            import torch.distributed as dist
-
-            _, world = self._rank_world()
-            self.close_recorder()
-            if world > 1 and dist.is_available() and dist.is_initialized():
-                self._pg_runs += 1
-                try:
-                    part = self._agree_part(dist, run=self._pg_runs)
-                except Exception as e:  # noqa: BLE001
-                    part = f"run-pid{os.getpid()}-{self._pg_runs}"
-                    self.warn_once("part", f"could not agree on a part name with the other ranks ({e}); using {part}")
-            else:
-                part = allocate_part(self.out)
-            rec = self._new_recorder(part)
-            if self.lockstep is not None:
-                self.lockstep.prefix = f"replay/ls/{part}"
-        from replay.record.streams import stream_name
-
-        taken = {s.name for s in self._streams.streams}
-        if any(s.obj() is obj for s in self._streams.streams):
-            # The same object through another step callable (prefill eager, decode compiled).
-            base = spec.step.partition(":")[2].rsplit(".", 1)[-1] or "step"
-            name, i = base, 2
-            while name in taken:
-                name, i = f"{base}{i}", i + 1
-        elif not self._streams.streams:
-            # Named only once a second model appears: reading a caller's variables (f_locals)
-            # keeps them alive in Python 3.11, and a lone engine must be freed when the program
-            # drops it (a new engine is then a new part, not a stream).
-            name = "main"
-        else:
-            name = stream_name(obj, taken)
-            first = self._streams.streams[0]
-            if first.name == "main" and len(self._streams.streams) == 1 and first.obj() is not None:
-                renamed = stream_name(first.obj(), {name})
-                if renamed != type(first.obj()).__name__:
-                    first.name = renamed
+            rec = self._next_part()
+        name = new_stream_name(self._streams.streams, spec.step, obj)
         weak = obj is not None and weakrefable(obj)
         ref = weakref.ref(obj) if weak else (lambda o=obj: o)
-        st = _Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg), state=self._stream_state(spec, obj))
+        st = Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg), state=self._stream_state(spec, obj))
         self._streams.streams.append(st)
         part_streams = self._streams
         rec.set_target(self._merged_info(), part_streams.state if any(s.state for s in part_streams.streams) else None)
@@ -672,6 +592,28 @@ class Session:
             # The new stream's state must be in a keyframe before its first step.
             rec.snapshot_state()
         return rec, st
+
+    def _next_part(self) -> Recorder:
+        """Close this part and start the next. Ranks switch engines at the same point of the same
+        program, so with a process group they agree on its name through the group's store;
+        alone, a process takes the next free one."""
+        import torch.distributed as dist
+
+        _, world = self._rank_world()
+        self.close_recorder()
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            self._pg_runs += 1
+            try:
+                part = self._agree_part(dist, run=self._pg_runs)
+            except Exception as e:  # noqa: BLE001
+                part = f"run-pid{os.getpid()}-{self._pg_runs}"
+                self.warn_once("part", f"could not agree on a part name with the other ranks ({e}); using {part}")
+        else:
+            part = allocate_part(self.out)
+        rec = self._new_recorder(part)
+        if self.lockstep is not None:
+            self.lockstep.prefix = f"replay/ls/{part}"
+        return rec
 
     def _recorder_failed(self, e: BaseException) -> None:
         """The recorder's own code failed around a step: warn once, stop recording, go on."""
@@ -814,85 +756,6 @@ class Session:
             rec.record_tuner(choices)
 
     # -- graphs ------------------------------------------------------------------------------
-
-    def _next_graph_id(self) -> int:
-        gid = self._graph_counter
-        self._graph_counter += 1
-        return gid
-
-    def current_graph_key(self) -> tuple[str, int]:
-        if self._key_stack:
-            key, ints, _ = self._key_stack[-1]
-            return key, (ints[0] if len(ints) == 1 else -1)
-        return f"graph{self._graph_counter}", -1
-
-    def on_cuda_graph_captured(self, graph: Any, kernels: list[dict[str, Any]], pool: int) -> None:
-        self._cuda_captures += 1
-        self._tuner_dirty = True
-        rec = self.ensure_recorder()
-        if rec is None:
-            return
-        key, padded = self.current_graph_key()
-        gid = self._next_graph_id()
-        try:
-            self._cuda_graphs[graph] = gid
-        except TypeError:
-            pass
-        rec.record_graph(key, graph_id=gid, padded_size=padded, pool=pool, kernels=kernels, source="torch.cuda.CUDAGraph")
-
-    def on_cuda_graph_replayed(self, graph: Any) -> None:
-        self._cuda_replays += 1
-        self._step_replays += 1
-        gid = self._cuda_graphs.get(graph) if graph is not None else None
-        if self.recorder is not None and gid is not None:
-            self.recorder.record_graph_replay(gid)
-
-    def _wrap_capture(self, fn: Callable[..., Any], target: str) -> Callable[..., Any]:
-        sig = inspect.signature(fn)
-
-        def capture_wrapper(*args: Any, **kwargs: Any) -> Any:
-            key, ints = call_key(sig, args, kwargs)
-            self._key_stack.append((key, ints, self._cuda_captures))
-            ops: list[dict[str, Any]] | None = None
-            try:
-                if torch.cuda.is_available():
-                    out = fn(*args, **kwargs)
-                else:
-                    from replay.record.cuda_graphs import OpLog
-
-                    with OpLog() as oplog:
-                        out = fn(*args, **kwargs)
-                    ops = oplog.kernels
-            finally:
-                _, _, captures_before = self._key_stack.pop()
-            if self._cuda_captures == captures_before:
-                # A runner without a CUDA graph (on CPU, or a custom one): record it here, with
-                # the operators it ran while capturing as its "kernels".
-                rec = self.ensure_recorder()
-                gid = self._next_graph_id()
-                self._cpu_graphs[ints] = gid
-                self._tuner_dirty = True
-                if rec is not None:
-                    rec.record_graph(key, graph_id=gid, padded_size=ints[0] if len(ints) == 1 else -1, kernels=ops or [], source=target)
-            return out
-
-        return capture_wrapper
-
-    def _wrap_replay(self, fn: Callable[..., Any], target: str) -> Callable[..., Any]:
-        sig = inspect.signature(fn)
-
-        def replay_wrapper(*args: Any, **kwargs: Any) -> Any:
-            before = self._cuda_replays
-            out = fn(*args, **kwargs)
-            if self._cuda_replays == before:
-                _, ints = call_key(sig, args, kwargs)
-                gid = self._cpu_graphs.get(ints)
-                self._step_replays += 1
-                if gid is not None and self.recorder is not None:
-                    self.recorder.record_graph_replay(gid)
-            return out
-
-        return replay_wrapper
 
     # -- end ---------------------------------------------------------------------------------
 

@@ -74,7 +74,18 @@ class RecordSettings:
     """Collective outputs: digests, in full, or in full up to 1 MiB each."""
 
     durability: Literal["step", "async"] = "step"
-    """``step``: a step returns once it is in the journal (no completed step lost on SIGKILL)."""
+    """Only without a record ring (``record_ring_mib = 0``, no ``/dev/shm``, or a CUDA that cannot
+    register it): ``step`` returns from a step once it is in the journal (no completed step lost on
+    SIGKILL), ``async`` at once (a kill may lose the steps still queued). With the ring, a step is
+    durable once its record is in the ring, whatever this says (docs/record.md)."""
+
+    record_ring_mib: int = 64
+    """Size of each rank's record ring in ``/dev/shm`` (MiB): the step writes its record there
+    and goes on; a drain thread moves it to the journal. 0: no ring (the writer-thread path)."""
+
+    ring_full: Literal["block", "drop"] = "block"
+    """When the record ring is full (the drain is behind): ``block`` waits at the step boundary,
+    ``drop`` records the step as a gap (a note naming it). ``replay info`` shows both counts."""
 
     max_bytes: int | None = None
     """Stop recording a rank past this many bytes (the program goes on)."""
@@ -93,19 +104,13 @@ class RecordSettings:
 
     def __post_init__(self) -> None:
         for name, kinds in _TYPES.items():
-            value = getattr(self, name)
-            ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-            if name in _LISTS and ok:
-                ok = all(isinstance(x, str) for x in value)
-            if not ok:
-                want = "a list of strings" if name in _LISTS else " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
-                raise ValueError(f"{name} = {value!r} must be {want}")
+            _check_type(name, getattr(self, name), kinds)
         for name in ("steps", "graph_capture", "graph_replay", "probes"):
             for target in getattr(self, name):
                 if ":" not in target:
                     raise ValueError(f"{target!r} is not of the form module:qualname")
-        if self.keyframe_every < 0 or self.ring < 0:
-            raise ValueError("keyframe_every and ring must be >= 0")
+        if self.keyframe_every < 0 or self.ring < 0 or self.record_ring_mib < 0:
+            raise ValueError("keyframe_every, ring and record_ring_mib must be >= 0")
         # Checked where settings enter (command line, [tool.replay], the environment), so a bad
         # value is one line before the program starts, never an error inside its step.
         for name, choices in _CHOICES.items():
@@ -143,6 +148,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "profile": (str,),
     "keyframe_every": (int,),
     "ring": (int,),
+    "record_ring_mib": (int,),
     "max_bytes": (int, type(None)),
     "lockstep_timeout_s": (int, float),
     "check_lockstep": (bool,),
@@ -154,10 +160,20 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "inputs": ("digest", "full"),
     "collectives": ("digest", "auto", "full"),
     "durability": ("step", "async"),
+    "ring_full": ("block", "drop"),
     "check_lockstep": (True, False),
     "stop_on_divergence": (True, False),
     "cuda_graph_kernels": (True, False),
 }
+
+
+def _check_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if name in _LISTS and ok:
+        ok = all(isinstance(x, str) for x in value)
+    if not ok:
+        want = "a list of strings" if name in _LISTS else " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise ValueError(f"{name} = {value!r} must be {want}")
 
 
 def load_pyproject_settings(start: Path) -> dict[str, Any]:

@@ -23,9 +23,9 @@ import torch
 from replay.digest import local_tensor
 from replay.format.schema import TensorKind, dtype_to_str
 from replay.record.ring import JOB_HEADER_BYTES, RingFull, ShmRing
-from replay.record.writer import Entry, Job, PinnedPool, host_entry
+from replay.record.writer import Entry, Job, PinnedPool
 
-__all__ = ["Staging", "RingJob", "SMALL_BYTES"]
+__all__ = ["Staging", "RingJob", "SMALL_BYTES", "job_meta"]
 
 # CUDA tensors up to this size are packed and copied to the host in one transfer per call.
 SMALL_BYTES = 64 << 10
@@ -45,6 +45,18 @@ class RingJob:
     external: bool = False  # some bytes are outside the ring: the step waits for the writer
     dropped: bool = False  # the ring was full (policy "drop"): the job is not recorded
     cuda: Any = None  # the device of the job's CUDA work, if any
+
+
+# CPU tensors of one call share one ring allocation, each at an offset aligned for any dtype.
+_CPU_ALIGN = 16
+_DTYPE_STR: dict[torch.dtype, str] = {}
+
+
+def _dtype_str(dtype: torch.dtype) -> str:
+    s = _DTYPE_STR.get(dtype)
+    if s is None:
+        s = _DTYPE_STR[dtype] = dtype_to_str(dtype)
+    return s
 
 
 def _np_bytes(t: torch.Tensor):  # noqa: ANN202 - a flat uint8 numpy array, or None
@@ -123,33 +135,23 @@ class Staging:
 
     def entries(self, job: RingJob | None, device: list[torch.Tensor] | None,
                 items: list[tuple[str, TensorKind, torch.Tensor, bool]]) -> list[Entry]:
-        """Capture several tensors now, with as few device operations as possible."""
+        """Capture several tensors now, with as few device operations and ring allocations as
+        possible: one allocation for the CPU tensors of the call, one transfer for its small CUDA
+        tensors."""
         out: list[Entry] = []
         small: list[tuple[Entry, torch.Tensor]] = []
         small_bytes = 0
+        cpu: list[tuple[Entry, torch.Tensor, int, int]] = []  # entry, tensor, bytes, offset in the call's room
+        cpu_bytes = 0
         for name, kind, t, store in items:
             t = local_tensor(t).detach()  # a DTensor: this rank's shard
             nbytes = t.numel() * t.element_size()
-            if t.device.type != "cuda":
-                at = self._place(job, nbytes)
-                if at < 0:
-                    out.append(host_entry(name, kind, t, store=store))
-                    continue
-                e = Entry(name=name, kind=kind, dtype=dtype_to_str(t.dtype), shape=tuple(t.shape), store=store)
-                src = _np_bytes(t)
-                if src is not None:
-                    # numpy's copy costs far less per call than torch views of the ring.
-                    dst = self.ring.data[at : at + nbytes]  # type: ignore[union-attr]
-                    dst[...] = src
-                    e.npv = dst
-                else:
-                    e.host = self._ring_view(at, t.dtype, e.shape, nbytes)
-                    e.host.copy_(t)
-                e.ring_at = at
-                out.append(e)
-                continue
-            e = Entry(name=name, kind=kind, dtype=dtype_to_str(t.dtype), shape=tuple(t.shape), store=store)
+            e = Entry(name=name, kind=kind, dtype=_dtype_str(t.dtype), shape=tuple(t.shape), store=store)
             out.append(e)
+            if t.device.type != "cuda":
+                cpu.append((e, t, nbytes, cpu_bytes))
+                cpu_bytes += (nbytes + _CPU_ALIGN - 1) & ~(_CPU_ALIGN - 1)
+                continue
             if nbytes <= SMALL_BYTES:
                 small.append((e, t))
                 small_bytes += nbytes
@@ -159,22 +161,49 @@ class Staging:
                 device.append(t)
             if store or device is None:
                 self.copy_out(job, e, t, nbytes)
+        if cpu:
+            self._copy_cpu(job, cpu, cpu_bytes)
         if small:
-            flat = [t.reshape(-1).view(torch.uint8) for _, t in small]
-            packed = flat[0] if len(flat) == 1 else torch.cat(flat)
-            host, at = self._host_for(job, torch.uint8, (small_bytes,), small_bytes)
-            host.copy_(packed, non_blocking=self.cuda_async)
-            if job is not None:
-                job.cuda = packed.device
-            off = 0
-            for (e, _), f in zip(small, flat):
-                e.packed = (host, off, f.numel())
-                if at >= 0:
-                    e.ring_at = at + off
-                off += f.numel()
-            if at < 0:
-                small[0][0].release = self._last_buf
+            self._copy_small(job, small, small_bytes)
         return out
+
+    def _copy_cpu(self, job: RingJob | None, cpu: list[tuple[Entry, torch.Tensor, int, int]], total: int) -> None:
+        """CPU tensors into one room of the ring (the program may change them once the call
+        returns), or cloned when the ring has no room for them."""
+        base = self._place(job, total) if total else -1
+        data = self.ring.data if self.ring is not None else None
+        for e, t, nbytes, off in cpu:
+            if base < 0 or data is None:
+                e.host = t.clone()
+                continue
+            at = base + off
+            src = _np_bytes(t)
+            if src is not None:
+                # numpy's copy costs far less per call than torch views of the ring.
+                dst = data[at : at + nbytes]
+                dst[...] = src
+                e.npv = dst
+            else:
+                e.host = self._ring_view(at, t.dtype, e.shape, nbytes)
+                e.host.copy_(t)
+            e.ring_at = at
+
+    def _copy_small(self, job: RingJob | None, small: list[tuple[Entry, torch.Tensor]], small_bytes: int) -> None:
+        """Small CUDA tensors packed on the device and copied to the host in one transfer."""
+        flat = [t.reshape(-1).view(torch.uint8) for _, t in small]
+        packed = flat[0] if len(flat) == 1 else torch.cat(flat)
+        host, at = self._host_for(job, torch.uint8, (small_bytes,), small_bytes)
+        host.copy_(packed, non_blocking=self.cuda_async)
+        if job is not None:
+            job.cuda = packed.device
+        off = 0
+        for (e, _), f in zip(small, flat):
+            e.packed = (host, off, f.numel())
+            if at >= 0:
+                e.ring_at = at + off
+            off += f.numel()
+        if at < 0:
+            small[0][0].release = self._last_buf
 
     def _host_for(self, job: RingJob | None, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> tuple[torch.Tensor, int]:
         """A host destination for a device copy: in the ring (offset >= 0) or a pinned buffer."""
@@ -279,3 +308,33 @@ class Staging:
         job.ring_end = ring.head
         job.seq = seq
         return True
+
+
+def job_meta(job: Job, rjob: RingJob) -> dict[str, Any]:
+    """What salvage needs to turn a job's ring record into its frame, as the drain would."""
+    groups = {}
+    external = rjob.external
+    for name, entries in job.groups.items():
+        rows = []
+        for e in entries:
+            if e.packed is not None:
+                n = e.packed[2]
+            elif e.npv is not None:
+                n = e.npv.nbytes
+            elif e.host is not None:
+                n = e.host.numel() * e.host.element_size()
+            else:
+                n = 0
+            if e.ring_at < 0 and e.digest is None and (e.digest_slot < 0 or e.store):
+                external = True
+            dig = f"{e.digest:016x}" if e.digest is not None else None
+            rows.append([e.name, int(e.kind), e.dtype, list(e.shape), bool(e.store), e.ring_at, n, dig, e.digest_slot])
+        groups[name] = rows
+    meta: dict[str, Any] = {"b": job.body, "g": groups, "f": job.fin}
+    if job.digests_at >= 0 and job.digests_host is not None:
+        meta["d"] = [job.digests_at, int(job.digests_host.numel())]
+    if job.margin_at >= 0:
+        meta["m"] = job.margin_at
+    if external:
+        meta["x"] = 1
+    return meta

@@ -122,6 +122,8 @@ class Writer:
         # Payload dedupe: the last stored tensor per (kind, name), reused when its bytes repeat
         # (RNG state, page tables and other inputs that rarely change): no digest, no write.
         self._last: dict[tuple[int, str], tuple[str, tuple[int, ...], np.ndarray, int, int]] = {}
+        if ring is not None:
+            ring.on_full = self._wake.set  # the step waits for room: write what is there now
         self._thread = threading.Thread(target=self._run, name="replay-writer", daemon=True)
         self._thread.start()
 
@@ -203,7 +205,7 @@ class Writer:
                 dq.popleft()
                 job.set()
                 continue
-            if len(dq) == 1 and self.lag_s and job.kind == FrameKind.STEP and job.ack is None:
+            if len(dq) == 1 and self.lag_s and job.kind == FrameKind.STEP and job.ack is None and not self.ring.waiting:
                 if job.t_hand is None:
                     job.t_hand = time.monotonic()
                 elif time.monotonic() - job.t_hand >= self.lag_s:
@@ -271,48 +273,10 @@ class Writer:
         return plan
 
     def _emit(self, job: Job, plan: list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]) -> None:
-        slots = job.digests_host.tolist() if job.digests_host is not None else None
+        self._digest_entries(job, plan)
         pending: list[memoryview] = []
-        pending_bytes = 0
-        small: list[tuple[Entry, np.ndarray]] = []
-        for _, items in plan:
-            for e, arr, ref in items:
-                if e.digest is None and e.digest_slot >= 0 and slots is not None:
-                    e.digest = slots[e.digest_slot] & 0xFFFFFFFFFFFFFFFF
-                    continue
-                if arr is None or e.digest is not None:
-                    continue
-                if e.store:
-                    last = self._last.get((int(e.kind), e.name))
-                    if last is not None and last[0] == e.dtype and last[1] == e.shape and _same_bytes(last[2], arr):
-                        # The same bytes as the last time this tensor was stored: point at them.
-                        e.digest = last[4]
-                        ref["off"], ref["n"] = last[3], arr.nbytes
-                        continue
-                if arr.nbytes <= (1 << 18):
-                    small.append((e, arr))
-                else:
-                    e.digest = digest_numpy(arr)
-        if small:
-            for (e, _), d in zip(small, digest_numpy_many([a for _, a in small])):
-                e.digest = d
         for name, items in plan:
-            refs = []
-            for e, arr, ref in items:
-                if e.digest is None:
-                    raise RuntimeError(f"no bytes and no device digest for {e.name!r}")
-                ref["dig"] = f"{e.digest:016x}"
-                if e.store and arr is not None and "off" not in ref:
-                    offset = self.journal.payload_size + pending_bytes
-                    if arr.nbytes:
-                        pending.append(memoryview(arr))
-                        pending_bytes += arr.nbytes
-                    ref["off"], ref["n"] = offset, arr.nbytes
-                    if arr.nbytes <= (1 << 20):
-                        # Keep the bytes of small tensors only: comparing is cheaper than digesting.
-                        self._last[(int(e.kind), e.name)] = (e.dtype, e.shape, arr.copy(), offset, e.digest)
-                refs.append(ref)
-            job.body[name] = refs
+            job.body[name] = [self._ref(e, arr, ref, pending) for e, arr, ref in items]
         if job.margin_host is not None:
             job.body["margin"] = float(job.margin_host.item())
         if job.finish is not None:
@@ -322,6 +286,51 @@ class Writer:
         if pending:
             self.journal.write_payloads(pending)
         self.journal.write_frame(job.kind, job.body)
+
+    def _digest_entries(self, job: Job, plan: list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]) -> None:
+        """Every entry's digest: read off the device, taken from the last identical stored copy,
+        or computed here (small arrays together, in one vectorised pass)."""
+        slots = job.digests_host.tolist() if job.digests_host is not None else None
+        small: list[tuple[Entry, np.ndarray]] = []
+        for _, items in plan:
+            for e, arr, ref in items:
+                if e.digest is None and e.digest_slot >= 0 and slots is not None:
+                    e.digest = slots[e.digest_slot] & 0xFFFFFFFFFFFFFFFF
+                elif arr is None or e.digest is not None:
+                    continue
+                elif e.store and self._repeat(e, arr, ref):
+                    continue
+                elif arr.nbytes <= (1 << 18):
+                    small.append((e, arr))
+                else:
+                    e.digest = digest_numpy(arr)
+        if small:
+            for (e, _), d in zip(small, digest_numpy_many([a for _, a in small])):
+                e.digest = d
+
+    def _repeat(self, e: Entry, arr: np.ndarray, ref: dict[str, Any]) -> bool:
+        """The same bytes as the last time this tensor was stored: point at them (no digest, no write)."""
+        last = self._last.get((int(e.kind), e.name))
+        if last is None or last[0] != e.dtype or last[1] != e.shape or not _same_bytes(last[2], arr):
+            return False
+        e.digest = last[4]
+        ref["off"], ref["n"] = last[3], arr.nbytes
+        return True
+
+    def _ref(self, e: Entry, arr: np.ndarray | None, ref: dict[str, Any], pending: list[memoryview]) -> dict[str, Any]:
+        """The frame's reference to one tensor; its bytes, when stored, join ``pending``."""
+        if e.digest is None:
+            raise RuntimeError(f"no bytes and no device digest for {e.name!r}")
+        ref["dig"] = f"{e.digest:016x}"
+        if e.store and arr is not None and "off" not in ref:
+            offset = self.journal.payload_size + sum(v.nbytes for v in pending)
+            if arr.nbytes:
+                pending.append(memoryview(arr))
+            ref["off"], ref["n"] = offset, arr.nbytes
+            if arr.nbytes <= (1 << 20):
+                # Keep the bytes of small tensors only: comparing is cheaper than digesting.
+                self._last[(int(e.kind), e.name)] = (e.dtype, e.shape, arr.copy(), offset, e.digest)
+        return ref
 
 
 def _torch_dtype(name: str) -> torch.dtype:
