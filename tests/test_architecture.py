@@ -25,7 +25,6 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/format/tables.py::check_payload_bounds": 27,  # the reader (issue #16)
     "replay/format/tables.py::_Builder.step": 26,  # the reader (issue #16)
     "replay/cli/step.py::render_step": 25,  # the re-run owns cli/step.py (issue #14)
-    "replay/workloads/mtp/launch.py::run_many": 22,  # the reference workload
     # Landed on main while this check was written (merged at 9fcf8ee):
     "replay/analysis/align.py::align_batches": 23,  # replay diff (issue #17)
     "replay/analysis/diff.py::_headline": 38,  # replay diff (issue #17)
@@ -38,7 +37,6 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/cli/diff.py::render_diff": 36,  # replay diff (issue #17)
     "replay/report/diff_section.py::render_diff_section": 27,  # replay diff (issue #17)
     "replay/cli/record.py::record": 31,  # the recorder owns cli/record.py (overhead issue)
-    "replay/trust.py::check": 24,  # the trust model (issue #16)
     # Landed on main by 23:09 (merged at d2317ab):
     "replay/bisect/layers.py::LayersBisection.verdict": 24,  # the re-run (issue #14)
     "replay/rerun/target.py::TargetSpec.from_rank_file": 30,  # the re-run (issue #14)
