@@ -31,10 +31,10 @@ FAST_DRIFT: dict[str, Any] = {"seed": 6, "batch": 8}
 """A run that drifts within a few steps under a forced bf16 combine (CPU runs are deterministic)."""
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _restore_torch_settings() -> Iterator[None]:
-    # Engines set process-wide numerics (threads, deterministic algorithms); other modules' tests
-    # share this process.
+    # Engines set process-wide numerics (threads, deterministic algorithms); other tests share
+    # this process. Per test, so that `pytest -n` can spread this module's tests.
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     yield
     torch.set_num_threads(threads)
