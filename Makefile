@@ -31,7 +31,8 @@ CPU := not gpu and not multigpu and not slow
 # module-scoped fixture (a multi-process recording) stay on one worker (tests/conftest.py);
 # every worker has its own tmp directory. JOBS=0 runs everything in one process.
 JOBS ?= 2
-XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup)
+# (pytest-benchmark, where installed, only warns that it is off under xdist: not loaded.)
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup -p no:benchmark)
 # pytest exits 5 when a selection holds no test (every e2e test marked smoke, say): not a failure.
 NONE_IS_OK := || [ $$? -eq 5 ]
 
