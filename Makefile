@@ -29,10 +29,11 @@ CPU := not gpu and not multigpu and not slow
 
 # The CPU suites run on JOBS pytest workers (pytest-xdist; CI has two cores). Tests that share a
 # module-scoped fixture (a multi-process recording) stay on one worker (tests/conftest.py);
-# every worker has its own tmp directory. JOBS=0 runs everything in one process.
+# every worker has its own tmp directory. JOBS=0, or no pytest-xdist (an offline machine that
+# `make setup` could not install it on), runs everything in one process. Expanded when a recipe
+# runs, after `setup`. pytest-benchmark, where installed, only warns that xdist turns it off.
 JOBS ?= 2
-# (pytest-benchmark, where installed, only warns that it is off under xdist: not loaded.)
-XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup -p no:benchmark)
+XDIST = $(if $(filter 0,$(JOBS)),,$(if $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo y),-n $(JOBS) --dist loadgroup -p no:benchmark))
 # pytest exits 5 when a selection holds no test (every e2e test marked smoke, say): not a failure.
 NONE_IS_OK := || [ $$? -eq 5 ]
 
