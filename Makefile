@@ -27,16 +27,26 @@ demo: setup
 
 CPU := not gpu and not multigpu and not slow
 
+# The CPU suites run on JOBS pytest workers (pytest-xdist; CI has two cores). Tests that share a
+# module-scoped fixture (a multi-process recording) stay on one worker (tests/conftest.py);
+# every worker has its own tmp directory. JOBS=0, or no pytest-xdist (an offline machine that
+# `make setup` could not install it on), runs everything in one process. Expanded when a recipe
+# runs, after `setup`. pytest-benchmark, where installed, only warns that xdist turns it off.
+JOBS ?= 2
+XDIST = $(if $(filter 0,$(JOBS)),,$(if $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo y),-n $(JOBS) --dist loadgroup -p no:benchmark))
+# pytest exits 5 when a selection holds no test (every e2e test marked smoke, say): not a failure.
+NONE_IS_OK := || [ $$? -eq 5 ]
+
 # The end-to-end tests that record multi-process runs take most of the time; `make test` keeps
 # only those marked smoke (tests/test_architecture.py, the layer and complexity checks, runs here).
 test: setup
-	$(PYTEST) -q -m "$(CPU) and (not e2e or smoke)" -p no:cacheprovider
+	$(PYTEST) -q $(XDIST) -m "$(CPU) and (not e2e or smoke)" -p no:cacheprovider $(NONE_IS_OK)
 
 test-e2e: setup
-	$(PYTEST) -q -m "$(CPU) and e2e and not smoke" -p no:cacheprovider
+	$(PYTEST) -q $(XDIST) -m "$(CPU) and e2e and not smoke" -p no:cacheprovider $(NONE_IS_OK)
 
 test-all: setup
-	$(PYTEST) -q -m "$(CPU)" -p no:cacheprovider
+	$(PYTEST) -q $(XDIST) -m "$(CPU)" -p no:cacheprovider $(NONE_IS_OK)
 
 test-gpu: setup
 	$(PYTEST) -q -m "gpu or multigpu" -p no:cacheprovider

@@ -450,18 +450,23 @@ def check(
         removed = _recording_paths(rec)
         if removed:
             sys.path[:] = [p for p in sys.path if p not in removed]
-    chosen = set(user_names)
-    prefixes = tuple(allow) + BUILTIN_TRUSTED
-    refused = []
-    for name in dict.fromkeys(imports):
-        if name in chosen or _under(_module_of(name), prefixes):
-            continue
-        if signed is None:
-            continue
-        refused.append(name)
+    # A signed recording of this user's may import what it names; otherwise only trusted
+    # prefixes and the names the user chose.
+    refused = [] if signed is None else _untrusted(imports, set(user_names), tuple(allow) + BUILTIN_TRUSTED)
     bad_paths = [p for p in paths if _inside(p, rec) or signed is not None]
     if consent or (not refused and not bad_paths):
         return Decision(imports=list(imports), refused=[], why=signed or "", removed_paths=removed)
+    raise UntrustedRecording(_refusal(rec, refused, bad_paths, signed, what))
+
+
+def _untrusted(imports: Sequence[str], chosen: set[str], prefixes: tuple[str, ...]) -> list[str]:
+    """The names of ``imports`` (once each, in order) neither chosen by the user nor under a
+    trusted module prefix."""
+    return [n for n in dict.fromkeys(imports) if n not in chosen and not _under(_module_of(n), prefixes)]
+
+
+def _refusal(rec: Path, refused: list[str], bad_paths: list[str], signed: str | None, what: str) -> str:
+    """The one line that says what a recording would import, and why it is not allowed to."""
     shown = "; ".join(f"{escape(n)} (from {escape(locate(_module_of(n)))})" for n in refused[:4])
     if len(refused) > 4:
         shown += f"; and {len(refused) - 4} more"
@@ -469,7 +474,7 @@ def check(
         shown += ("; " if shown else "") + "search paths " + ", ".join(escape(p) for p in bad_paths[:3])
     where = f"{escape(what)} of " if what else ""
     reason = signed or "those paths lie inside the recording"
-    raise UntrustedRecording(
+    return (
         f"{where}{escape(rec)} would import {shown}, and {reason}: the recording is not known to be yours, "
         "so nothing it names is imported without consent. If you trust it, run again with --trust, "
         "or add the module prefix to `trusted = [...]` under [tool.replay] in your pyproject.toml"

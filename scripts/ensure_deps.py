@@ -23,6 +23,8 @@ NEEDED = {
     "numpy": "numpy>=1.24",
     "pytest": "pytest>=7.4",
     "pytest_timeout": "pytest-timeout>=2.1",
+    # `make test` runs on two pytest workers (`-n 2`, tests/conftest.py groups shared fixtures).
+    "xdist": "pytest-xdist>=3.5",
     "hypothesis": "hypothesis>=6.80",
     "matplotlib": "matplotlib>=3.7",
     # The "model nobody here wrote" that tests the generic path (tests/test_hf.py).

@@ -23,9 +23,7 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/format/tables.py::check_payload_bounds": 27,  # the reader (issue #16)
     "replay/format/tables.py::_Builder.step": 26,  # the reader (issue #16)
     "replay/cli/step.py::render_step": 25,  # the re-run owns cli/step.py (issue #14)
-    "replay/workloads/mtp/launch.py::run_many": 22,  # the reference workload
     # Landed on main while this check was written (merged at 9fcf8ee):
-    "replay/trust.py::check": 24,  # the trust model (issue #16)
     # Landed on main by 23:09 (merged at d2317ab):
     "replay/rerun/target.py::TargetSpec.from_rank_file": 30,  # the re-run (issue #14)
     "replay/record/calls.py::to_json_safe": 24,  # the recorder

@@ -611,6 +611,7 @@ def terms(n):
         time.sleep(0.2)
         signal.pthread_kill(MAIN, signal.SIGTERM)  # to the main thread, inside its wait
 
+print("ready", flush=True)  # imports done: the parent times the shutdown from here
 threading.Thread(target=terms, args=(int(sys.argv[2]),), daemon=True).start()
 while True:
     with LOCK:  # a step waiting for its write, when the signal comes
@@ -624,10 +625,17 @@ def test_sigterm_inside_a_step_writes_the_end_marker(tmp_path: Path, terms: int)
     the rank with its end marker written; so does a second SIGTERM (the wrapper forwards one, a
     launcher sends its ranks another) arriving while the first one's shutdown runs."""
     marker = tmp_path / "closed"
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", _SIGTERM_PROGRAM, str(marker), str(terms)], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == -signal.SIGTERM, r.stderr
+    p = subprocess.Popen([sys.executable, "-c", _SIGTERM_PROGRAM, str(marker), str(terms)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        # Timed from the end of the program's imports, which take seconds on a loaded machine:
+        # a shutdown that waited for the lock would take the recorder's 10 s SIGTERM budget.
+        ready = p.stdout.readline()
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert ready == "ready\n" and p.returncode == -signal.SIGTERM, err
     assert marker.exists(), "the rank died before its recorder closed"
     assert time.monotonic() - t0 < 8, "the shutdown waited for the step's lock"
 

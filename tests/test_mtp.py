@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ from replay.workloads.mtp.config import EngineConfig, ModelArgs
 from replay.workloads.mtp.engine import Engine, GenerateResult, StepOutput
 from replay.workloads.mtp.errors import RankDriftError
 from replay.workloads.mtp.factory import build_engine
+from replay.workloads.mtp import launch
 from replay.workloads.mtp.launch import RankResult, run_many
 
 DRIFT = "1:moe_combine:bf16"
@@ -31,10 +34,10 @@ FAST_DRIFT: dict[str, Any] = {"seed": 6, "batch": 8}
 """A run that drifts within a few steps under a forced bf16 combine (CPU runs are deterministic)."""
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _restore_torch_settings() -> Iterator[None]:
-    # Engines set process-wide numerics (threads, deterministic algorithms); other modules' tests
-    # share this process.
+    # Engines set process-wide numerics (threads, deterministic algorithms); other tests share
+    # this process. Per test, so that `pytest -n` can spread this module's tests.
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     yield
     torch.set_num_threads(threads)
@@ -372,6 +375,28 @@ class SpawnedRun:
     results: dict[str, list[RankResult]]
     started: list[str]
     """One marker per Python process that ran the injected sitecustomize."""
+
+
+class _Exited:
+    """A rank process that has ended (as ``multiprocessing.Process`` shows it)."""
+
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode = exitcode
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def test_run_many_keeps_what_ended_ranks_reported_and_says_why_the_rest_is_missing() -> None:
+    reports: queue.Queue[Any] = queue.Queue()
+    reports.put((0, 0, RankResult(rank=0, steps=3)))
+    procs = [_Exited(0), _Exited(1), _Exited(-9)]
+    results = launch._collect(reports, procs, expected=6, deadline=time.monotonic() + 30)
+    assert results == {(0, 0): RankResult(rank=0, steps=3)}
+    assert launch._lost(1, 1, procs[1]) == RankResult(
+        rank=1, error_type="Lost", error="rank 1 exited with code 1 before reporting config 1")
+    assert launch._lost(2, 0, procs[2]).error == "rank 2 timed out before reporting config 0"
+    assert launch._lost(0, 0, _Exited(None)).error == "rank 0 timed out before reporting config 0"
 
 
 @pytest.fixture(scope="module")

@@ -170,44 +170,56 @@ def run_many(
     ]
     for p in procs:
         p.start()
-    results: dict[tuple[int, int], RankResult] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len(results) < len(configs) * ranks and time.monotonic() < deadline:
-            try:
-                index, rank, result = out.get(timeout=0.2)
-                results[(index, rank)] = result
-            except queue_mod.Empty:
-                if not any(p.is_alive() for p in procs):
-                    # Drain what the last processes put before exiting, then stop waiting.
-                    while True:
-                        try:
-                            index, rank, result = out.get(timeout=0.5)
-                            results[(index, rank)] = result
-                        except queue_mod.Empty:
-                            break
-                    break
+        results = _collect(out, procs, expected=len(configs) * ranks, deadline=deadline)
     finally:
-        for p in procs:
-            p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        _reap(procs, deadline)
         out.close()
-    table = []
-    for index in range(len(configs)):
-        row = []
-        for rank, p in enumerate(procs):
-            missing = RankResult(rank=rank, error_type="Lost")
-            if (index, rank) not in results:
-                status = (
-                    "timed out" if p.exitcode is None or p.exitcode < 0 else f"exited with code {p.exitcode}"
-                )
-                missing.error = f"rank {rank} {status} before reporting config {index}"
-            row.append(results.get((index, rank), missing))
-        table.append(row)
-    return table
+    return [
+        [results[(index, rank)] if (index, rank) in results else _lost(rank, index, p) for rank, p in enumerate(procs)]
+        for index in range(len(configs))
+    ]
+
+
+def _collect(out: Any, procs: list[Any], *, expected: int, deadline: float) -> dict[tuple[int, int], RankResult]:
+    """The (config index, rank) -> result reports from ``out`` until ``expected`` came, the
+    deadline passed, or every process is gone (then what they put before exiting is drained)."""
+    results: dict[tuple[int, int], RankResult] = {}
+    while len(results) < expected and time.monotonic() < deadline:
+        try:
+            index, rank, result = out.get(timeout=0.2)
+            results[(index, rank)] = result
+        except queue_mod.Empty:
+            if not any(p.is_alive() for p in procs):
+                _drain(out, results)
+                break
+    return results
+
+
+def _drain(out: Any, results: dict[tuple[int, int], RankResult]) -> None:
+    while True:
+        try:
+            index, rank, result = out.get(timeout=0.5)
+        except queue_mod.Empty:
+            return
+        results[(index, rank)] = result
+
+
+def _reap(procs: list[Any], deadline: float) -> None:
+    """Wait for the processes until the deadline (10 s at most), then end those still running."""
+    for p in procs:
+        p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+
+
+def _lost(rank: int, index: int, proc: Any) -> RankResult:
+    """The result of a rank that never reported config ``index``: why, as far as is known."""
+    status = "timed out" if proc.exitcode is None or proc.exitcode < 0 else f"exited with code {proc.exitcode}"
+    return RankResult(rank=rank, error_type="Lost", error=f"rank {rank} {status} before reporting config {index}")
 
 
 def run(
