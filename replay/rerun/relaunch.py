@@ -219,6 +219,7 @@ class _Takeover:
         self.name = self.qualname.rsplit(".", 1)[-1]
         self.compile_kwargs: dict[str, Any] = {}
         self.done = False
+        self._real_compile: Any = None
         self._checked: dict[int, bool] = {}
 
     def arm(self) -> None:
@@ -232,10 +233,15 @@ class _Takeover:
 
         real = torch.compile
         me = self
+        self._real_compile = real
 
         def compile(model: Any = None, **kwargs: Any) -> Any:
             if model is None:
                 return lambda m: compile(m, **kwargs)
+            if me.done:
+                # The re-run's own compilation (--mode compiled/cudagraph) must really compile:
+                # handing it the Python function back would run eager under a compiled name.
+                return real(model, **kwargs)
             code = getattr(model, "__code__", None)
             if code is not None and getattr(code, "co_qualname", code.co_name) == me.qualname:
                 me.compile_kwargs = {k: v for k, v in kwargs.items() if isinstance(v, (str, bool, int, type(None)))}
@@ -257,6 +263,10 @@ class _Takeover:
             return  # another model of the loop (the draft, say) through the same callable
         self.done = True
         sys.setprofile(None)
+        if self._real_compile is not None:
+            import torch
+
+            torch.compile = self._real_compile  # type: ignore[assignment]
         self._take(frame)
 
     def _is_stream(self, frame: Any) -> bool:

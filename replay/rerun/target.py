@@ -276,7 +276,13 @@ def function_step(fn: Any, kind: StepKind, spec: TargetSpec, compiled: str | Non
         return base, ""
     kw = compile_arguments(spec, compiled)
     shown = ", ".join(f"{k}={v!r}" for k, v in kw.items())
-    return torch.compile(base, **kw), f"torch.compile({shown})"
+    fn_compiled = torch.compile(base, **kw)
+    if fn_compiled is base or uncompiled(fn_compiled) is fn_compiled:
+        # Never report "torch.compile(...)" over a step that would run as the Python function
+        # (a torch.compile replaced by the program, or by replay's own re-launch hook).
+        raise RerunError(f"torch.compile({shown}) returned {getattr(base, '__qualname__', 'the step')} uncompiled "
+                         "here: the step cannot be re-run compiled")
+    return fn_compiled, f"torch.compile({shown})"
 
 
 def _kind_of(resolved: Any, name: str) -> StepKind:
