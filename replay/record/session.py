@@ -559,7 +559,7 @@ class Session:
             if not spec.state:
                 info["state_from"] = "module_buffers"
             try:
-                from replay.record.weights import weight_digests
+                from replay.core.weights import weight_digests
 
                 info["weights"] = weight_digests(obj)
             except Exception as e:  # noqa: BLE001
@@ -641,6 +641,7 @@ class Session:
             rec = self._new_recorder(part)
             if self.lockstep is not None:
                 self.lockstep.prefix = f"replay/ls/{part}"
+        from replay.core.state import with_scalars  # keyframes keep the target's Python scalars too
         from replay.record.streams import stream_name
 
         taken = {s.name for s in self._streams.streams}
@@ -664,7 +665,7 @@ class Session:
                     first.name = renamed
         weak = obj is not None and weakrefable(obj)
         ref = weakref.ref(obj) if weak else (lambda o=obj: o)
-        st = _Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg), state=self._stream_state(spec, obj))
+        st = _Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg), state=with_scalars(self._stream_state(spec, obj), ref))
         self._streams.streams.append(st)
         part_streams = self._streams
         rec.set_target(self._merged_info(), part_streams.state if any(s.state for s in part_streams.streams) else None)

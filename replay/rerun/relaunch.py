@@ -31,9 +31,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replay.errors import RerunError
+
+if TYPE_CHECKING:
+    from replay.rerun.result import StepRerun
 
 __all__ = ["ENV_RERUN", "RelaunchSpec", "needs_relaunch", "recorded_args", "relaunch_step", "start_in_program"]
 
@@ -107,9 +110,9 @@ def _command(exe: str, argv: list[str], launch: dict[str, Any]) -> list[str]:
 
 
 def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
-                  announce: Any = lambda s: None) -> dict[str, Any]:
-    """Start the recorded command in replay mode; the re-run's result (``StepRerun.to_json()``
-    with ``text``, its rendering). Raises RerunError when the program ends without a result."""
+                  announce: Any = lambda s: None) -> "StepRerun":
+    """Start the recorded command in replay mode; the re-run's result, read back from what the
+    program wrote (``StepRerun.to_json()``). Raises RerunError when the program ends without one."""
     argv = [str(a) for a in launch.get("argv") or []]
     exe = launch.get("executable") or sys.executable
     cwd = launch.get("cwd")
@@ -144,7 +147,9 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
         err = RerunError(str(data.get("error")))
         err.exit_code = int(data.get("exit_code") or RerunError.exit_code)
         raise err
-    return data
+    from replay.rerun.result import StepRerun
+
+    return StepRerun.from_json(data)
 
 
 # -- the child: inside the re-launched program -----------------------------------------------
@@ -282,7 +287,7 @@ class _Takeover:
             return True
         seen = self._checked.get(id(obj))
         if seen is None:
-            from replay.record.weights import weight_digests
+            from replay.core.weights import weight_digests
 
             live = weight_digests(obj)
             # By names and shapes, not digests: weights that changed since the recording are
@@ -350,11 +355,7 @@ class _Takeover:
         result = rerun_step(self.part, self.spec.rank, self.spec.step, settings)
         result.notes.append("re-run inside the re-launched program (no factory): its objects at the step's first call, "
                             "state and RNG from the recording")
-        from replay.cli.step import render_step
-
-        data = result.to_json()
-        data["text"] = render_step(result)
-        return data
+        return result.to_json()
 
     def _function(self, frame: Any, live: dict[str, Any]) -> Any:
         """The Python function whose frame this is (not a wrapper around it)."""
