@@ -4,7 +4,8 @@ Tensors: an ``nn.Module``'s buffers and non-parameter tensor attributes (``modul
 Scalars: the ``int``, ``float`` and ``bool`` attributes of the target object itself (a step
 counter, an ``input_pos`` kept as an int, a cache length). An engine that keeps such a counter
 on the Python side computes something else, or just says "decode step 0", when a re-run restores
-its tensors but not its counter. Keyframes hold the scalars as 0-d tensors under
+its tensors but not its counter. Keyframes hold those that changed since the first keyframe
+(a value that never changes is configuration, not state) as 0-d tensors under
 ``SCALAR_PREFIX + name``, so the file format does not change; a re-run splits them off again
 (``split_scalars``) and sets them on the rebuilt object (``restore_scalars``).
 """
@@ -82,13 +83,20 @@ def with_scalars(state_fn: Callable[[], dict[str, torch.Tensor]] | None, obj_ref
     raises into the recorder for the scalars' sake."""
     if state_fn is None:
         return None
+    first: dict[str, Any] = {}
 
     def state_and_scalars() -> dict[str, torch.Tensor]:
         state = dict(state_fn())
         try:
             obj = obj_ref()
             if obj is not None:
-                state.update(capture_scalars(obj))
+                now = capture_scalars(obj)
+                if not first:
+                    first.update({k: v.item() for k, v in now.items()} or {"": None})
+                # Only what changed since the first keyframe is step state (a counter); a value
+                # that never changed is configuration, which a re-run must not paper over (a
+                # rebuilt target configured otherwise has to show as such).
+                state.update({k: v for k, v in now.items() if k not in first or first[k] != v.item()})
         except Exception:  # noqa: BLE001 - the scalars are extra; the tensors are the keyframe
             pass
         return state

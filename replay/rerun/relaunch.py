@@ -58,6 +58,7 @@ class RelaunchSpec:
     repeat: int = 1
     options: dict[str, Any] = field(default_factory=dict)
     stream: str | None = None  # the model of the part to take (several in one loop)
+    keyframe_at: int | None = None  # restore the keyframe at or before this step (bisect: scan from there)
     out: str = ""  # where the child writes its result JSON
 
 
@@ -351,7 +352,7 @@ class _Takeover:
 
         settings = RerunOptions(modes=tuple(self.spec.modes), device=self.spec.device, repeat=self.spec.repeat,
                                 options=self.spec.options, recording=self.spec.recording, make_target=make_target,
-                                spec=spec, stream=self.spec.stream)
+                                spec=spec, stream=self.spec.stream, keyframe_at=self.spec.keyframe_at)
         result = rerun_step(self.part, self.spec.rank, self.spec.step, settings)
         result.notes.append("re-run inside the re-launched program (no factory): its objects at the step's first call, "
                             "state and RNG from the recording")

@@ -432,13 +432,16 @@ class Replayer:
             self.build()
         assert self.target is not None and self._driver is not None
         kf_step = first
-        if self.spec.state is not None:
+        if self.spec.state is not None or self.rf.keyframe(first) is not None:
             kf_step, kf_state = self.keyframe_for(first)
+            kf_state = stream_state(self.rf, kf_state, self.stream)
             if kf_state:
                 self.target.load_state(kf_state)
         self.keyframe = kf_step
         found: StepDeparture | None = None
         for s in range(kf_step, last + 1):
+            if self.stream is not None and stream_of(self.rf, s) != self.stream:
+                continue  # another model's step (draft and target): not this target's to run
             self.last_outputs = self._driver(s)
             self.position = s + 1
             dep = self.departure(s, self.last_outputs)

@@ -50,7 +50,8 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
         return rerun_step(part, rank, step, settings, announce=announce, progress=progress)
     # No factory: the recorded program, started again in replay mode, is its own factory.
     spec = RelaunchSpec(recording=settings.recording, part=part.name, rank=rank, step=step, modes=list(settings.modes),
-                        device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream)
+                        device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
+                        keyframe_at=settings.keyframe_at)
     result = relaunch_step(spec, target.get("launch") or {}, world=part.world_size, announce=announce)
     if settings.options:
         result.notes.append(SET_IGNORED)
