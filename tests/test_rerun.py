@@ -101,3 +101,46 @@ def test_several_ranks_with_live_collectives(recordings, run_cli):
     for r in results:
         assert r.get("collectives") == "live", r
         assert r["modes"]["eager"]["vs_recording"]["logits"]["verdict"] == "bitwise equal"
+
+
+# -- the target's Python scalar state, and the typed step result (issue 14/18) ------------------
+
+
+def test_keyframes_keep_only_scalars_that_changed_and_a_rerun_sets_them_back() -> None:
+    from replay.core.state import SCALAR_PREFIX, restore_scalars, split_scalars, with_scalars
+
+    class Eng:
+        def __init__(self) -> None:
+            self.step_index, self.scale, self.double, self.name = 0, 0.5, True, "x"
+
+    eng = Eng()
+    fn = with_scalars(lambda: {"h": torch.zeros(2)}, lambda: eng)
+    assert fn is not None
+    assert set(fn()) == {"h"}  # the first keyframe: nothing has changed yet
+    eng.step_index = 20
+    kf = fn()
+    assert set(kf) == {"h", SCALAR_PREFIX + "step_index"}  # configuration (scale, double) is never restored
+    tensors, scalars = split_scalars(kf)
+    assert set(tensors) == {"h"} and scalars == {"step_index": 20}
+    fresh = Eng()
+    assert restore_scalars(fresh, {**scalars, "missing": 1, "scale": 3}) == ["missing", "scale"]  # int over a float: refused
+    assert fresh.step_index == 20 and fresh.scale == 0.5
+
+
+def test_a_step_result_reads_back_as_the_same_typed_result() -> None:
+    from replay.analysis.compare import Comparison, Verdict
+    from replay.errors import RecordingDamaged
+    from replay.rerun.result import ModeRun, StepDeparture, StepRerun, WeightCheck
+    from replay.states import RESULTS_FORMAT_VERSION
+
+    run = ModeRun(mode="eager", outputs={}, digests={"logits": 5}, departed=StepDeparture(3, "output.logits"),
+                  caught_up=[2, 3], vs_recording={"logits": Comparison("a", "b", Verdict.DIFFERENT, mismatched=2, numel=8)})
+    r = StepRerun(recording="R", part="run-000", rank=1, step=4, keyframe=2, device="cpu", factory=None, modes={"eager": run},
+                  notes=["n"], weights=WeightCheck(checked=3, differ=["w"]))
+    d = r.to_json()
+    assert d["format"] == RESULTS_FORMAT_VERSION and d["kind"] == "step"
+    back = StepRerun.from_json(d)
+    assert back.to_json() == d
+    assert back.problem() is None and not back.modes["eager"].vs_recording["logits"].equal
+    with pytest.raises(RecordingDamaged):
+        StepRerun.from_json({**d, "format": RESULTS_FORMAT_VERSION + 1})

@@ -112,3 +112,14 @@ def test_bisect_catch_up_that_raises_stops(recs, run_cli):
                   "--set", "raise_at=5", "--no-save")
     assert res.code == RERUN_ERROR
     assert "catch-up step 5 raised" in res.err
+
+
+def test_python_step_counter_is_restored_from_the_keyframe(recs, run_cli):
+    """The engine's Python counter (``steps_done``, in its outputs) comes back with the keyframe:
+    without it the re-run of step 5 from the keyframe at 4 would compute other bits (issue 17)."""
+    res = run_cli("step", recs / "engine", "--rank", 0, "--step", 5, "--mode", "eager", "--no-save", "--json")
+    assert res.code == 0, res.err
+    d = res.json()
+    assert d["keyframe"] == 4 and d["format"] >= 1
+    assert any("steps_done=4" in n for n in d["notes"]), d["notes"]
+    assert d["modes"]["eager"]["vs_recording"]["logits"]["verdict"] == "bitwise equal"
