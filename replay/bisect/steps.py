@@ -63,6 +63,7 @@ class StepsBisection:
     steps_total: int = 0
     exhaustive: bool = False
     notes: list[str] = _field(default_factory=list)
+    uncompared: list[int] = _field(default_factory=list)  # re-run steps with no recorded output to compare with
 
     def verdict(self) -> str:
         if self.how == StepsHow.RANKS:
@@ -77,6 +78,9 @@ class StepsBisection:
                 line += "; the tokens never differ"
             return line
         r = self.ranks[0]
+        if self.first is None and self.uncompared:
+            return (f"rank {r} re-run {self.mode}: no departure found in the steps compared; {len(self.uncompared)} re-run "
+                    f"step(s) had no recorded output to compare with ({', '.join(map(str, self.uncompared[:8]))})")
         if self.first is None:
             scope = "any" if self.exhaustive else "the last"
             return f"rank {r} re-run {self.mode}: no departure from the recording found ({scope} interval re-ran as recorded)"
@@ -103,6 +107,7 @@ class StepsBisection:
             "steps_total": self.steps_total,
             "exhaustive": self.exhaustive,
             "notes": self.notes,
+            "uncompared": self.uncompared,
         }
 
 
@@ -182,6 +187,9 @@ def bisect_steps_rerun(
             res.first, res.field = hit.departed, hit.field
             if stream is not None:
                 res.notes.append(f"stream {stream} departs first")
+    if res.first is None and res.probes and res.steps_rerun and len(res.uncompared) >= res.steps_rerun:
+        raise RerunError(f"rank {rank}: none of the {res.steps_rerun} re-run steps had a recorded output to compare with "
+                         "(nothing to compare): the bisection cannot say whether the re-run departs")
     return res
 
 
@@ -226,9 +234,7 @@ def _relaunched_scan(a: _StreamBisect, res: StepsBisection, announce: Callable[[
     res.steps_rerun += len(run.caught_up) + 1
     res.notes.append(f"re-run inside the re-launched program (no factory): {'stream ' + a.stream + ', ' if a.stream else ''}"
                      f"steps {result.keyframe}..{a.hi} scanned in one launch")
-    if run.uncompared:
-        res.notes.append(f"{len(run.uncompared)} step(s) had no recorded output to compare with: "
-                         f"{', '.join(map(str, run.uncompared[:8]))}")
+    res.uncompared = sorted(set(res.uncompared) | set(run.uncompared))
     return iv if iv.departed is not None else None
 
 
@@ -249,6 +255,7 @@ def _bisect_stream(a: _StreamBisect, res: StepsBisection, announce: Callable[[st
         t0 = time.perf_counter()
         dep = rp.scan(iv.first, iv.last)
         iv.seconds = time.perf_counter() - t0
+        res.uncompared = sorted(set(res.uncompared) | set(rp.uncompared))
         ran_to = dep.step if dep is not None else iv.last
         res.steps_rerun += ran_to - (rp.keyframe if rp.keyframe is not None else iv.first) + 1
         if dep is not None:

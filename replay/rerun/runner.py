@@ -371,8 +371,8 @@ class Replayer:
             bad, compared = _check_outputs(outs, _recorded_fields(self.rf, s))
             if bad and self.departed is None:
                 self.departed = StepDeparture(s, bad)
-            if not compared and self.last_error is None:
-                self.uncompared.append(s)
+            if not compared:
+                self.uncompared.append(s)  # incl. one that raised as recorded: compared with nothing
         self.position = step
         return self.departed
 
@@ -411,9 +411,9 @@ class Replayer:
 
         A step that raised in the re-run but not when recorded departs too (field ``error``).
         """
+        if self.last_error is not None and self.rf.step(step).ok:
+            return StepDeparture(step, "error")  # it raised (its outputs are missing because of that)
         bad = _departure(outs, _recorded_fields(self.rf, step))
-        if bad is None and self.last_error is not None and self.rf.step(step).ok:
-            bad = "error"
         return StepDeparture(step, bad) if bad else None
 
     def compared(self, step: int, outs: dict[str, torch.Tensor]) -> int:
@@ -438,12 +438,15 @@ class Replayer:
             if kf_state:
                 self.target.load_state(kf_state)
         self.keyframe = kf_step
+        self.uncompared = []
         found: StepDeparture | None = None
         for s in range(kf_step, last + 1):
             if self.stream is not None and stream_of(self.rf, s) != self.stream:
                 continue  # another model's step (draft and target): not this target's to run
             self.last_outputs = self._driver(s)
             self.position = s + 1
+            if self.last_error is None and not self.compared(s, self.last_outputs):
+                self.uncompared.append(s)  # nothing recorded to compare with: never "as recorded"
             dep = self.departure(s, self.last_outputs)
             if dep is not None and found is None:
                 found = dep

@@ -158,6 +158,7 @@ class Target:
         # The Python scalars (a step counter) the last load_state set, and those it could not.
         self.restored_scalars: dict[str, Any] = {}
         self.unrestored_scalars: list[str] = []
+        self._built_scalars: dict[str, Any] | None = None  # the scalars as built, before any keyframe
 
     def state(self) -> dict[str, torch.Tensor]:
         if self.obj is None:
@@ -206,6 +207,12 @@ class Target:
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore a keyframe: its tensors in place, and the object's Python scalars it holds."""
         tensors, scalars = split_scalars(tensors)
+        if self._built_scalars is None:
+            self._built_scalars = split_scalars(capture_scalars(self.obj))[1] if self.obj is not None else {}
+        # Back to the values the target was built with first: a keyframe holds only the scalars
+        # that had changed since the first one, and a target re-used from a later step (bisection
+        # probes, repeats) must not carry its counter into an earlier interval.
+        restore_scalars(self.obj, self._built_scalars)
         self.unrestored_scalars = restore_scalars(self.obj, scalars)
         self.restored_scalars = {k: v for k, v in scalars.items() if k not in self.unrestored_scalars}
         live = self.state()
