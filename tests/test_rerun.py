@@ -144,3 +144,30 @@ def test_a_step_result_reads_back_as_the_same_typed_result() -> None:
     assert back.problem() is None and not back.modes["eager"].vs_recording["logits"].equal
     with pytest.raises(RecordingDamaged):
         StepRerun.from_json({**d, "format": RESULTS_FORMAT_VERSION + 1})
+
+
+def test_a_step_that_torch_compile_did_not_compile_is_never_reported_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200 failure mode: the re-run said "torch.compile(...)" while the Python function ran.
+    With Dynamo off, the compiled re-run raises instead of comparing eager bits under that name."""
+    import torch._dynamo
+
+    from replay.errors import RerunError
+    from replay.rerun.target import StepKind, TargetSpec, function_step
+
+    def step_fn(x: torch.Tensor) -> torch.Tensor:
+        return x * 3 + 1
+
+    spec = TargetSpec(step="m:step_fn", factory=None, config=None, state=None, modules=None, device="cpu",
+                      compile={"backend": "eager", "fullgraph": True})
+    fn, ran_as = function_step(step_fn, StepKind.COMPILED, spec, "recorded")
+    assert ran_as.startswith("torch.compile(") and torch.equal(fn(torch.ones(2)), torch.full((2,), 4.0))  # control
+    torch._dynamo.reset()
+
+    def also(x: torch.Tensor) -> torch.Tensor:
+        return x - 1
+
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    spec.compile = {"backend": "eager"}  # (with fullgraph=True torch itself refuses to run it)
+    fn, _ = function_step(also, StepKind.COMPILED, spec, "recorded")
+    with pytest.raises(RerunError, match="without compiling it"):
+        fn(torch.ones(2))

@@ -252,10 +252,44 @@ class _Takeover:
             if code is not None and getattr(code, "co_qualname", code.co_name) == me.qualname:
                 me.compile_kwargs = {k: v for k, v in kwargs.items() if isinstance(v, (str, bool, int, type(None)))}
                 model._replay_compile_kwargs = dict(me.compile_kwargs)  # noqa: SLF001 - read back below
-                return model
+                return me.first_call(model)
             return real(model, **kwargs)
 
         torch.compile = compile  # type: ignore[assignment]
+
+    def first_call(self, fn: Any) -> Any:
+        """What the program gets back from ``torch.compile(step)``: a function whose first call
+        (of the stream's model) is taken over in an ordinary call, not inside the profile hook,
+        where tracing is off and the re-run's own torch.compile may not run as it would."""
+        import functools
+        import inspect
+
+        sig = inspect.signature(fn)
+        me = self
+
+        @functools.wraps(fn)
+        def step_first_call(*args: Any, **kwargs: Any) -> Any:
+            if me.done:
+                return fn(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            live = dict(bound.arguments)
+            if not me._is_stream(live):
+                return fn(*args, **kwargs)  # another model through the same callable (the draft)
+            me._claim()
+            me._take(lambda: me._rerun(fn, live))
+            return None  # not reached: _take stops the program
+
+        return step_first_call
+
+    def _claim(self) -> None:
+        """The first call is ours: no more hooks; the re-run's torch.compile is torch's own."""
+        self.done = True
+        sys.setprofile(None)
+        if self._real_compile is not None:
+            import torch
+
+            torch.compile = self._real_compile  # type: ignore[assignment]
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event != "call" or self.done:
@@ -265,17 +299,13 @@ class _Takeover:
             return
         if frame.f_globals.get("__name__") not in self.modules:
             return
-        if not self._is_stream(frame):
+        if not self._is_stream(frame.f_locals):
             return  # another model of the loop (the draft, say) through the same callable
-        self.done = True
-        sys.setprofile(None)
-        if self._real_compile is not None:
-            import torch
+        self._claim()
+        live = dict(frame.f_locals)
+        self._take(lambda: self._rerun(self._function(frame, live), live))
 
-            torch.compile = self._real_compile  # type: ignore[assignment]
-        self._take(frame)
-
-    def _is_stream(self, frame: Any) -> bool:
+    def _is_stream(self, live: dict[str, Any]) -> bool:
         """Whether this call's object is the model of the stream to re-run: with several streams,
         the one whose parameters are that stream's recorded ones (each object checked once)."""
         weights = self.target.get("weights")
@@ -283,25 +313,25 @@ class _Takeover:
             return True
         import torch
 
-        obj = next((v for v in frame.f_locals.values() if isinstance(v, torch.nn.Module)), None)
+        obj = next((v for v in live.values() if isinstance(v, torch.nn.Module)), None)
         if obj is None:
             return True
         seen = self._checked.get(id(obj))
         if seen is None:
             from replay.core.weights import weight_digests
 
-            live = weight_digests(obj)
+            have = weight_digests(obj)
             # By names and shapes, not digests: weights that changed since the recording are
             # still this model (the re-run then says which differ).
-            seen = set(live) == set(weights) and all(list(live[n]["shape"]) == list(weights[n].get("shape") or []) for n in live)
+            seen = set(have) == set(weights) and all(list(have[n]["shape"]) == list(weights[n].get("shape") or []) for n in have)
             self._checked[id(obj)] = seen
         return seen
 
-    def _take(self, frame: Any) -> None:
+    def _take(self, rerun: Any) -> None:
         """The step's first call: re-run the requested step here, write the result, stop."""
         code = 0
         try:
-            data = self._rerun(frame)
+            data = rerun()
         except Exception as e:  # noqa: BLE001 - reported to the parent as one line, never a traceback
             from replay.errors import ReplayError
 
@@ -315,7 +345,7 @@ class _Takeover:
         sys.stderr.flush()
         os._exit(0)  # stop the program: the rest of it is not the re-run's business
 
-    def _rerun(self, frame: Any) -> dict[str, Any]:
+    def _rerun(self, fn: Any, live: dict[str, Any]) -> dict[str, Any]:
         import inspect
 
         from replay.rerun.runner import RerunOptions, rerun_step
@@ -323,8 +353,7 @@ class _Takeover:
 
         rf = self.part[self.spec.rank]
         spec = TargetSpec.from_rank_file(rf, self.spec.stream)
-        live = dict(frame.f_locals)
-        fn = self._function(frame, live)
+        live = dict(live)
         params = list(inspect.signature(fn).parameters)
         kind = spec.kind or (StepKind.METHOD if "." in self.qualname else StepKind.FUNCTION)
         obj: Any = None

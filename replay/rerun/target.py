@@ -316,7 +316,30 @@ def function_step(fn: Any, kind: StepKind, spec: TargetSpec, compiled: str | Non
         # (a torch.compile replaced by the program, or by replay's own re-launch hook).
         raise RerunError(f"torch.compile({shown}) returned {getattr(base, '__qualname__', 'the step')} uncompiled "
                          "here: the step cannot be re-run compiled")
-    return fn_compiled, f"torch.compile({shown})"
+    return _compiled_for_sure(fn_compiled, base, shown), f"torch.compile({shown})"
+
+
+def _compiled_for_sure(fn_compiled: Callable[..., Any], base: Any, shown: str) -> Callable[..., Any]:
+    """``fn_compiled``, checked once after its first call: Dynamo must then hold compiled code
+    for the step's code object. A re-run that silently ran the Python function (Dynamo disabled,
+    or not running where the call was made) raises instead of being reported as compiled."""
+    code = getattr(base, "__code__", None)
+    checked = [code is None]
+
+    def step_compiled(*args: Any, **kwargs: Any) -> Any:
+        out = fn_compiled(*args, **kwargs)
+        if not checked[0]:
+            checked[0] = True
+            try:
+                from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+            except ImportError:  # another torch: nothing to check with
+                return out
+            if not _debug_get_cache_entry_list(code):
+                raise RerunError(f"torch.compile({shown}) ran {getattr(base, '__qualname__', 'the step')} without "
+                                 "compiling it (Dynamo did not run here): the step was not re-run compiled")
+        return out
+
+    return step_compiled
 
 
 def _kind_of(resolved: Any, name: str) -> StepKind:
