@@ -162,14 +162,7 @@ def bisect_steps_rerun(
     steps, and the earliest departure is the answer. A recording with no factory is re-run inside
     the re-launched program (one launch per stream, scanning from the first step's keyframe)."""
     rf = part[rank]
-    steps = rf.tables.steps["step"]
-    if not steps.size:
-        raise UsageError(f"rank {rank} recorded no steps")
-    lo = int(steps.min()) if first is None else first
-    hi = int(steps.max()) if last is None else last
-    if lo > hi:
-        raise UsageError(f"--first {lo} is after --last {hi}")
-    rf.step(lo), rf.step(hi)
+    lo, hi = _step_range(rf, rank, first, last)
     res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RERUN, ranks=[rank], first=None, mode=mode,
                          steps_total=hi - lo + 1, exhaustive=exhaustive)
     names = streams_of(rf)
@@ -187,10 +180,27 @@ def bisect_steps_rerun(
             res.first, res.field = hit.departed, hit.field
             if stream is not None:
                 res.notes.append(f"stream {stream} departs first")
+    _refuse_if_nothing_compared(res, rank)
+    return res
+
+
+def _step_range(rf: Any, rank: int, first: int | None, last: int | None) -> tuple[int, int]:
+    steps = rf.tables.steps["step"]
+    if not steps.size:
+        raise UsageError(f"rank {rank} recorded no steps")
+    lo = int(steps.min()) if first is None else first
+    hi = int(steps.max()) if last is None else last
+    if lo > hi:
+        raise UsageError(f"--first {lo} is after --last {hi}")
+    rf.step(lo), rf.step(hi)
+    return lo, hi
+
+
+def _refuse_if_nothing_compared(res: StepsBisection, rank: int) -> None:
+    """No "as recorded" over steps that had nothing recorded to compare with."""
     if res.first is None and res.probes and res.steps_rerun and len(res.uncompared) >= res.steps_rerun:
         raise RerunError(f"rank {rank}: none of the {res.steps_rerun} re-run steps had a recorded output to compare with "
                          "(nothing to compare): the bisection cannot say whether the re-run departs")
-    return res
 
 
 @dataclass(slots=True)
