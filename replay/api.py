@@ -401,12 +401,15 @@ def step(part: Part, rank: int, step: int, options: RerunOptions | None = None, 
          progress: Progress = _no_progress) -> StepRerun:
     """Re-run ``step`` of ``rank`` from its nearest keyframe, in each mode, and compare it with
     the recording (``replay.rerun.runner.rerun_step``)."""
-    from replay.rerun.runner import rerun_step
+    from replay.rerun.runner import RerunOptions as Settings
+    from replay.rerun.step import run_step
 
     o = options or RerunOptions()
     part[rank].step(step)
-    return rerun_step(part, rank, step, modes=o.modes, device=o.device_for(part), repeat=o.repeat, factory=o.factory,
-                      options=dict(o.toggles), recording=_recording_of(part), announce=announce, progress=progress)
+    # With no factory recorded, run_step re-launches the recorded program (it is its own factory).
+    settings = Settings(modes=tuple(o.modes), device=o.device_for(part), repeat=o.repeat, factory=o.factory,
+                        options=dict(o.toggles), recording=_recording_of(part))
+    return run_step(part, rank, step, settings, announce=announce, progress=progress)
 
 
 def step_ranks(part: Part, ranks: list[int], step: int, options: RerunOptions | None = None, *,
@@ -465,6 +468,7 @@ def bisect_layers(part: Part, between: str, *, step: int | None = None, rank: in
     assert step is not None
     at = step
     a, b = parse_between(between, rank=rank, mode=mode, recorded=lambda r: recorded_mode(part, r, at), options=toggles)
+    _needs_factory(part, sorted({a.rank, b.rank}), step, o.factory, "bisect layers (its taps go on the rebuilt model)")
     announce(f"re-running step {step} as {a.label} and as {b.label}, with taps on every module")
     return _bisect(part, step, a, b, modules=modules, device=o.device_for(part), factory=o.factory, context=context,
                    recording=_recording_of(part), progress=progress)
@@ -507,6 +511,17 @@ def bisect_runs(part_a: Part, part_b: Part, *, rank_a: int | None = None, rank_b
                    context=context, recording=_recording_of(part_a), progress=progress)
 
 
+def _needs_factory(part: Part, ranks: list[int], step: int, factory: str | None, what: str) -> None:
+    """One clear line, before anything runs, when a recording with no factory is asked for what
+    only a factory can give (a re-launched program takes no taps and no toggles)."""
+    from replay.errors import FactoryError
+    from replay.rerun.step import uses_relaunch
+
+    if any(uses_relaunch(part, r, step, factory) for r in ranks):
+        raise FactoryError(f"{what} needs a factory, and this recording names none: pass --factory MODULE:QUALNAME "
+                           "(`replay step` and `replay bisect steps --against-rerun` re-launch the recorded program instead)")
+
+
 def bisect_config(part: Part, settings: ConfigBisectSettings, *, announce: Announce = _quiet,
                   on_probe: Callable[[ProbeRecord], None] | None = None) -> ConfigBisection:
     """The smallest set of toggles that makes a step match (``replay.bisect.config``).
@@ -520,4 +535,5 @@ def bisect_config(part: Part, settings: ConfigBisectSettings, *, announce: Annou
     if chosen.why:
         announce(chosen.why)
     s = dataclasses.replace(settings, rank=chosen.rank, step=chosen.step)
+    _needs_factory(part, [chosen.rank], chosen.step, s.factory, "bisect config (its toggles are passed to the factory)")
     return _bisect(part.path.parent, part.name, s, announce=announce, on_probe=on_probe or (lambda p: None))

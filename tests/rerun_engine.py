@@ -31,6 +31,9 @@ class Engine:
             self.model.weight.copy_(torch.eye(D) * 0.5)
             self.model.bias.zero_()
         self.hidden = torch.zeros(2, D)
+        # Python-side step state, as engines keep it (a counter): it changes what a step computes,
+        # so a re-run that restores the tensors but not the counter departs.
+        self.steps_done = 0
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"hidden": self.hidden}
@@ -47,7 +50,8 @@ class Engine:
         self.hidden.copy_(h)
         # The program runs its loop under sdpa_kernel([MATH]) (flash off): a step that reads the
         # flag computes other bits when the re-run does not restore that context.
-        logits = h @ self.head + (0.0 if torch.backends.cuda.flash_sdp_enabled() else 0.5)
+        logits = h @ self.head + (0.0 if torch.backends.cuda.flash_sdp_enabled() else 0.5) + 1e-3 * self.steps_done
+        self.steps_done += 1
         if self.config.get("none"):
             return None
         return {"other": logits} if self.options.get("rename") else {"logits": logits}

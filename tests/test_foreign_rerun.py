@@ -152,6 +152,36 @@ def test_weights_that_differ_are_named(recs: dict[str, Path]) -> None:
     assert any(v["verdict"] != "bitwise equal" for v in _eager(data)["vs_recording"].values())
 
 
+def _bisect(rec: Path, cwd: Path, *args: Any) -> tuple[int, dict[str, Any] | None, str]:
+    p = subprocess.run([sys.executable, "-m", "replay", "bisect", *map(str, args[:1]), str(rec), *map(str, args[1:]),
+                        "--json", "--no-save"], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    try:
+        data = json.loads(p.stdout) if p.stdout.strip() else None
+    except ValueError:
+        data = None
+    return p.returncode, data, p.stderr
+
+
+def test_bisect_steps_without_a_factory_relaunches_and_scans_every_stream(recs: dict[str, Path]) -> None:
+    """No factory: `bisect steps --against-rerun` re-launches the program, once per stream of
+    draft + target, and compares every step; code changed since the recording is found."""
+    code, data, err = _bisect(recs["draft"], recs["cwd"], "steps", "--against-rerun", "--rank", 0)
+    assert code == 0, err
+    assert data["first"] is None and data["exhaustive"] is True, data
+    assert sum("re-launched program" in n for n in data["notes"]) == 2, data["notes"]  # one launch per stream
+    assert data["steps_rerun"] >= data["steps_total"] - 2, data
+    code, data, err = _bisect(recs["weights"], recs["cwd"], "steps", "--against-rerun", "--rank", 0)
+    assert code == 0, err
+    assert data["first"] == 0 and data["field"].startswith("output."), data  # the changed norm weight: from step 0
+
+
+def test_bisect_layers_and_config_without_a_factory_say_so_in_one_line(recs: dict[str, Path]) -> None:
+    for args in (("layers", "--between", "eager,cudagraph", "--rank", 0, "--step", 3), ("config", "--rank", 0, "--step", 3)):
+        code, data, err = _bisect(recs["plain"], recs["cwd"], *args)
+        assert code != 0 and "needs a factory" in err and "Traceback" not in err, (args, err)
+        assert data is None or "equal" not in json.dumps(data)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_one_tensor_parallel_rank_reruns_alone(tmp_path: Path) -> None:

@@ -101,3 +101,73 @@ def test_several_ranks_with_live_collectives(recordings, run_cli):
     for r in results:
         assert r.get("collectives") == "live", r
         assert r["modes"]["eager"]["vs_recording"]["logits"]["verdict"] == "bitwise equal"
+
+
+# -- the target's Python scalar state, and the typed step result (issue 14/18) ------------------
+
+
+def test_keyframes_keep_only_scalars_that_changed_and_a_rerun_sets_them_back() -> None:
+    from replay.core.state import SCALAR_PREFIX, restore_scalars, split_scalars, with_scalars
+
+    class Eng:
+        def __init__(self) -> None:
+            self.step_index, self.scale, self.double, self.name = 0, 0.5, True, "x"
+
+    eng = Eng()
+    fn = with_scalars(lambda: {"h": torch.zeros(2)}, lambda: eng)
+    assert fn is not None
+    assert set(fn()) == {"h"}  # the first keyframe: nothing has changed yet
+    eng.step_index = 20
+    kf = fn()
+    assert set(kf) == {"h", SCALAR_PREFIX + "step_index"}  # configuration (scale, double) is never restored
+    tensors, scalars = split_scalars(kf)
+    assert set(tensors) == {"h"} and scalars == {"step_index": 20}
+    fresh = Eng()
+    assert restore_scalars(fresh, {**scalars, "missing": 1, "scale": 3}) == ["missing", "scale"]  # int over a float: refused
+    assert fresh.step_index == 20 and fresh.scale == 0.5
+
+
+def test_a_step_result_reads_back_as_the_same_typed_result() -> None:
+    from replay.analysis.compare import Comparison, Verdict
+    from replay.errors import RecordingDamaged
+    from replay.rerun.result import ModeRun, StepDeparture, StepRerun, WeightCheck
+    from replay.states import RESULTS_FORMAT_VERSION
+
+    run = ModeRun(mode="eager", outputs={}, digests={"logits": 5}, departed=StepDeparture(3, "output.logits"),
+                  caught_up=[2, 3], vs_recording={"logits": Comparison("a", "b", Verdict.DIFFERENT, mismatched=2, numel=8)})
+    r = StepRerun(recording="R", part="run-000", rank=1, step=4, keyframe=2, device="cpu", factory=None, modes={"eager": run},
+                  notes=["n"], weights=WeightCheck(checked=3, differ=["w"]))
+    d = r.to_json()
+    assert d["format"] == RESULTS_FORMAT_VERSION and d["kind"] == "step"
+    back = StepRerun.from_json(d)
+    assert back.to_json() == d
+    assert back.problem() is None and not back.modes["eager"].vs_recording["logits"].equal
+    with pytest.raises(RecordingDamaged):
+        StepRerun.from_json({**d, "format": RESULTS_FORMAT_VERSION + 1})
+
+
+def test_a_step_that_torch_compile_did_not_compile_is_never_reported_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200 failure mode: the re-run said "torch.compile(...)" while the Python function ran.
+    With Dynamo off, the compiled re-run raises instead of comparing eager bits under that name."""
+    import torch._dynamo
+
+    from replay.errors import RerunError
+    from replay.rerun.target import StepKind, TargetSpec, function_step
+
+    def step_fn(x: torch.Tensor) -> torch.Tensor:
+        return x * 3 + 1
+
+    spec = TargetSpec(step="m:step_fn", factory=None, config=None, state=None, modules=None, device="cpu",
+                      compile={"backend": "eager", "fullgraph": True})
+    fn, ran_as = function_step(step_fn, StepKind.COMPILED, spec, "recorded")
+    assert ran_as.startswith("torch.compile(") and torch.equal(fn(torch.ones(2)), torch.full((2,), 4.0))  # control
+    torch._dynamo.reset()
+
+    def also(x: torch.Tensor) -> torch.Tensor:
+        return x - 1
+
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    spec.compile = {"backend": "eager"}  # (with fullgraph=True torch itself refuses to run it)
+    fn, _ = function_step(also, StepKind.COMPILED, spec, "recorded")
+    with pytest.raises(RerunError, match="without compiling it"):
+        fn(torch.ones(2))

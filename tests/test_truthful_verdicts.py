@@ -112,3 +112,32 @@ def test_bisect_catch_up_that_raises_stops(recs, run_cli):
                   "--set", "raise_at=5", "--no-save")
     assert res.code == RERUN_ERROR
     assert "catch-up step 5 raised" in res.err
+
+
+def test_python_step_counter_is_restored_from_the_keyframe(recs, run_cli):
+    """The engine's Python counter (``steps_done``, in its outputs) comes back with the keyframe:
+    without it the re-run of step 5 from the keyframe at 4 would compute other bits (issue 17)."""
+    res = run_cli("step", recs / "engine", "--rank", 0, "--step", 5, "--mode", "eager", "--no-save", "--json")
+    assert res.code == 0, res.err
+    d = res.json()
+    assert d["keyframe"] == 4 and d["format"] >= 1
+    assert any("steps_done=4" in n for n in d["notes"]), d["notes"]
+    assert d["modes"]["eager"]["vs_recording"]["logits"]["verdict"] == "bitwise equal"
+
+
+def test_bisect_steps_over_steps_with_nothing_to_compare_is_not_as_recorded(recs, run_cli):
+    """A recording that kept no output (every step returned None): re-running it compares
+    nothing, so `bisect steps --against-rerun` must not say the steps re-ran as recorded."""
+    res = run_cli("bisect", "steps", recs / "none", "--against-rerun", "--rank", 0, "--no-save")
+    assert res.code == 7, (res.code, res.out, res.err)
+    assert "as recorded" not in res.out and "no departure" not in res.out
+    assert "nothing to compare" in res.err or "nothing to compare" in res.out
+
+
+def test_bisect_steps_control_finds_a_planted_departure(recs, run_cli):
+    """The same bisection on the engine recording does compare, and finds a planted failure."""
+    res = run_cli("bisect", "steps", recs / "engine", "--against-rerun", "--rank", 0, "--no-save", "--set", "raise_at=6",
+                  "--json")
+    assert res.code == 0, res.err
+    d = res.json()
+    assert d["first"] == 6 and d["field"] == "error", d

@@ -20,9 +20,11 @@ from dataclasses import field as _field
 from typing import Any
 
 from replay.analysis.divergence import first_divergence
-from replay.errors import UsageError
+from replay.errors import RerunError, UsageError
 from replay.format.reader import Part
 from replay.rerun.runner import Replayer
+from replay.rerun.step import uses_relaunch
+from replay.rerun.streams import stream_of, streams_of
 from replay.states import ResultKind, StepsHow
 
 __all__ = ["Interval", "StepsBisection", "bisect_steps", "bisect_steps_rerun", "intervals"]
@@ -61,6 +63,7 @@ class StepsBisection:
     steps_total: int = 0
     exhaustive: bool = False
     notes: list[str] = _field(default_factory=list)
+    uncompared: list[int] = _field(default_factory=list)  # re-run steps with no recorded output to compare with
 
     def verdict(self) -> str:
         if self.how == StepsHow.RANKS:
@@ -75,6 +78,9 @@ class StepsBisection:
                 line += "; the tokens never differ"
             return line
         r = self.ranks[0]
+        if self.first is None and self.uncompared:
+            return (f"rank {r} re-run {self.mode}: no departure found in the steps compared; {len(self.uncompared)} re-run "
+                    f"step(s) had no recorded output to compare with ({', '.join(map(str, self.uncompared[:8]))})")
         if self.first is None:
             scope = "any" if self.exhaustive else "the last"
             return f"rank {r} re-run {self.mode}: no departure from the recording found ({scope} interval re-ran as recorded)"
@@ -101,6 +107,7 @@ class StepsBisection:
             "steps_total": self.steps_total,
             "exhaustive": self.exhaustive,
             "notes": self.notes,
+            "uncompared": self.uncompared,
         }
 
 
@@ -126,8 +133,8 @@ def bisect_steps(part: Part, *, ranks: list[int] | None = None, recording: str =
 
 def intervals(rp: Replayer, first: int, last: int) -> list[Interval]:
     """Steps ``first``..``last`` cut at the rank's keyframes (each interval restorable alone)."""
-    if rp.spec.state is None:
-        return [Interval(s, s) for s in range(first, last + 1)]  # independent steps
+    if rp.spec.state is None and not len(rp.rf.keyframe_steps()):
+        return [Interval(s, s) for s in range(first, last + 1)]  # no state: independent steps
     kf0, _ = rp.keyframe_for(first)
     cuts = sorted({k for k in rp.rf.keyframe_steps() if first < k <= last})
     starts = [max(first, kf0)] + cuts
@@ -149,8 +156,35 @@ def bisect_steps_rerun(
     announce: Callable[[str], None] = lambda s: None,
     progress: Callable[..., Iterable[Any]] = lambda it, label="": it,
 ) -> StepsBisection:
-    """The first step of ``rank`` whose re-run (in ``mode``) departs from the recording."""
+    """The first step of ``rank`` whose re-run (in ``mode``) departs from the recording.
+
+    Several models in one loop (draft and target) are bisected stream by stream, each on its own
+    steps, and the earliest departure is the answer. A recording with no factory is re-run inside
+    the re-launched program (one launch per stream, scanning from the first step's keyframe)."""
     rf = part[rank]
+    lo, hi = _step_range(rf, rank, first, last)
+    res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RERUN, ranks=[rank], first=None, mode=mode,
+                         steps_total=hi - lo + 1, exhaustive=exhaustive)
+    names = streams_of(rf)
+    for stream in (names if len(names) > 1 else [None]):
+        own = [s for s in range(lo, hi + 1) if stream is None or stream_of(rf, s) == stream]
+        if not own:
+            continue
+        args = _StreamBisect(part, rank, own[0], own[-1], stream, mode, device, factory, dict(options or {}), exhaustive,
+                             recording)
+        if uses_relaunch(part, rank, own[-1], factory, stream):
+            hit = _relaunched_scan(args, res, announce)
+        else:
+            hit = _bisect_stream(args, res, announce, progress)
+        if hit is not None and (res.first is None or (hit.departed is not None and hit.departed < res.first)):
+            res.first, res.field = hit.departed, hit.field
+            if stream is not None:
+                res.notes.append(f"stream {stream} departs first")
+    _refuse_if_nothing_compared(res, rank)
+    return res
+
+
+def _step_range(rf: Any, rank: int, first: int | None, last: int | None) -> tuple[int, int]:
     steps = rf.tables.steps["step"]
     if not steps.size:
         raise UsageError(f"rank {rank} recorded no steps")
@@ -159,13 +193,69 @@ def bisect_steps_rerun(
     if lo > hi:
         raise UsageError(f"--first {lo} is after --last {hi}")
     rf.step(lo), rf.step(hi)
-    rp = Replayer(part, rank, mode=mode, device=device, factory=factory, options=options)
-    ivs = intervals(rp, lo, hi)
-    rp.check(ivs[0].first, hi)
+    return lo, hi
+
+
+def _refuse_if_nothing_compared(res: StepsBisection, rank: int) -> None:
+    """No "as recorded" over steps that had nothing recorded to compare with."""
+    if res.first is None and res.probes and res.steps_rerun and len(res.uncompared) >= res.steps_rerun:
+        raise RerunError(f"rank {rank}: none of the {res.steps_rerun} re-run steps had a recorded output to compare with "
+                         "(nothing to compare): the bisection cannot say whether the re-run departs")
+
+
+@dataclass(slots=True)
+class _StreamBisect:
+    part: Part
+    rank: int
+    lo: int
+    hi: int
+    stream: str | None
+    mode: str
+    device: str
+    factory: str | None
+    options: dict[str, Any]
+    exhaustive: bool
+    recording: str
+
+
+def _relaunched_scan(a: _StreamBisect, res: StepsBisection, announce: Callable[[str], None]) -> Interval | None:
+    """No factory: one re-launch of the program re-runs ``lo``..``hi`` from the keyframe at
+    ``lo``, comparing every step; the first that departs (catch-up or the last step) is the hit."""
+    from replay.rerun.runner import RerunOptions
+    from replay.rerun.step import run_step
+
+    t0 = time.perf_counter()
+    settings = RerunOptions(modes=(a.mode,), device=a.device, options=a.options, recording=a.recording,
+                            stream=a.stream, keyframe_at=a.lo)
+    result = run_step(a.part, a.rank, a.hi, settings, announce=announce)
+    run = result.modes[a.mode]
+    problem = result.problem()
+    if problem is not None:
+        raise RerunError(f"rank {a.rank}: step {a.hi} could not be re-run to bisect: {problem}")
+    iv = Interval(result.keyframe, a.hi, seconds=time.perf_counter() - t0)
+    if run.departed is not None:
+        iv.departed, iv.field = run.departed.step, run.departed.field
+    else:
+        bad = next((k for k, c in run.vs_recording.items() if not c.equal), None)
+        if bad is not None:
+            iv.departed, iv.field = a.hi, bad
+    res.probes.append(iv)
+    res.exhaustive = res.exhaustive or result.keyframe <= a.lo  # every step from lo was compared, in order
+    res.steps_rerun += len(run.caught_up) + 1
+    res.notes.append(f"re-run inside the re-launched program (no factory): {'stream ' + a.stream + ', ' if a.stream else ''}"
+                     f"steps {result.keyframe}..{a.hi} scanned in one launch")
+    res.uncompared = sorted(set(res.uncompared) | set(run.uncompared))
+    return iv if iv.departed is not None else None
+
+
+def _bisect_stream(a: _StreamBisect, res: StepsBisection, announce: Callable[[str], None],
+                   progress: Callable[..., Iterable[Any]]) -> Interval | None:
+    """With a factory: intervals between keyframes, binary-searched (or scanned in order)."""
+    rp = Replayer(a.part, a.rank, mode=a.mode, device=a.device, factory=a.factory, options=a.options, stream=a.stream)
+    ivs = intervals(rp, a.lo, a.hi)
+    rp.check(ivs[0].first, a.hi)
     if rp.factory_name is not None:
-        announce(f"importing factory {rp.factory_name} (named by the recording)" if factory is None else f"importing factory {factory} (--factory)")
-    res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RERUN, ranks=[rank], first=None, mode=mode,
-                         steps_total=hi - lo + 1, exhaustive=exhaustive)
+        announce(f"importing factory {rp.factory_name} (named by the recording)" if a.factory is None else f"importing factory {a.factory} (--factory)")
     done: dict[int, Interval] = {}
 
     def probe(i: int) -> Interval:
@@ -175,6 +265,7 @@ def bisect_steps_rerun(
         t0 = time.perf_counter()
         dep = rp.scan(iv.first, iv.last)
         iv.seconds = time.perf_counter() - t0
+        res.uncompared = sorted(set(res.uncompared) | set(rp.uncompared))
         ran_to = dep.step if dep is not None else iv.last
         res.steps_rerun += ran_to - (rp.keyframe if rp.keyframe is not None else iv.first) + 1
         if dep is not None:
@@ -185,14 +276,13 @@ def bisect_steps_rerun(
 
     try:
         rp.build()
-        hit = _first_departing(ivs, probe, done, exhaustive=exhaustive, res=res,
-                               progress=lambda it: progress(it, label=f"rank {rank}: re-running {len(ivs)} intervals"))
+        hit = _first_departing(ivs, probe, done, exhaustive=a.exhaustive, res=res,
+                               progress=lambda it: progress(it, label=f"rank {a.rank}: re-running {len(ivs)} intervals"))
     finally:
         rp.close()
     if hit is not None:
-        res.first, res.field = hit.departed, hit.field
         _note_unchecked(res, ivs, hit)
-    return res
+    return hit
 
 
 def _first_departing(ivs: list[Interval], probe: Callable[[int], Interval], done: dict[int, Interval], *, exhaustive: bool,

@@ -259,7 +259,7 @@ class Taps:
             import torch.distributed._functional_collectives as funcol
             from torch.distributed import distributed_c10d as c10d
 
-            from replay.record.collectives import COLLECTIVES, FUNCTIONAL
+            from replay.core.collectives import COLLECTIVES, FUNCTIONAL
         except ImportError:  # pragma: no cover - torch built without distributed
             return
         taps = self

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import torch
 
 from replay.analysis.summary import choose_part
 from replay.cli.common import emit_json, json_option, open_run, parse_options, parse_ranks, part_option, run_argument, save_and_emit
@@ -14,9 +13,9 @@ from replay.cli.render import style, table
 from replay.errors import ReplayError, RerunError, UsageError
 from replay.format.reader import Part
 from replay.textsafe import escape
-from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
-from replay.rerun.streams import check_stream, target_info
-from replay.rerun.runner import ModeRun, RerunOptions, StepRerun, default_modes, rerun_step
+from replay.rerun.result import ModeRun, StepRerun
+from replay.rerun.runner import RerunOptions, default_modes
+from replay.rerun.step import run_step, uses_relaunch
 
 EPILOG = """\b
 Examples:
@@ -25,12 +24,6 @@ Examples:
   replay step --rank 2 --step 57 --factory mypkg.engine:build --json
   replay step --ranks 0-3 --step 57 --devices cuda:0,cuda:1
 """
-
-
-def default_device(recorded: str | None) -> str:
-    if recorded and recorded.startswith("cuda") and torch.cuda.is_available():
-        return "cuda:0"
-    return "cpu"
 
 
 @click.command(epilog=EPILOG)
@@ -84,32 +77,12 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
 
 def _step_one(chosen: Part, rank: int, step_index: int, settings: RerunOptions, as_json: bool) -> tuple[dict[str, Any], str, str | None]:
     """One rank: with its factory, or (none recorded) inside the re-launched program. (JSON, text, problem)."""
-    rf = chosen[rank]
-    rf.step(step_index)
-    target = rf.attrs.get("target") or {}
-    settings.device = settings.device or default_device(target.get("device") if isinstance(target, dict) else None)
-    stream = check_stream(rf, step_index, settings.stream)
-    relaunch = settings.factory is None and needs_relaunch(target_info(rf, stream), recorded_args(rf, step_index))
-    if not settings.modes:
-        settings.modes = tuple(default_modes(chosen, rank, step_index, settings.device, relaunch=relaunch))
     announce = (lambda s: None) if as_json else (lambda s: click.echo(f"replay: {escape(s)}", err=True))
-    if relaunch:
-        # No factory: the recorded program, started again in replay mode, is its own factory.
-        spec = RelaunchSpec(recording=settings.recording, part=chosen.name, rank=rank, step=step_index,
-                            modes=list(settings.modes), device=settings.device, repeat=settings.repeat,
-                            options=settings.options, stream=stream)
-        data = relaunch_step(spec, target.get("launch") or {}, world=chosen.world_size, announce=announce)
-        text = str(data.pop("text", ""))
-        if settings.options:
-            note = "--set has no effect on a re-launched program (it has no factory to pass it to)"
-            data.setdefault("notes", []).append(note)
-            text += f"\n  note: {note}"
-        return data, text, data.get("problem")
     try:
         from replay.cli.progress import progress
     except ImportError:  # pragma: no cover
         progress = lambda it, label="": it  # noqa: E731
-    result = rerun_step(chosen, rank, step_index, settings, announce=announce, progress=progress)
+    result = run_step(chosen, rank, step_index, settings, announce=announce, progress=progress)
     return result.to_json(), render_step(result), result.problem()
 
 
@@ -118,9 +91,7 @@ def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, mod
     """Several ranks, one process each; exits 7 when any of them could not be re-run."""
     from replay.rerun.multi import rerun_ranks
 
-    rf = chosen[ranks[0]] if ranks else None
-    if factory is None and rf is not None and needs_relaunch(target_info(rf, check_stream(rf, step_index, None)),
-                                                             recorded_args(rf, step_index)):
+    if ranks and uses_relaunch(chosen, ranks[0], step_index, factory):
         # No factory: each rank in its own re-launched program, alone on its recorded collectives.
         results = []
         for r in ranks:

@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+from replay.core.outputs import name_outputs  # noqa: F401 - the vocabulary moved below record and rerun
+from replay.core.state import module_state  # noqa: F401
+
 __all__ = ["to_json_safe", "module_state", "split_arguments", "name_outputs", "access", "attribute_holding", "call_key", "weakrefable", "capturing"]
 
 _SCALARS = (int, float, bool, str, type(None))
@@ -61,25 +64,6 @@ def to_json_safe(v: Any, _depth: int = 0) -> Any:
     if hasattr(v, "_asdict"):
         return to_json_safe(v._asdict(), _depth + 1)
     raise NotJSON(f"a {type(v).__name__} is not JSON data")
-
-
-def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What carries over from one step of an ``nn.Module`` to the next, by default: its buffers
-    (KV caches, counters) and the tensors its submodules hold as plain attributes, never its
-    parameters (the weights are rebuilt, and digested once instead). Names are dotted paths
-    from ``module`` (``layers.0.attention.kv_cache.k_cache``), the form a re-run restores by."""
-    out: dict[str, torch.Tensor] = {}
-    for name, b in module.named_buffers(remove_duplicate=True):
-        if b is not None:
-            out[name] = b
-    params = {id(p) for p in module.parameters()}
-    seen = {id(t) for t in out.values()} | params
-    for prefix, m in module.named_modules():
-        for attr, v in vars(m).items():
-            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and id(v) not in seen and not attr.startswith("__"):
-                seen.add(id(v))
-                out[f"{prefix}.{attr}" if prefix else attr] = v
-    return out
 
 
 def without_parameters(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -165,28 +149,6 @@ def split_arguments(
                     continue
                 scalars[n] = _jsonable(v)
     return tensors, scalars
-
-
-def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torch.Tensor]:
-    """Tensors a step returned, by name: NamedTuple/dataclass fields, dict keys, or given names."""
-    if isinstance(out, torch.Tensor):
-        if names:
-            return {names[0]: out}
-        # A lone floating output with a vocabulary-like last dimension is what a step's logits
-        # look like; naming it so gives the margin and the logits ring without configuration.
-        return {"logits" if out.is_floating_point() and out.dim() >= 2 else "output": out}
-    pairs: list[tuple[str, Any]]
-    if isinstance(out, dict):
-        pairs = [(str(k), v) for k, v in out.items()]
-    elif hasattr(out, "_fields"):
-        pairs = list(zip(out._fields, out))
-    elif hasattr(out, "__dataclass_fields__"):
-        pairs = [(k, getattr(out, k)) for k in out.__dataclass_fields__]
-    elif isinstance(out, (list, tuple)):
-        pairs = [(names[i] if i < len(names) else f"out{i}", v) for i, v in enumerate(out)]
-    else:
-        return {}
-    return {k: v for k, v in pairs if isinstance(v, torch.Tensor)}
 
 
 def access(obj: Any, name: str | None) -> Any:

@@ -492,7 +492,7 @@ class Session(GraphEvents):
             if not spec.state:
                 info["state_from"] = "module_buffers"
             try:
-                from replay.record.weights import weight_digests
+                from replay.core.weights import weight_digests
 
                 info["weights"] = weight_digests(obj)
             except Exception as e:  # noqa: BLE001
@@ -581,10 +581,13 @@ class Session(GraphEvents):
         alive = [s for s in self._streams.streams if s.weak and s.obj() is not None]
         if self._streams.streams and not alive:
             rec = self._next_part()
+        from replay.core.state import with_scalars  # keyframes keep the target's Python scalars too
+
         name = new_stream_name(self._streams.streams, spec.step, obj)
         weak = obj is not None and weakrefable(obj)
         ref = weakref.ref(obj) if weak else (lambda o=obj: o)
-        st = Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg), state=self._stream_state(spec, obj))
+        st = Stream(name=name, ref=ref, weak=weak, info=self._stream_info(spec, obj, inputs, object_arg),
+                    state=with_scalars(self._stream_state(spec, obj), ref))
         self._streams.streams.append(st)
         part_streams = self._streams
         rec.set_target(self._merged_info(), part_streams.state if any(s.state for s in part_streams.streams) else None)

@@ -20,7 +20,7 @@ from replay.digest import digest, local_tensor
 from replay.errors import RerunError
 from replay.format.reader import RankFile
 from replay.format.tables import combine_digests
-from replay.record.collectives import COLLECTIVES, FUNCTIONAL, FUNCTIONAL_PREFIX
+from replay.core.collectives import COLLECTIVES, FUNCTIONAL, FUNCTIONAL_PREFIX
 
 __all__ = ["RecordedCollectives", "CollectiveMismatch"]
 

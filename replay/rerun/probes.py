@@ -7,7 +7,7 @@ import contextlib
 import inspect
 from typing import Any, Callable, Iterator
 
-from replay.record.calls import name_outputs
+from replay.core.outputs import name_outputs
 from replay.rerun.imports import ImportContext, resolve_recorded
 
 __all__ = ["installed_probes"]

@@ -31,9 +31,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replay.errors import RerunError
+
+if TYPE_CHECKING:
+    from replay.rerun.result import StepRerun
 
 __all__ = ["ENV_RERUN", "RelaunchSpec", "needs_relaunch", "recorded_args", "relaunch_step", "start_in_program"]
 
@@ -55,6 +58,7 @@ class RelaunchSpec:
     repeat: int = 1
     options: dict[str, Any] = field(default_factory=dict)
     stream: str | None = None  # the model of the part to take (several in one loop)
+    keyframe_at: int | None = None  # restore the keyframe at or before this step (bisect: scan from there)
     out: str = ""  # where the child writes its result JSON
 
 
@@ -107,9 +111,9 @@ def _command(exe: str, argv: list[str], launch: dict[str, Any]) -> list[str]:
 
 
 def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
-                  announce: Any = lambda s: None) -> dict[str, Any]:
-    """Start the recorded command in replay mode; the re-run's result (``StepRerun.to_json()``
-    with ``text``, its rendering). Raises RerunError when the program ends without a result."""
+                  announce: Any = lambda s: None) -> "StepRerun":
+    """Start the recorded command in replay mode; the re-run's result, read back from what the
+    program wrote (``StepRerun.to_json()``). Raises RerunError when the program ends without one."""
     argv = [str(a) for a in launch.get("argv") or []]
     exe = launch.get("executable") or sys.executable
     cwd = launch.get("cwd")
@@ -144,7 +148,9 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
         err = RerunError(str(data.get("error")))
         err.exit_code = int(data.get("exit_code") or RerunError.exit_code)
         raise err
-    return data
+    from replay.rerun.result import StepRerun
+
+    return StepRerun.from_json(data)
 
 
 # -- the child: inside the re-launched program -----------------------------------------------
@@ -219,6 +225,7 @@ class _Takeover:
         self.name = self.qualname.rsplit(".", 1)[-1]
         self.compile_kwargs: dict[str, Any] = {}
         self.done = False
+        self._real_compile: Any = None
         self._checked: dict[int, bool] = {}
 
     def arm(self) -> None:
@@ -232,18 +239,57 @@ class _Takeover:
 
         real = torch.compile
         me = self
+        self._real_compile = real
 
         def compile(model: Any = None, **kwargs: Any) -> Any:
             if model is None:
                 return lambda m: compile(m, **kwargs)
+            if me.done:
+                # The re-run's own compilation (--mode compiled/cudagraph) must really compile:
+                # handing it the Python function back would run eager under a compiled name.
+                return real(model, **kwargs)
             code = getattr(model, "__code__", None)
             if code is not None and getattr(code, "co_qualname", code.co_name) == me.qualname:
                 me.compile_kwargs = {k: v for k, v in kwargs.items() if isinstance(v, (str, bool, int, type(None)))}
                 model._replay_compile_kwargs = dict(me.compile_kwargs)  # noqa: SLF001 - read back below
-                return model
+                return me.first_call(model)
             return real(model, **kwargs)
 
         torch.compile = compile  # type: ignore[assignment]
+
+    def first_call(self, fn: Any) -> Any:
+        """What the program gets back from ``torch.compile(step)``: a function whose first call
+        (of the stream's model) is taken over in an ordinary call, not inside the profile hook,
+        where tracing is off and the re-run's own torch.compile may not run as it would."""
+        import functools
+        import inspect
+
+        sig = inspect.signature(fn)
+        me = self
+
+        @functools.wraps(fn)
+        def step_first_call(*args: Any, **kwargs: Any) -> Any:
+            if me.done:
+                return fn(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            live = dict(bound.arguments)
+            if not me._is_stream(live):
+                return fn(*args, **kwargs)  # another model through the same callable (the draft)
+            me._claim()
+            me._take(lambda: me._rerun(fn, live))
+            return None  # not reached: _take stops the program
+
+        return step_first_call
+
+    def _claim(self) -> None:
+        """The first call is ours: no more hooks; the re-run's torch.compile is torch's own."""
+        self.done = True
+        sys.setprofile(None)
+        if self._real_compile is not None:
+            import torch
+
+            torch.compile = self._real_compile  # type: ignore[assignment]
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event != "call" or self.done:
@@ -253,13 +299,13 @@ class _Takeover:
             return
         if frame.f_globals.get("__name__") not in self.modules:
             return
-        if not self._is_stream(frame):
+        if not self._is_stream(frame.f_locals):
             return  # another model of the loop (the draft, say) through the same callable
-        self.done = True
-        sys.setprofile(None)
-        self._take(frame)
+        self._claim()
+        live = dict(frame.f_locals)
+        self._take(lambda: self._rerun(self._function(frame, live), live))
 
-    def _is_stream(self, frame: Any) -> bool:
+    def _is_stream(self, live: dict[str, Any]) -> bool:
         """Whether this call's object is the model of the stream to re-run: with several streams,
         the one whose parameters are that stream's recorded ones (each object checked once)."""
         weights = self.target.get("weights")
@@ -267,25 +313,25 @@ class _Takeover:
             return True
         import torch
 
-        obj = next((v for v in frame.f_locals.values() if isinstance(v, torch.nn.Module)), None)
+        obj = next((v for v in live.values() if isinstance(v, torch.nn.Module)), None)
         if obj is None:
             return True
         seen = self._checked.get(id(obj))
         if seen is None:
-            from replay.record.weights import weight_digests
+            from replay.core.weights import weight_digests
 
-            live = weight_digests(obj)
+            have = weight_digests(obj)
             # By names and shapes, not digests: weights that changed since the recording are
             # still this model (the re-run then says which differ).
-            seen = set(live) == set(weights) and all(list(live[n]["shape"]) == list(weights[n].get("shape") or []) for n in live)
+            seen = set(have) == set(weights) and all(list(have[n]["shape"]) == list(weights[n].get("shape") or []) for n in have)
             self._checked[id(obj)] = seen
         return seen
 
-    def _take(self, frame: Any) -> None:
+    def _take(self, rerun: Any) -> None:
         """The step's first call: re-run the requested step here, write the result, stop."""
         code = 0
         try:
-            data = self._rerun(frame)
+            data = rerun()
         except Exception as e:  # noqa: BLE001 - reported to the parent as one line, never a traceback
             from replay.errors import ReplayError
 
@@ -299,7 +345,7 @@ class _Takeover:
         sys.stderr.flush()
         os._exit(0)  # stop the program: the rest of it is not the re-run's business
 
-    def _rerun(self, frame: Any) -> dict[str, Any]:
+    def _rerun(self, fn: Any, live: dict[str, Any]) -> dict[str, Any]:
         import inspect
 
         from replay.rerun.runner import RerunOptions, rerun_step
@@ -307,8 +353,7 @@ class _Takeover:
 
         rf = self.part[self.spec.rank]
         spec = TargetSpec.from_rank_file(rf, self.spec.stream)
-        live = dict(frame.f_locals)
-        fn = self._function(frame, live)
+        live = dict(live)
         params = list(inspect.signature(fn).parameters)
         kind = spec.kind or (StepKind.METHOD if "." in self.qualname else StepKind.FUNCTION)
         obj: Any = None
@@ -336,15 +381,11 @@ class _Takeover:
 
         settings = RerunOptions(modes=tuple(self.spec.modes), device=self.spec.device, repeat=self.spec.repeat,
                                 options=self.spec.options, recording=self.spec.recording, make_target=make_target,
-                                spec=spec, stream=self.spec.stream)
+                                spec=spec, stream=self.spec.stream, keyframe_at=self.spec.keyframe_at)
         result = rerun_step(self.part, self.spec.rank, self.spec.step, settings)
         result.notes.append("re-run inside the re-launched program (no factory): its objects at the step's first call, "
                             "state and RNG from the recording")
-        from replay.cli.step import render_step
-
-        data = result.to_json()
-        data["text"] = render_step(result)
-        return data
+        return result.to_json()
 
     def _function(self, frame: Any, live: dict[str, Any]) -> Any:
         """The Python function whose frame this is (not a wrapper around it)."""

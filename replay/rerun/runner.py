@@ -25,8 +25,9 @@ from replay.digest import digest, local_tensor
 from replay.errors import OutOfRange, RerunError, UsageError
 from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
-from replay.record.rng import restore_rng
-from replay.record.calls import name_outputs
+from replay.core.outputs import name_outputs
+from replay.core.rng import restore_rng
+from replay.core.weights import weight_digests
 from replay.rerun.collectives import RecordedCollectives
 from replay import numerics
 from replay.numerics import strip_reserved
@@ -35,45 +36,11 @@ from replay.rerun.imports import import_context
 from replay.rerun.streams import check_stream, stream_of, stream_state
 from replay.rerun.target import StepKind, Target, TargetSpec, build_target
 
-__all__ = ["MODES", "ModeRun", "Replayer", "RerunOptions", "StepRerun", "default_modes", "rerun_step", "StepDeparture"]
+from replay.rerun.result import ModeRun, StepDeparture, StepRerun, WeightCheck
+
+__all__ = ["MODES", "ModeRun", "Replayer", "RerunOptions", "StepRerun", "default_modes", "rerun_step", "StepDeparture", "WeightCheck"]
 
 MODES = ("eager", "cudagraph", "compiled")
-
-
-@dataclass(slots=True)
-class StepDeparture:
-    step: int
-    field: str
-
-    def __str__(self) -> str:
-        return f"step {self.step} ({self.field})"
-
-
-@dataclass(kw_only=True, slots=True)
-class WeightCheck:
-    """The rebuilt target's parameters against the digests of the weights that ran."""
-
-    checked: int
-    differ: list[str] = field(default_factory=list)  # same name, other bits (or shape, dtype)
-    missing: list[str] = field(default_factory=list)  # recorded, not in the rebuilt module
-    extra: list[str] = field(default_factory=list)  # in the rebuilt module, not recorded
-
-    @property
-    def same(self) -> bool:
-        return not (self.differ or self.missing or self.extra)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"checked": self.checked, "same": self.same, "differ": self.differ, "missing": self.missing, "extra": self.extra}
-
-    def __str__(self) -> str:
-        if self.same:
-            return f"weights: all {self.checked} parameters have the digests of the weights that ran"
-        parts = []
-        for what, names in (("differ", self.differ), ("are not in the rebuilt model", self.missing),
-                            ("were not recorded", self.extra)):
-            if names:
-                parts.append(f"{len(names)} {what} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
-        return "weights: the rebuilt weights are not the weights that ran: " + "; ".join(parts)
 
 
 def check_weights(target: Target) -> WeightCheck | None:
@@ -82,108 +49,10 @@ def check_weights(target: Target) -> WeightCheck | None:
     model = target.module()
     if not recorded or model is None:
         return None
-    from replay.record.weights import weight_digests
-
     live = weight_digests(model)
     differ = [n for n in recorded if n in live and any(live[n].get(k) != recorded[n].get(k) for k in ("digest", "shape", "dtype"))]
     return WeightCheck(checked=len(recorded), differ=differ, missing=[n for n in recorded if n not in live],
                        extra=[n for n in live if n not in recorded])
-
-
-@dataclass(slots=True)
-class ModeRun:
-    mode: str
-    outputs: dict[str, torch.Tensor]  # the step's outputs (first run), on the CPU
-    digests: dict[str, int]
-    repeats_equal: bool | None = None  # None: run once
-    repeat_digests: list[dict[str, int]] = field(default_factory=list)
-    departed: StepDeparture | None = None  # first fast-forward step that left the recording
-    uncompared: list[int] = field(default_factory=list)  # catch-up steps with no recorded output to compare
-    caught_up: list[int] = field(default_factory=list)  # the catch-up steps run, keyframe to step
-    collective_mismatches: list[str] = field(default_factory=list)
-    vs_recording: dict[str, Comparison] = field(default_factory=dict)
-    matches_ranks: dict[str, list[int]] = field(default_factory=dict)  # output -> ranks whose bits it has
-    graph: str = ""
-    ran_as: str = ""  # how the step callable ran (the Python function, or compiled again, and how)
-    context_recorded: bool = False  # the recording holds the step's numerics context (restored)
-    context_differences: list[str] = field(default_factory=list)  # ... and how the re-run's differed
-    seconds: float = 0.0
-    error: str | None = None  # the step raised in the re-run
-    recorded_error: str | None = None  # the step raised when recorded
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "error": self.error,
-            "recorded_error": self.recorded_error,
-            "digests": {k: f"{v:016x}" for k, v in self.digests.items()},
-            "repeats_equal": self.repeats_equal,
-            "departed": {"step": self.departed.step, "field": self.departed.field} if self.departed else None,
-            "uncompared": self.uncompared,
-            "caught_up": self.caught_up,
-            "collective_mismatches": self.collective_mismatches,
-            "vs_recording": {k: c.to_json() for k, c in self.vs_recording.items()},
-            "matches_ranks": self.matches_ranks,
-            "graph": self.graph,
-            "ran_as": self.ran_as,
-            "numerics": {"recorded": self.context_recorded, "differences": self.context_differences},
-            "seconds": self.seconds,
-        }
-
-
-@dataclass(slots=True)
-class StepRerun:
-    recording: str
-    part: str
-    rank: int
-    step: int
-    keyframe: int
-    device: str
-    factory: str | None
-    modes: dict[str, ModeRun]
-    comparisons: list[Comparison] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    stream: str | None = None  # the model of the part that was rebuilt (several in one loop)
-    weights: WeightCheck | None = None  # the rebuilt weights against the recorded digests
-
-    def problem(self) -> str | None:
-        """Why step ``step`` could not be re-run or checked against the recording; None if it was.
-
-        The CLI exits with RerunError's code when this is not None: a step that raised, or one
-        whose outputs had nothing recorded to compare with, is never reported as reproduced."""
-        for m in self.modes.values():
-            if m.error is not None:
-                kind = m.error.split(":")[0]
-                if m.recorded_error is None:
-                    return f"{m.mode}: step {self.step} raised {m.error} in the re-run (it completed when recorded)"
-                if kind != m.recorded_error.split(":")[0]:
-                    return f"{m.mode}: step {self.step} raised {m.error} in the re-run; when recorded it raised {m.recorded_error}"
-            elif not m.vs_recording:
-                names = ", ".join(sorted(m.outputs)) or "nothing"
-                return (f"{m.mode}: no output of step {self.step} could be compared with the recording "
-                        f"(the re-run returned {names}; the recording has no output of those names)")
-        return None
-
-    def to_json(self) -> dict[str, Any]:
-        verdicts = [c.to_json() for c in self.comparisons]
-        for m in self.modes.values():
-            verdicts += [dict(c.to_json(), output=k) for k, c in m.vs_recording.items()]
-        return {
-            "kind": "step",
-            "recording": self.recording,
-            "part": self.part,
-            "rank": self.rank,
-            "step": self.step,
-            "keyframe": self.keyframe,
-            "device": self.device,
-            "factory": self.factory,
-            "modes": {k: m.to_json() for k, m in self.modes.items()},
-            "verdicts": verdicts,
-            "notes": self.notes,
-            "stream": self.stream,
-            "weights": self.weights.to_json() if self.weights is not None else None,
-            "problem": self.problem(),
-        }
 
 
 def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
@@ -502,8 +371,8 @@ class Replayer:
             bad, compared = _check_outputs(outs, _recorded_fields(self.rf, s))
             if bad and self.departed is None:
                 self.departed = StepDeparture(s, bad)
-            if not compared and self.last_error is None:
-                self.uncompared.append(s)
+            if not compared:
+                self.uncompared.append(s)  # incl. one that raised as recorded: compared with nothing
         self.position = step
         return self.departed
 
@@ -542,9 +411,9 @@ class Replayer:
 
         A step that raised in the re-run but not when recorded departs too (field ``error``).
         """
+        if self.last_error is not None and self.rf.step(step).ok:
+            return StepDeparture(step, "error")  # it raised (its outputs are missing because of that)
         bad = _departure(outs, _recorded_fields(self.rf, step))
-        if bad is None and self.last_error is not None and self.rf.step(step).ok:
-            bad = "error"
         return StepDeparture(step, bad) if bad else None
 
     def compared(self, step: int, outs: dict[str, torch.Tensor]) -> int:
@@ -563,15 +432,21 @@ class Replayer:
             self.build()
         assert self.target is not None and self._driver is not None
         kf_step = first
-        if self.spec.state is not None:
+        if self.spec.state is not None or self.rf.keyframe(first) is not None:
             kf_step, kf_state = self.keyframe_for(first)
+            kf_state = stream_state(self.rf, kf_state, self.stream)
             if kf_state:
                 self.target.load_state(kf_state)
         self.keyframe = kf_step
+        self.uncompared = []
         found: StepDeparture | None = None
         for s in range(kf_step, last + 1):
+            if self.stream is not None and stream_of(self.rf, s) != self.stream:
+                continue  # another model's step (draft and target): not this target's to run
             self.last_outputs = self._driver(s)
             self.position = s + 1
+            if self.last_error is None and not self.compared(s, self.last_outputs):
+                self.uncompared.append(s)  # nothing recorded to compare with: never "as recorded"
             dep = self.departure(s, self.last_outputs)
             if dep is not None and found is None:
                 found = dep
@@ -664,6 +539,7 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
     if result.weights is None:
         result.weights = check_weights(rp.target)
     departed = rp.goto(step, keyframe_at=kf_step, progress=progress)
+    _note_scalars(rp.target, rp.keyframe, result)
     saved = rp.target.snapshot() if repeat > 1 else None
     outs = rp.run(step)
     view = rp.rf.step(step)
@@ -683,6 +559,20 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
     if rp.collectives is not None:
         run.collective_mismatches = [str(m) for m in rp.collectives.mismatches]
     return run
+
+
+def _note_scalars(target: Target, keyframe: int, result: StepRerun) -> None:
+    """Say which Python scalars of the target (a step counter) the keyframe restored, and which
+    it could not: a counter left at its fresh value makes the engine compute or say otherwise."""
+    shown = ", ".join(f"{k}={v!r}" for k, v in list(target.restored_scalars.items())[:8])
+    notes = []
+    if shown:
+        notes.append(f"restored the target's Python state from the keyframe at step {keyframe}: {shown}"
+                     + (", ..." if len(target.restored_scalars) > 8 else ""))
+    if target.unrestored_scalars:
+        notes.append(f"the keyframe at step {keyframe} holds Python state the rebuilt target has no attribute of that "
+                     f"type for ({', '.join(target.unrestored_scalars[:8])}): not restored")
+    result.notes.extend(n for n in notes if n not in result.notes)
 
 
 def _compare_with_recording(run: ModeRun, part: Part, rank: int, step: int) -> None:

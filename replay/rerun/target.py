@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from replay.errors import FactoryError, OutOfRange, RerunError
+from replay.core.state import capture_scalars, module_state, restore_scalars, split_scalars
 from replay.format.reader import RankFile
 from replay.rerun.imports import ImportContext, import_recorded
 
@@ -67,39 +68,57 @@ class TargetSpec:
     @classmethod
     def from_rank_file(cls, rf: RankFile, stream: str | None = None) -> "TargetSpec":
         """The recorded target of ``rf``; ``stream``: one model of a part holding several."""
-        t = rf.attrs.get("target")
-        if isinstance(t, dict) and stream is not None:
-            streams = t.get("streams") if isinstance(t.get("streams"), dict) else {}
-            if stream not in streams and stream != t.get("stream"):
-                names = ", ".join(sorted(streams)) or str(t.get("stream"))
-                raise OutOfRange(f"rank {rf.rank} has no stream {stream!r} (streams: {names})")
-            if isinstance(streams.get(stream), dict):
-                # The stream's own step, config, state and weights; launch and numerics are the part's.
-                t = {**t, **streams[stream], "stream": stream}
-        if not isinstance(t, dict) or not isinstance(t.get("step"), str):
-            raise RerunError(
-                f"rank {rf.rank} recorded no step target: it was recorded without `replay record --step` "
-                "or a profile, so it cannot be re-run"
-            )
+        t = _recorded_target(rf, stream)
         return cls(
             step=t["step"],
-            factory=t.get("factory") if isinstance(t.get("factory"), str) else None,
+            factory=_text(t, "factory"),
             config=t.get("config"),
-            state=t.get("state") if isinstance(t.get("state"), str) else None,
-            modules=t.get("modules") if isinstance(t.get("modules"), str) else None,
+            state=_text(t, "state"),
+            modules=_text(t, "modules"),
             device=str(t.get("device") or "cpu"),
             outputs=[str(x) for x in t.get("outputs") or []],
-            profile=t.get("profile") if isinstance(t.get("profile"), str) else None,
-            probes=[(str(p[0]), tuple(str(n) for n in p[1])) for p in t.get("probes") or []
-                    if isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)],
+            profile=_text(t, "profile"),
+            probes=_probes(t.get("probes")),
             kind=StepKind.parse(t.get("step_kind")),
             imports=ImportContext.from_target(t),
             compile=dict(t["compile"]) if isinstance(t.get("compile"), dict) else {},
-            stream=t.get("stream") if isinstance(t.get("stream"), str) else None,
-            weights={str(k): v for k, v in (t.get("weights") or {}).items() if isinstance(v, dict)}
-            if isinstance(t.get("weights"), dict) else {},
+            stream=_text(t, "stream"),
+            weights=_weights(t.get("weights")),
             origin=rf,  # issue 16
         )
+
+
+def _recorded_target(rf: RankFile, stream: str | None) -> dict[str, Any]:
+    """``attrs["target"]``, with ``stream``'s own step, config, state and weights over the
+    part's (launch and numerics are the part's)."""
+    t = rf.attrs.get("target")
+    if isinstance(t, dict) and stream is not None:
+        streams = t.get("streams") if isinstance(t.get("streams"), dict) else {}
+        if stream not in streams and stream != t.get("stream"):
+            names = ", ".join(sorted(streams)) or str(t.get("stream"))
+            raise OutOfRange(f"rank {rf.rank} has no stream {stream!r} (streams: {names})")
+        if isinstance(streams.get(stream), dict):
+            t = {**t, **streams[stream], "stream": stream}
+    if not isinstance(t, dict) or not isinstance(t.get("step"), str):
+        raise RerunError(
+            f"rank {rf.rank} recorded no step target: it was recorded without `replay record --step` "
+            "or a profile, so it cannot be re-run"
+        )
+    return t
+
+
+def _text(t: dict[str, Any], key: str) -> str | None:
+    v = t.get(key)
+    return v if isinstance(v, str) else None
+
+
+def _probes(raw: Any) -> list[tuple[str, tuple[str, ...]]]:
+    return [(str(p[0]), tuple(str(n) for n in p[1])) for p in raw or []
+            if isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)]
+
+
+def _weights(raw: Any) -> dict[str, dict[str, Any]]:
+    return {str(k): v for k, v in raw.items() if isinstance(v, dict)} if isinstance(raw, dict) else {}
 
 
 def resolve_factory(name: str, imports: ImportContext | None = None) -> Callable[..., Any]:
@@ -136,6 +155,10 @@ class Target:
         # The program's own values of the step's arguments that are neither data nor the target
         # (a re-launched program's objects at the step's first call): passed again as they are.
         self.live_args: dict[str, Any] = {}
+        # The Python scalars (a step counter) the last load_state set, and those it could not.
+        self.restored_scalars: dict[str, Any] = {}
+        self.unrestored_scalars: list[str] = []
+        self._built_scalars: dict[str, Any] | None = None  # the scalars as built, before any keyframe
 
     def state(self) -> dict[str, torch.Tensor]:
         if self.obj is None:
@@ -144,8 +167,6 @@ class Target:
             # An nn.Module target's default state: its buffers and non-parameter tensors, named
             # as the recorder names them (replay.record.calls.module_state).
             if isinstance(self.obj, torch.nn.Module):
-                from replay.record.calls import module_state
-
                 return module_state(self.obj)
             return {}
         attr: Any = self.obj
@@ -184,6 +205,16 @@ class Target:
             fn()
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore a keyframe: its tensors in place, and the object's Python scalars it holds."""
+        tensors, scalars = split_scalars(tensors)
+        if self._built_scalars is None:
+            self._built_scalars = split_scalars(capture_scalars(self.obj))[1] if self.obj is not None else {}
+        # Back to the values the target was built with first: a keyframe holds only the scalars
+        # that had changed since the first one, and a target re-used from a later step (bisection
+        # probes, repeats) must not carry its counter into an earlier interval.
+        restore_scalars(self.obj, self._built_scalars)
+        self.unrestored_scalars = restore_scalars(self.obj, scalars)
+        self.restored_scalars = {k: v for k, v in scalars.items() if k not in self.unrestored_scalars}
         live = self.state()
         missing = sorted(set(tensors) - set(live))
         if missing:
@@ -198,7 +229,10 @@ class Target:
             dst.copy_(t.to(dst.device))
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.state().items()}
+        snap = {k: v.detach().clone() for k, v in self.state().items()}
+        if self.obj is not None:
+            snap.update(capture_scalars(self.obj))
+        return snap
 
 
 def build_target(
@@ -276,7 +310,36 @@ def function_step(fn: Any, kind: StepKind, spec: TargetSpec, compiled: str | Non
         return base, ""
     kw = compile_arguments(spec, compiled)
     shown = ", ".join(f"{k}={v!r}" for k, v in kw.items())
-    return torch.compile(base, **kw), f"torch.compile({shown})"
+    fn_compiled = torch.compile(base, **kw)
+    if fn_compiled is base or uncompiled(fn_compiled) is fn_compiled:
+        # Never report "torch.compile(...)" over a step that would run as the Python function
+        # (a torch.compile replaced by the program, or by replay's own re-launch hook).
+        raise RerunError(f"torch.compile({shown}) returned {getattr(base, '__qualname__', 'the step')} uncompiled "
+                         "here: the step cannot be re-run compiled")
+    return _compiled_for_sure(fn_compiled, base, shown), f"torch.compile({shown})"
+
+
+def _compiled_for_sure(fn_compiled: Callable[..., Any], base: Any, shown: str) -> Callable[..., Any]:
+    """``fn_compiled``, checked once after its first call: Dynamo must then hold compiled code
+    for the step's code object. A re-run that silently ran the Python function (Dynamo disabled,
+    or not running where the call was made) raises instead of being reported as compiled."""
+    code = getattr(base, "__code__", None)
+    checked = [code is None]
+
+    def step_compiled(*args: Any, **kwargs: Any) -> Any:
+        out = fn_compiled(*args, **kwargs)
+        if not checked[0]:
+            checked[0] = True
+            try:
+                from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+            except ImportError:  # another torch: nothing to check with
+                return out
+            if not _debug_get_cache_entry_list(code):
+                raise RerunError(f"torch.compile({shown}) ran {getattr(base, '__qualname__', 'the step')} without "
+                                 "compiling it (Dynamo did not run here): the step was not re-run compiled")
+        return out
+
+    return step_compiled
 
 
 def _kind_of(resolved: Any, name: str) -> StepKind:

@@ -1,0 +1,31 @@
+"""How a step's outputs are named: the same names when recorded and when re-run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["name_outputs"]
+
+
+def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torch.Tensor]:
+    """Tensors a step returned, by name: NamedTuple/dataclass fields, dict keys, or given names."""
+    if isinstance(out, torch.Tensor):
+        if names:
+            return {names[0]: out}
+        # A lone floating output with a vocabulary-like last dimension is what a step's logits
+        # look like; naming it so gives the margin and the logits ring without configuration.
+        return {"logits" if out.is_floating_point() and out.dim() >= 2 else "output": out}
+    pairs: list[tuple[str, Any]]
+    if isinstance(out, dict):
+        pairs = [(str(k), v) for k, v in out.items()]
+    elif hasattr(out, "_fields"):
+        pairs = list(zip(out._fields, out))
+    elif hasattr(out, "__dataclass_fields__"):
+        pairs = [(k, getattr(out, k)) for k in out.__dataclass_fields__]
+    elif isinstance(out, (list, tuple)):
+        pairs = [(names[i] if i < len(names) else f"out{i}", v) for i, v in enumerate(out)]
+    else:
+        return {}
+    return {k: v for k, v in pairs if isinstance(v, torch.Tensor)}

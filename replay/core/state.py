@@ -1,0 +1,130 @@
+"""What a step's target carries from one step to the next: tensors, and Python scalars.
+
+Tensors: an ``nn.Module``'s buffers and non-parameter tensor attributes (``module_state``).
+Scalars: the ``int``, ``float`` and ``bool`` attributes of the target object itself (a step
+counter, an ``input_pos`` kept as an int, a cache length). An engine that keeps such a counter
+on the Python side computes something else, or just says "decode step 0", when a re-run restores
+its tensors but not its counter. Keyframes hold those that changed since the first keyframe
+(a value that never changes is configuration, not state) as 0-d tensors under
+``SCALAR_PREFIX + name``, so the file format does not change; a re-run splits them off again
+(``split_scalars``) and sets them on the rebuilt object (``restore_scalars``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["SCALAR_PREFIX", "module_state", "capture_scalars", "split_scalars", "restore_scalars", "with_scalars"]
+
+SCALAR_PREFIX = "__py__."
+_MAX_SCALARS = 256  # a target object with more scalar attributes than this is not a step's state
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What carries over from one step of an ``nn.Module`` to the next, by default: its buffers
+    (KV caches, counters) and the tensors its submodules hold as plain attributes, never its
+    parameters (the weights are rebuilt, and digested once instead). Names are dotted paths
+    from ``module`` (``layers.0.attention.kv_cache.k_cache``), the form a re-run restores by."""
+    out: dict[str, torch.Tensor] = {}
+    for name, b in module.named_buffers(remove_duplicate=True):
+        if b is not None:
+            out[name] = b
+    params = {id(p) for p in module.parameters()}
+    seen = {id(t) for t in out.values()} | params
+    for prefix, m in module.named_modules():
+        for attr, v in vars(m).items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and id(v) not in seen and not attr.startswith("__"):
+                seen.add(id(v))
+                out[f"{prefix}.{attr}" if prefix else attr] = v
+    return out
+
+
+@functools.cache
+def _module_internals() -> frozenset[str]:
+    """Attribute names every nn.Module has (``training``, hook flags): not the program's state."""
+    return frozenset(vars(torch.nn.Module()))
+
+
+def _scalar_items(obj: Any) -> list[tuple[str, Any]]:
+    try:
+        items = list(vars(obj).items())
+    except TypeError:  # no __dict__ (slots, builtins)
+        return []
+    skip = _module_internals() if isinstance(obj, torch.nn.Module) else frozenset()
+    out = []
+    for name, v in items:
+        if name.startswith("__") or name in skip or type(v) not in (int, float, bool):
+            continue  # exact types only: an IntEnum or a numpy scalar is configuration, not a counter
+        if type(v) is int and not _INT64[0] <= v <= _INT64[1]:
+            continue
+        out.append((name, v))
+    return out
+
+
+def capture_scalars(obj: Any) -> dict[str, torch.Tensor]:
+    """The target object's own int/float/bool attributes, as 0-d CPU tensors under the reserved
+    keyframe names. Empty for an object without any (or with too many to be step state)."""
+    items = _scalar_items(obj)
+    if not items or len(items) > _MAX_SCALARS:
+        return {}
+    out = {}
+    for name, v in items:
+        dtype = torch.bool if type(v) is bool else torch.int64 if type(v) is int else torch.float64
+        out[SCALAR_PREFIX + name] = torch.tensor(v, dtype=dtype)
+    return out
+
+
+def with_scalars(state_fn: Callable[[], dict[str, torch.Tensor]] | None, obj_ref: Callable[[], Any]) -> Callable[[], dict[str, torch.Tensor]] | None:
+    """``state_fn`` (a target's keyframe tensors) with the object's scalar state added; never
+    raises into the recorder for the scalars' sake."""
+    if state_fn is None:
+        return None
+    first: dict[str, Any] = {}
+
+    def state_and_scalars() -> dict[str, torch.Tensor]:
+        state = dict(state_fn())
+        try:
+            obj = obj_ref()
+            if obj is not None:
+                now = capture_scalars(obj)
+                if not first:
+                    first.update({k: v.item() for k, v in now.items()} or {"": None})
+                # Only what changed since the first keyframe is step state (a counter); a value
+                # that never changed is configuration, which a re-run must not paper over (a
+                # rebuilt target configured otherwise has to show as such).
+                state.update({k: v for k, v in now.items() if k not in first or first[k] != v.item()})
+        except Exception:  # noqa: BLE001 - the scalars are extra; the tensors are the keyframe
+            pass
+        return state
+
+    return state_and_scalars
+
+
+def split_scalars(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, bool | int | float]]:
+    """A keyframe's tensors and its Python scalars (by attribute name, as Python values)."""
+    tensors, scalars = {}, {}
+    for k, v in state.items():
+        if k.startswith(SCALAR_PREFIX) and isinstance(v, torch.Tensor) and v.numel() == 1:
+            scalars[k[len(SCALAR_PREFIX):]] = v.item() if v.dtype != torch.bool else bool(v.item())
+        else:
+            tensors[k] = v
+    return tensors, scalars
+
+
+def restore_scalars(obj: Any, scalars: dict[str, bool | int | float]) -> list[str]:
+    """Set the recorded scalars on ``obj``; only attributes it has, of the same Python type
+    (never a new attribute, never a property). Returns the names it could not set."""
+    if not scalars:
+        return []
+    live = dict(_scalar_items(obj)) if obj is not None else {}
+    failed = []
+    for name, value in scalars.items():
+        if name not in live or type(live[name]) is not type(value):
+            failed.append(name)
+            continue
+        setattr(obj, name, value)
+    return failed

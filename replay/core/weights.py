@@ -1,0 +1,68 @@
+"""Per-parameter digests of an ``nn.Module`` target, taken once per rank and stream.
+
+Stored in the target info as ``"weights": {name: {"digest": 16 hex, "shape": [...], "dtype":
+"torch.float32"}}``, so a re-run can say which rebuilt weights are not the weights that ran, and
+``replay diff`` which weights differ between two runs.
+
+A parameter's shard layout is recorded with it, under ``"layout"``, only where it is certain:
+
+- a DTensor says it: ``{"placements": ["Shard(dim=0)"], "mesh": [8], "global_shape": [...]}``
+  (``shape`` and ``digest`` stay the local shard's);
+- a plain tensor is laid out as the user declared (``declared``: a name or glob -> shard dim,
+  e.g. ``{"*.wo.weight": 1}``): ``{"shard_dim": 1, "declared": true}``.
+
+Nothing is inferred from shapes: a plain tensor nobody declared has no ``"layout"``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from replay.digest import digest_many, format_digest, local_tensor
+
+__all__ = ["param_layout", "weight_digests"]
+
+
+def weight_digests(module: torch.nn.Module, declared: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    names, tensors, layouts = [], [], []
+    for name, p in module.named_parameters(remove_duplicate=True):
+        names.append(name)
+        tensors.append(local_tensor(p.detach()))
+        layouts.append(param_layout(name, p, declared))
+    digests = digest_many(tensors)
+    out: dict[str, dict[str, Any]] = {}
+    for n, t, d, lay in zip(names, tensors, digests, layouts, strict=True):
+        out[n] = {"digest": format_digest(d), "shape": list(t.shape), "dtype": str(t.dtype)}
+        if lay is not None:
+            out[n]["layout"] = lay
+    return out
+
+
+def param_layout(name: str, p: torch.Tensor, declared: Mapping[str, int] | None = None) -> dict[str, Any] | None:
+    """The shard layout of one parameter, where it is known for certain (see the module docstring)."""
+    placements = getattr(p, "placements", None)
+    if placements is not None and callable(getattr(type(p), "to_local", None)):  # a DTensor
+        mesh = getattr(p, "device_mesh", None)
+        return {"placements": [_placement(pl) for pl in placements],
+                "mesh": [int(x) for x in mesh.shape] if mesh is not None else None,
+                "global_shape": [int(x) for x in p.shape]}
+    for pattern, dim in (declared or {}).items():
+        if name == pattern or fnmatch.fnmatchcase(name, pattern):
+            return {"shard_dim": int(dim), "declared": True}
+    return None
+
+
+def _placement(pl: Any) -> str:
+    """``Shard(0)``, ``Replicate()``, ``Partial(sum)``: the form ``replay.analysis.unshard`` reads
+    (``str()`` of a placement is a short form, ``S(0)``, that changes between torch versions)."""
+    if callable(getattr(pl, "is_shard", None)) and pl.is_shard():
+        return f"Shard({int(pl.dim)})"
+    if callable(getattr(pl, "is_replicate", None)) and pl.is_replicate():
+        return "Replicate()"
+    if callable(getattr(pl, "is_partial", None)) and pl.is_partial():
+        return f"Partial({getattr(pl, 'reduce_op', '')})"
+    return repr(pl)

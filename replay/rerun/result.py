@@ -1,0 +1,203 @@
+"""The result of re-running one step: one typed model for ``replay step``, its saved results,
+the re-launched program's answer to its parent, and the bisections that re-run steps.
+
+``StepRerun.to_json()`` is what is saved (``results/*.json``, with ``format``:
+``RESULTS_FORMAT_VERSION``) and printed by ``--json``; ``StepRerun.from_json`` reads it back (a
+re-launched program hands its result to ``replay step`` this way), so every consumer renders and
+judges the same object. The outputs' tensors are not in the JSON: a result read back has their
+digests only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from replay.analysis.compare import Comparison, Verdict
+from replay.errors import RecordingDamaged
+from replay.states import RESULTS_FORMAT_VERSION, ResultKind
+
+__all__ = ["ModeRun", "StepDeparture", "StepRerun", "WeightCheck", "comparison_from_json"]
+
+
+def comparison_from_json(d: dict[str, Any]) -> Comparison:
+    """A ``Comparison`` from its ``to_json()`` (unknown keys kept in ``extra``)."""
+    known = ("a", "b", "verdict", "max_abs", "max_rel", "ulp", "argmax_agree", "topk_overlap", "margin", "mismatched", "numel", "note")
+    try:
+        verdict = Verdict(d["verdict"])
+    except (KeyError, ValueError):
+        raise RecordingDamaged(f"a step result holds a comparison without a known verdict ({d.get('verdict')!r})") from None
+    return Comparison(str(d.get("a", "")), str(d.get("b", "")), verdict,
+                      **{k: d.get(k) for k in known[3:-1]}, note=str(d.get("note") or ""),
+                      extra={k: v for k, v in d.items() if k not in known and k != "output"})
+
+
+@dataclass(slots=True)
+class StepDeparture:
+    step: int
+    field: str
+
+    def __str__(self) -> str:
+        return f"step {self.step} ({self.field})"
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightCheck:
+    """The rebuilt target's parameters against the digests of the weights that ran."""
+
+    checked: int
+    differ: list[str] = field(default_factory=list)  # same name, other bits (or shape, dtype)
+    missing: list[str] = field(default_factory=list)  # recorded, not in the rebuilt module
+    extra: list[str] = field(default_factory=list)  # in the rebuilt module, not recorded
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "WeightCheck":
+        return cls(checked=int(d.get("checked") or 0), differ=list(d.get("differ") or []),
+                   missing=list(d.get("missing") or []), extra=list(d.get("extra") or []))
+
+    @property
+    def same(self) -> bool:
+        return not (self.differ or self.missing or self.extra)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checked": self.checked, "same": self.same, "differ": self.differ, "missing": self.missing, "extra": self.extra}
+
+    def __str__(self) -> str:
+        if self.same:
+            return f"weights: all {self.checked} parameters have the digests of the weights that ran"
+        parts = []
+        for what, names in (("differ", self.differ), ("are not in the rebuilt model", self.missing),
+                            ("were not recorded", self.extra)):
+            if names:
+                parts.append(f"{len(names)} {what} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+        return "weights: the rebuilt weights are not the weights that ran: " + "; ".join(parts)
+
+
+@dataclass(slots=True)
+class ModeRun:
+    mode: str
+    outputs: dict[str, torch.Tensor]  # the step's outputs (first run), on the CPU
+    digests: dict[str, int]
+    repeats_equal: bool | None = None  # None: run once
+    repeat_digests: list[dict[str, int]] = field(default_factory=list)
+    departed: StepDeparture | None = None  # first fast-forward step that left the recording
+    uncompared: list[int] = field(default_factory=list)  # catch-up steps with no recorded output to compare
+    caught_up: list[int] = field(default_factory=list)  # the catch-up steps run, keyframe to step
+    collective_mismatches: list[str] = field(default_factory=list)
+    vs_recording: dict[str, Comparison] = field(default_factory=dict)
+    matches_ranks: dict[str, list[int]] = field(default_factory=dict)  # output -> ranks whose bits it has
+    graph: str = ""
+    ran_as: str = ""  # how the step callable ran (the Python function, or compiled again, and how)
+    context_recorded: bool = False  # the recording holds the step's numerics context (restored)
+    context_differences: list[str] = field(default_factory=list)  # ... and how the re-run's differed
+    seconds: float = 0.0
+    error: str | None = None  # the step raised in the re-run
+    recorded_error: str | None = None  # the step raised when recorded
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "error": self.error,
+            "recorded_error": self.recorded_error,
+            "digests": {k: f"{v:016x}" for k, v in self.digests.items()},
+            "repeats_equal": self.repeats_equal,
+            "departed": {"step": self.departed.step, "field": self.departed.field} if self.departed else None,
+            "uncompared": self.uncompared,
+            "caught_up": self.caught_up,
+            "collective_mismatches": self.collective_mismatches,
+            "vs_recording": {k: c.to_json() for k, c in self.vs_recording.items()},
+            "matches_ranks": self.matches_ranks,
+            "graph": self.graph,
+            "ran_as": self.ran_as,
+            "numerics": {"recorded": self.context_recorded, "differences": self.context_differences},
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ModeRun":
+        """A mode's run read back: its digests and verdicts (no output tensors)."""
+        dep = d.get("departed")
+        ctx = d.get("numerics") or {}
+        return cls(
+            mode=str(d["mode"]), outputs={}, digests={k: int(v, 16) for k, v in (d.get("digests") or {}).items()},
+            repeats_equal=d.get("repeats_equal"), departed=StepDeparture(int(dep["step"]), str(dep["field"])) if dep else None,
+            uncompared=list(d.get("uncompared") or []), caught_up=list(d.get("caught_up") or []),
+            collective_mismatches=list(d.get("collective_mismatches") or []),
+            vs_recording={k: comparison_from_json(v) for k, v in (d.get("vs_recording") or {}).items()},
+            matches_ranks=dict(d.get("matches_ranks") or {}), graph=str(d.get("graph") or ""), ran_as=str(d.get("ran_as") or ""),
+            context_recorded=bool(ctx.get("recorded")), context_differences=list(ctx.get("differences") or []),
+            seconds=float(d.get("seconds") or 0.0), error=d.get("error"), recorded_error=d.get("recorded_error"))
+
+
+@dataclass(slots=True)
+class StepRerun:
+    recording: str
+    part: str
+    rank: int
+    step: int
+    keyframe: int
+    device: str
+    factory: str | None
+    modes: dict[str, ModeRun]
+    comparisons: list[Comparison] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    stream: str | None = None  # the model of the part that was rebuilt (several in one loop)
+    weights: WeightCheck | None = None  # the rebuilt weights against the recorded digests
+
+    def problem(self) -> str | None:
+        """Why step ``step`` could not be re-run or checked against the recording; None if it was.
+
+        The CLI exits with RerunError's code when this is not None: a step that raised, or one
+        whose outputs had nothing recorded to compare with, is never reported as reproduced."""
+        for m in self.modes.values():
+            if m.error is not None:
+                kind = m.error.split(":")[0]
+                if m.recorded_error is None:
+                    return f"{m.mode}: step {self.step} raised {m.error} in the re-run (it completed when recorded)"
+                if kind != m.recorded_error.split(":")[0]:
+                    return f"{m.mode}: step {self.step} raised {m.error} in the re-run; when recorded it raised {m.recorded_error}"
+            elif not m.vs_recording:
+                names = ", ".join(sorted(m.digests or m.outputs)) or "nothing"
+                return (f"{m.mode}: no output of step {self.step} could be compared with the recording "
+                        f"(the re-run returned {names}; the recording has no output of those names)")
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        verdicts = [c.to_json() for c in self.comparisons]
+        for m in self.modes.values():
+            verdicts += [dict(c.to_json(), output=k) for k, c in m.vs_recording.items()]
+        return {
+            "kind": str(ResultKind.STEP),
+            "format": RESULTS_FORMAT_VERSION,
+            "recording": self.recording,
+            "part": self.part,
+            "rank": self.rank,
+            "step": self.step,
+            "keyframe": self.keyframe,
+            "device": self.device,
+            "factory": self.factory,
+            "modes": {k: m.to_json() for k, m in self.modes.items()},
+            "verdicts": verdicts,
+            "notes": self.notes,
+            "stream": self.stream,
+            "weights": self.weights.to_json() if self.weights is not None else None,
+            "problem": self.problem(),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "StepRerun":
+        """Read a step result back (a saved one, or a re-launched program's); one of a newer
+        format is refused rather than misread."""
+        version = d.get("format", RESULTS_FORMAT_VERSION)
+        if d.get("kind") != ResultKind.STEP or not isinstance(version, int) or version > RESULTS_FORMAT_VERSION:
+            raise RecordingDamaged(f"not a step result this replay can read (kind {d.get('kind')!r}, format {version!r})")
+        modes = {k: ModeRun.from_json(m) for k, m in (d.get("modes") or {}).items()}
+        across = [comparison_from_json(v) for v in d.get("verdicts") or [] if "output" not in v]
+        return cls(recording=str(d.get("recording") or ""), part=str(d.get("part") or ""), rank=int(d["rank"]),
+                   step=int(d["step"]), keyframe=int(d.get("keyframe") or 0), device=str(d.get("device") or ""),
+                   factory=d.get("factory"), modes=modes, comparisons=across, notes=list(d.get("notes") or []),
+                   stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None)
+
+

@@ -1,0 +1,58 @@
+"""Re-run one step of one rank, whichever way the recording allows: with the factory it names
+(or ``--factory``), or, when it names none, inside the recorded program started again
+(``replay.rerun.relaunch``). The CLI (``replay step``), ``replay.api.step`` and the bisections
+call this, and all get the same typed ``StepRerun`` back."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from replay.format.reader import Part
+from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
+from replay.rerun.result import StepRerun
+from replay.rerun.runner import RerunOptions, default_modes, rerun_step
+from replay.rerun.streams import check_stream, target_info
+
+__all__ = ["default_device", "uses_relaunch", "run_step"]
+
+SET_IGNORED = "--set has no effect on a re-launched program (it has no factory to pass it to)"
+
+
+def default_device(recorded: str | None) -> str:
+    """cuda:0 for a step recorded on a GPU when this machine has one; else the CPU."""
+    import torch
+
+    if recorded and recorded.startswith("cuda") and torch.cuda.is_available():
+        return "cuda:0"
+    return "cpu"
+
+
+def uses_relaunch(part: Part, rank: int, step: int, factory: str | None, stream: str | None = None) -> bool:
+    """Whether a re-run of ``step`` needs the recorded program itself (no factory to rebuild it)."""
+    rf = part[rank]
+    return factory is None and needs_relaunch(target_info(rf, check_stream(rf, step, stream)), recorded_args(rf, step))
+
+
+def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
+             announce: Callable[[str], None] = lambda s: None,
+             progress: Callable[..., Iterable[int]] = lambda it, label="": it) -> StepRerun:
+    """Re-run ``step`` of ``rank``; ``settings.device`` and ``settings.modes`` left empty become
+    what the recording and this machine can run."""
+    rf = part[rank]
+    rf.step(step)
+    target: Any = rf.attrs.get("target") or {}
+    settings.device = settings.device or default_device(target.get("device") if isinstance(target, dict) else None)
+    stream = check_stream(rf, step, settings.stream)
+    relaunch = settings.make_target is None and uses_relaunch(part, rank, step, settings.factory, stream)
+    if not settings.modes:
+        settings.modes = tuple(default_modes(part, rank, step, settings.device, relaunch=relaunch))
+    if not relaunch:
+        return rerun_step(part, rank, step, settings, announce=announce, progress=progress)
+    # No factory: the recorded program, started again in replay mode, is its own factory.
+    spec = RelaunchSpec(recording=settings.recording, part=part.name, rank=rank, step=step, modes=list(settings.modes),
+                        device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
+                        keyframe_at=settings.keyframe_at)
+    result = relaunch_step(spec, target.get("launch") or {}, world=part.world_size, announce=announce)
+    if settings.options:
+        result.notes.append(SET_IGNORED)
+    return result
