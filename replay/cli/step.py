@@ -123,7 +123,9 @@ def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, mod
 
 def render_step(r: StepRerun) -> str:
     stream = f", stream {escape(r.stream)}" if r.stream else ""
-    lines = [f"rank {r.rank}, step {r.step} of {escape(r.recording)} (part {escape(r.part)}{stream}) on {r.device}, "
+    verdict = r.headline()
+    lines = [style(escape(verdict), fg="green" if verdict.startswith("reproduced") else "red"),
+             f"rank {r.rank}, step {r.step} of {escape(r.recording)} (part {escape(r.part)}{stream}) on {r.device}, "
              f"from the keyframe at step {r.keyframe}"]
     if r.weights is not None and (any(_departs(m) for m in r.modes.values()) or not r.weights.same):
         lines.append(style(f"  {escape(r.weights)}", fg=None if r.weights.same else "yellow"))

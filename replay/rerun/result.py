@@ -164,6 +164,30 @@ class StepRerun:
                         f"(the re-run returned {names}; the recording has no output of those names)")
         return None
 
+    def headline(self) -> str:
+        """The verdict in one line, for the first line of ``replay step``: reproduced only when every
+        mode's outputs were compared with the recording and every one is bitwise equal."""
+        where = f"rank {self.rank} step {self.step}"
+        problem = self.problem()
+        if problem is not None:
+            return f"not compared: {where}: {problem}"
+        same = [m.mode for m in self.modes.values() if all(c.equal for c in m.vs_recording.values())]
+        differ = [m for m in self.modes.values() if m.mode not in same]
+        if not differ:
+            n = sum(len(m.vs_recording) for m in self.modes.values())
+            return f"reproduced: {where} re-ran bit for bit in {', '.join(same)} ({n} output(s) bitwise equal to the recording)"
+        first = differ[0]
+        bad = [(k, c) for k, c in first.vs_recording.items() if not c.equal]
+        name, c = bad[0]
+        line = f"not reproduced: {where} in {first.mode}: {name} is {c.verdict} from the recording"
+        if len(bad) > 1:
+            line += f" (and {len(bad) - 1} more output(s))"
+        if len(differ) > 1:
+            line += f"; also in {', '.join(m.mode for m in differ[1:])}"
+        if same:
+            line += f"; {', '.join(same)} reproduce{'s' if len(same) == 1 else ''} it bit for bit"
+        return line
+
     def to_json(self) -> dict[str, Any]:
         verdicts = [c.to_json() for c in self.comparisons]
         for m in self.modes.values():
@@ -184,6 +208,7 @@ class StepRerun:
             "stream": self.stream,
             "weights": self.weights.to_json() if self.weights is not None else None,
             "problem": self.problem(),
+            "headline": self.headline(),
         }
 
     @classmethod
