@@ -21,7 +21,6 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/rerun/runner.py::rerun_step": 38,  # the re-run (issue #14) splits it
     "replay/bisect/layers.py::bisect_layers": 49,  # the re-run (issue #14); grew in 86d8bb1 and after
     "replay/record/writer.py::Writer._emit": 30,  # the recorder (overhead issue)
-    "replay/record/calls.py::split_arguments": 24,  # the recorder (overhead issue)
     "replay/format/tables.py::check_payload_bounds": 27,  # the reader (issue #16)
     "replay/format/tables.py::_Builder.step": 26,  # the reader (issue #16)
     "replay/cli/step.py::render_step": 25,  # the re-run owns cli/step.py (issue #14)
@@ -42,7 +41,6 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     # Landed on main by 23:09 (merged at d2317ab):
     "replay/bisect/layers.py::LayersBisection.verdict": 24,  # the re-run (issue #14)
     "replay/rerun/target.py::TargetSpec.from_rank_file": 30,  # the re-run (issue #14)
-    "replay/record/calls.py::to_json_safe": 24,  # the recorder
     "replay/record/discovery.py::summary_lines": 27,  # the recorder (step discovery, issue #14)
     "replay/record/session.py::Session._recorder_for": 29,  # the recorder
     "replay/record/session.py::Session._stream_info": 21,  # the recorder
