@@ -25,9 +25,10 @@ from typing import Any, Callable
 
 import torch
 
+from replay.record.hooks import patch_callable
 from replay.record.launch import module_name
 
-__all__ = ["Watcher", "write_report", "read_reports", "summary_lines"]
+__all__ = ["Watcher", "write_report", "read_reports", "summary_lines", "on_outermost", "on_loop", "choose_module", "step_name"]
 
 # A --step function of __main__ not seen after this many module calls is given up on (the
 # hooks cost every module call a few µs while installed).
@@ -38,15 +39,25 @@ _MAX_OUTERMOST = 200
 
 
 class Watcher:
-    """Global module-call hooks, installed while something is left to find."""
+    """Global module-call hooks, installed while something is left to find.
 
-    def __init__(self, *, on_outermost: Callable[[torch.nn.Module], None] | None, scan: Callable[[], bool] | None) -> None:
+    ``on_outermost(module)`` answers each outermost module call: ``"chosen"`` (its class is the
+    step now), ``"keep"`` (keep looking) or ``"stop"``. While the call that chose runs, the
+    watcher looks one level in: a module instance (with submodules) called twice there means
+    the chosen module runs the whole loop (a wrapper called once, the model inside it many
+    times), and ``on_loop(outer, inner)`` is told; discovery stops when that call returns."""
+
+    def __init__(self, *, on_outermost: Callable[[torch.nn.Module], str] | None, scan: Callable[[], bool] | None,
+                 on_loop: Callable[[torch.nn.Module, torch.nn.Module], None] | None = None) -> None:
         self.on_outermost = on_outermost
+        self.on_loop = on_loop
         self.scan = scan
         self.seen: Counter[str] = Counter()
         self._local = threading.local()
         self._handles: list[Any] = []
         self._scans = 0
+        self._inside: torch.nn.Module | None = None
+        self._inner: Counter[int] = Counter()
 
     def install(self) -> None:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -62,12 +73,13 @@ class Watcher:
 
     def done_discovering(self) -> None:
         self.on_outermost = None
+        self._inside = None
         if self.scan is None:
             self.remove()
 
     def done_scanning(self) -> None:
         self.scan = None
-        if self.on_outermost is None:
+        if self.on_outermost is None and self._inside is None:
             self.remove()
 
     def _pre(self, module: torch.nn.Module, _args: Any) -> None:
@@ -81,21 +93,86 @@ class Watcher:
                 if self.scan() or self._scans > _MAX_SCANS:
                     self.done_scanning()
             if depth == 0:
-                cls = type(module)
-                self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
-                if self.on_outermost is not None:
-                    self.on_outermost(module)
-                    if sum(self.seen.values()) > _MAX_OUTERMOST:
-                        self.done_discovering()
+                self._outermost(module)
+            elif depth == 1 and self._inside is not None:
+                self._one_level_in(module)
         except Exception:  # noqa: BLE001 - never into the program
             self.remove()
         return None
 
+    def _outermost(self, module: torch.nn.Module) -> None:
+        cls = type(module)
+        self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
+        if self.on_outermost is None:
+            return
+        answer = self.on_outermost(module)
+        if answer == "chosen":
+            self._inside, self._inner = module, Counter()
+        elif answer == "stop" or sum(self.seen.values()) > _MAX_OUTERMOST:
+            self.done_discovering()
+
+    def _one_level_in(self, module: torch.nn.Module) -> None:
+        if next(iter(module.children()), None) is None:
+            return  # a leaf called twice (an activation, a norm) is part of a model, not a loop
+        self._inner[id(module)] += 1
+        if self._inner[id(module)] >= 2:
+            outer = self._inside
+            self.done_discovering()
+            if self.on_loop is not None and outer is not None:
+                self.on_loop(outer, module)
+
     def _post(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
         if torch.compiler.is_compiling():
             return None
-        self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+        depth = max(0, getattr(self._local, "depth", 1) - 1)
+        self._local.depth = depth
+        if depth == 0 and self._inside is not None:
+            self.done_discovering()  # the chosen module's call returned: it is the step
         return None
+
+
+def step_name(cls: type) -> str:
+    return f"{module_name(cls.__module__)}:{cls.__qualname__}"
+
+
+def on_outermost(session: Any, module: torch.nn.Module) -> str:
+    """The first outermost module call of an undiscovered program: its class's forward is the
+    step (its later calls are recorded: this one is already running)."""
+    if not session._discover or session._chosen or session.disabled:
+        return "stop"
+    cls = type(module)
+    if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__:
+        return "keep"  # compiled modules and local classes cannot be named: keep looking
+    return "chosen" if choose_module(session, cls) else "stop"
+
+
+def choose_module(session: Any, cls: type, **note: str) -> bool:
+    target = step_name(cls)
+    spec = session._spec_from_settings(target, "module_forward")
+    session._chosen.append({"step": target, "kind": "module_forward", **note})
+    try:
+        patch_callable(f"{cls.__module__}:{cls.__qualname__}", lambda fn, t, spec=spec: session._wrap_step(fn, t, spec))
+    except Exception as e:  # noqa: BLE001
+        session._chosen.pop()
+        session.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
+        return False
+    return True
+
+
+def on_loop(session: Any, outer: torch.nn.Module, inner: torch.nn.Module) -> None:
+    """``outer`` (chosen at its first call) runs the loop: the module it calls repeatedly is
+    the step instead (every instance of its class, a draft and its target being streams)."""
+    outer_target = step_name(type(outer))
+    with session._lock:
+        if session._ran.get(outer_target) or not any(c["step"] == outer_target for c in session._chosen):
+            return  # it recorded steps already, or a compiled callable replaced it
+        session._inactive.add(outer_target)
+        session._chosen = [c for c in session._chosen if c["step"] != outer_target]
+    cls = type(inner)
+    if cls.__name__ == "OptimizedModule":
+        return  # its compiled forward's boundary records it
+    if "<locals>" not in cls.__qualname__:
+        choose_module(session, cls, inside=outer_target)
 
 
 def write_report(out: Path, data: dict[str, Any]) -> None:

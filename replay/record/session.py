@@ -175,13 +175,14 @@ class Session:
         profiles = list(PROFILES.values()) if s.profile == "auto" else [PROFILES[s.profile]] if s.profile in PROFILES else []
         for p in profiles:
             when_imported(p.trigger, lambda _m, p=p: self._activate(p))
-        from replay.record import collectives, compiled, cuda_graphs, tuners
+        from replay.record import collectives, compiled, cuda_graphs, discovery, tuners
         from replay.record.discovery import Watcher
 
         compiled.install(self)
         self._watcher = Watcher(
             on_outermost=self._on_outermost if self._discover else None,
             scan=self._scan_main if self._main_pending else None,
+            on_loop=lambda outer, inner: discovery.on_loop(self, outer, inner),
         )
         if self._discover or self._main_pending:
             self._watcher.install()
@@ -445,7 +446,9 @@ class Session:
             return None
         with self._lock:
             earlier = [c for c in self._chosen if c["kind"] != "compiled" and not self._ran.get(c["step"])]
-            if self._chosen and not earlier:
+            if any(c["step"] == target and c["kind"] == "compiled" for c in self._chosen):
+                earlier = []  # another instance of a compiled module already chosen: a stream
+            elif self._chosen and not earlier:
                 return None
             for c in earlier:
                 # Prefill ran the model eagerly, decode runs compiled: the compiled callable is
@@ -453,29 +456,15 @@ class Session:
                 self._inactive.add(c["step"])
                 self._chosen.remove(c)
             spec = self._spec_from_settings(target, "compiled")
-            self._chosen.append({"step": target, "kind": "compiled"})
+            if not any(c["step"] == target for c in self._chosen):
+                self._chosen.append({"step": target, "kind": "compiled"})
             holder["spec"] = spec
         return spec
 
-    def _on_outermost(self, module: torch.nn.Module) -> None:
-        """The first outermost module call of an undiscovered program: its class's forward is the step."""
-        if not self._discover or self._chosen or self.disabled:
-            if self._watcher is not None:
-                self._watcher.done_discovering()
-            return
-        cls = type(module)
-        if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__:
-            return  # compiled modules and local classes cannot be named: keep looking
-        target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
-        spec = self._spec_from_settings(target, "module_forward")
-        self._chosen.append({"step": target, "kind": "module_forward"})
-        try:
-            patch_callable(f"{cls.__module__}:{cls.__qualname__}", lambda fn, t, spec=spec: self._wrap_step(fn, t, spec))
-        except Exception as e:  # noqa: BLE001
-            self._chosen.pop()
-            self.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
-        if self._watcher is not None:
-            self._watcher.done_discovering()
+    def _on_outermost(self, module: torch.nn.Module) -> str:
+        from replay.record import discovery  # issue 14: discovery's choices live there
+
+        return discovery.on_outermost(self, module)
 
     def _main_defs_found(self) -> bool:
         main = sys.modules.get("__main__")
@@ -525,6 +514,9 @@ class Session:
     def _stream_info(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> dict[str, Any]:
         info: dict[str, Any] = {**spec.to_json(), "step": spec.step, "step_kind": spec.kind or "function", "profile": spec.profile}
         info["factory"] = self.settings.factory or spec.factory
+        from replay.record.compiled import arguments_for  # issue 14: torch.compile's arguments, as recorded
+
+        info["compile"] = arguments_for(spec.step) or {}
         config, config_attr = None, spec.config
         if spec.config:
             try:
