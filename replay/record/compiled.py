@@ -27,9 +27,9 @@ _ARGS: dict[str, dict[str, Any]] = {}
 _HOOK_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
 
 
-def arguments_for(step: str) -> dict[str, Any] | None:
-    """The recorded ``torch.compile`` arguments of the step named ``step``, if it was compiled."""
-    return _ARGS.get(step)
+def arguments_for(step: str) -> dict[str, Any]:
+    """The recorded ``torch.compile`` arguments of the step named ``step`` ({} if not compiled)."""
+    return dict(_ARGS.get(step) or {})
 
 
 def _backend_name(backend: Any) -> str:

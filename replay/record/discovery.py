@@ -28,7 +28,8 @@ import torch
 from replay.record.hooks import patch_callable
 from replay.record.launch import module_name
 
-__all__ = ["Watcher", "write_report", "read_reports", "summary_lines", "on_outermost", "on_loop", "choose_module", "step_name"]
+__all__ = ["Watcher", "write_report", "read_reports", "summary_lines", "on_outermost", "on_loop", "choose_module", "step_name",
+           "compiled_replaces", "choose_compiled"]
 
 # A --step function of __main__ not seen after this many module calls is given up on (the
 # hooks cost every module call a few µs while installed).
@@ -157,6 +158,21 @@ def choose_module(session: Any, cls: type, **note: str) -> bool:
         session.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
         return False
     return True
+
+
+def compiled_replaces(chosen: list[dict[str, str]], ran: Counter[str], target: str) -> list[dict[str, str]] | None:
+    """The earlier choices a compiled callable ``target`` replaces as the step (modules chosen
+    eagerly that recorded nothing: prefill ran eagerly, decode runs compiled), or None when it
+    is not the step. Another instance of a compiled module already chosen is a stream of it."""
+    if any(c["step"] == target and c["kind"] == "compiled" for c in chosen):
+        return []
+    earlier = [c for c in chosen if c["kind"] != "compiled" and not ran.get(c["step"])]
+    return None if chosen and not earlier else earlier
+
+
+def choose_compiled(chosen: list[dict[str, str]], target: str) -> None:
+    if not any(c["step"] == target for c in chosen):
+        chosen.append({"step": target, "kind": "compiled"})
 
 
 def on_loop(session: Any, outer: torch.nn.Module, inner: torch.nn.Module) -> None:

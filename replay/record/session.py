@@ -444,11 +444,11 @@ class Session:
                     return spec
         if not self._discover or getattr(self._local, "depth", 0):
             return None
+        from replay.record import discovery  # issue 14: discovery's choices live there
+
         with self._lock:
-            earlier = [c for c in self._chosen if c["kind"] != "compiled" and not self._ran.get(c["step"])]
-            if any(c["step"] == target and c["kind"] == "compiled" for c in self._chosen):
-                earlier = []  # another instance of a compiled module already chosen: a stream
-            elif self._chosen and not earlier:
+            earlier = discovery.compiled_replaces(self._chosen, self._ran, target)
+            if earlier is None:
                 return None
             for c in earlier:
                 # Prefill ran the model eagerly, decode runs compiled: the compiled callable is
@@ -456,8 +456,7 @@ class Session:
                 self._inactive.add(c["step"])
                 self._chosen.remove(c)
             spec = self._spec_from_settings(target, "compiled")
-            if not any(c["step"] == target for c in self._chosen):
-                self._chosen.append({"step": target, "kind": "compiled"})
+            discovery.choose_compiled(self._chosen, target)
             holder["spec"] = spec
         return spec
 
@@ -516,7 +515,7 @@ class Session:
         info["factory"] = self.settings.factory or spec.factory
         from replay.record.compiled import arguments_for  # issue 14: torch.compile's arguments, as recorded
 
-        info["compile"] = arguments_for(spec.step) or {}
+        info["compile"] = arguments_for(spec.step)
         config, config_attr = None, spec.config
         if spec.config:
             try:
