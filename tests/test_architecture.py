@@ -41,7 +41,6 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     # Landed on main by 23:09 (merged at d2317ab):
     "replay/bisect/layers.py::LayersBisection.verdict": 24,  # the re-run (issue #14)
     "replay/rerun/target.py::TargetSpec.from_rank_file": 30,  # the re-run (issue #14)
-    "replay/record/discovery.py::summary_lines": 27,  # the recorder (step discovery, issue #14)
     "replay/record/session.py::Session._recorder_for": 29,  # the recorder
     "replay/record/session.py::Session._stream_info": 21,  # the recorder
     "replay/record/settings.py::RecordSettings.__post_init__": 21,  # the recorder / settings validation (issue #16)

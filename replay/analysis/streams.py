@@ -3,7 +3,8 @@ target, MTP head and trunk): one step sequence per stream, the order across stre
 
 A step's stream is its reserved ``__stream__`` argument; steps recorded before a second model
 appeared carry none and belong to the first stream (the target info's ``stream``). Only the
-distinct argument strings are parsed, so the cost does not grow with the number of steps.
+distinct argument strings are parsed, so the cost does not grow with the number of steps
+(``rerun.streams.stream_of`` answers the same question for one step).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from typing import Any
 import numpy as np
 
 from replay.format.reader import RankFile
+from replay.numerics import STREAM_ARG
 
-__all__ = ["step_streams", "stream_summary", "stream_of"]
-
-_STREAM_ARG = "__stream__"
+__all__ = ["step_streams"]
 
 
 def _first_stream(rf: RankFile) -> str | None:
@@ -47,8 +47,8 @@ def step_streams(rf: RankFile) -> tuple[np.ndarray, np.ndarray, list[str]]:
         name = first
         try:
             a = json.loads(t.string(int(sid))) if int(sid) >= 0 else {}
-            if isinstance(a, dict) and isinstance(a.get(_STREAM_ARG), str):
-                name = a[_STREAM_ARG]
+            if isinstance(a, dict) and isinstance(a.get(STREAM_ARG), str):
+                name = a[STREAM_ARG]
         except ValueError:
             pass
         labels.append(name)
@@ -59,25 +59,3 @@ def step_streams(rf: RankFile) -> tuple[np.ndarray, np.ndarray, list[str]]:
             names.append(n)
     index = {n: i for i, n in enumerate(names)}
     return steps["step"], np.array([index[n] for n in per_step], dtype=np.int64), names
-
-
-def stream_summary(rf: RankFile) -> list[dict[str, Any]]:
-    """Per stream, in order of first appearance: its name, step count, first and last step."""
-    steps, idx, names = step_streams(rf)
-    out = []
-    for i, n in enumerate(names):
-        mine = steps[idx == i]
-        out.append({"stream": n, "steps": int(mine.size), "first_step": int(mine[0]), "last_step": int(mine[-1])})
-    return out
-
-
-def stream_of(rf: RankFile, step: int) -> tuple[str, int] | None:
-    """(the stream of ``step``, its index within that stream), or None for a one-model recording."""
-    steps, idx, names = step_streams(rf)
-    if not names:
-        return None
-    at = np.flatnonzero(steps == step)
-    if at.size == 0:
-        return None
-    i = int(idx[at[0]])
-    return names[i], int(((idx == i) & (steps < step)).sum())

@@ -223,54 +223,61 @@ _HOW = {
 }
 
 
-def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
-    """What ``replay record`` says about steps: which was chosen and how to choose another, or
-    what was seen when none was found, and every named step that never ran."""
-    from replay.textsafe import escape
-
-    lines: list[str] = []
+def _merged(reports: list[dict[str, Any]]) -> tuple[Counter[str], set[str], dict[str, dict[str, Any]], Counter[str]]:
+    """(calls per step, steps named, the first choice per step, outermost module calls seen)."""
     ran: Counter[str] = Counter()
     named: set[str] = set()
-    chosen: dict[str, str] = {}
+    chosen: dict[str, dict[str, Any]] = {}
     seen: Counter[str] = Counter()
     for r in reports:
         ran.update({str(k): int(v) for k, v in (r.get("ran") or {}).items()})
         named.update(str(s) for s in r.get("named") or [])
         for c in r.get("chosen") or []:
-            chosen.setdefault(str(c.get("step")), str(c.get("kind")))
+            if isinstance(c, dict):
+                chosen.setdefault(str(c.get("step")), c)
         seen.update({str(k): int(v) for k, v in (r.get("seen") or {}).items()})
-    inside: dict[str, str] = {}
-    for r in reports:
-        for c in r.get("chosen") or []:
-            if c.get("kind") == "boundary":
-                inside[str(c.get("inside"))] = str(c.get("step"))
-    for mod_step, at in inside.items():
-        lines.append(
-            f"replay: --step {escape(mod_step)} runs inside torch.compile'd {escape(at)}, where the recorder cannot see:"
-            f" recorded at that boundary ({ran.get(at, 0)} calls)"
-        )
-    for step, kind in chosen.items():
-        if kind == "boundary":
-            continue
-        n = ran.get(step, 0)
-        lines.append(
-            f"replay: step found with no flags: {escape(step)} ({_HOW.get(kind, kind)}, {n} call{'s' if n != 1 else ''} recorded);"
-            f" to record another callable: replay record --step MODULE:QUALNAME -- ..."
-        )
-    for step in sorted(named):
-        if not ran.get(step) and step not in inside:
-            lines.append(f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)")
+    return ran, named, chosen, seen
+
+
+def _chosen_line(step: str, c: dict[str, Any], n: int) -> str:
+    from replay.textsafe import escape
+
+    kind = str(c.get("kind"))
+    how = _HOW.get(kind, kind)
+    if kind == "module_forward" and c.get("inside"):
+        how = f"the nn.Module called repeatedly inside {escape(str(c['inside']))}, which runs the loop"
+    return (f"replay: step found with no flags: {escape(step)} ({how}, {n} call{'s' if n != 1 else ''} recorded);"
+            f" to record another callable: replay record --step MODULE:QUALNAME -- ...")
+
+
+def _nothing_found(seen: Counter[str]) -> str:
+    from replay.textsafe import escape
+
+    if seen:
+        most = ", ".join(f"{escape(k)} ({v})" for k, v in seen.most_common(5))
+        return f"replay: no step found; outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME"
+    return ("replay: no step found: no nn.Module forward or torch.compile'd function ran;"
+            " name the step with --step MODULE:QUALNAME")
+
+
+def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
+    """What ``replay record`` says about steps: which was chosen and how to choose another, or
+    what was seen when none was found, and every named step that never ran."""
+    from replay.textsafe import escape
+
+    ran, named, chosen, seen = _merged(reports)
+    # A named nn.Module step inside a compiled callable is recorded at that callable's boundary.
+    inside = {str(c.get("inside")): step for step, c in chosen.items() if c.get("kind") == "boundary"}
+    lines = [
+        f"replay: --step {escape(mod_step)} runs inside torch.compile'd {escape(at)}, where the recorder cannot see:"
+        f" recorded at that boundary ({ran.get(at, 0)} calls)"
+        for mod_step, at in inside.items()
+    ]
+    lines += [_chosen_line(step, c, ran.get(step, 0)) for step, c in chosen.items() if c.get("kind") != "boundary"]
+    lines += [f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)"
+              for step in sorted(named) if not ran.get(step) and step not in inside]
     if not chosen and not named and not ran and reports:
-        if seen:
-            most = ", ".join(f"{escape(k)} ({v})" for k, v in seen.most_common(5))
-            lines.append(
-                f"replay: no step found; outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME"
-            )
-        else:
-            lines.append(
-                "replay: no step found: no nn.Module forward or torch.compile'd function ran;"
-                " name the step with --step MODULE:QUALNAME"
-            )
+        lines.append(_nothing_found(seen))
     return lines
 
 

@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--tuple", action="store_true", help="return_dict=False (tuple outputs)")
     p.add_argument("--no-autocast", action="store_true")
+    p.add_argument("--exit-code", type=int, default=0, help="exit with this status after printing (as a failing job would)")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             input_ids = next_token
             attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], dim=1)
     print("tokens: " + " ".join(map(str, generated)), flush=True)
-    return 0
+    return args.exit_code
 
 
 if __name__ == "__main__":
