@@ -380,3 +380,74 @@ def test_a_failure_of_the_recorder_around_a_step_stops_recording_and_the_step_ru
         assert torch.equal(out, torch.full((2,), 2.0))
     assert s.disabled
     assert capfd.readouterr().err.count("recording stopped: RuntimeError: recorder bug") == 1
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return self.proj(x) * scale
+
+
+def test_replays_of_a_graph_captured_around_a_module_call_are_its_steps(tmp_path: Path) -> None:
+    """A program that captures its decode step in a CUDA graph and then only replays it: with no
+    step named, each replay is a step of the captured module (static inputs as filled, static
+    outputs as written). On the CPU a stand-in graph class goes through the same wrappers."""
+    import types
+
+    from replay.digest import digest
+    from replay.format.reader import Recording
+    from replay.record import cuda_graphs
+    from replay.record import session as session_mod
+    from replay.record.settings import RecordSettings
+
+    model = _Linear().eval()
+
+    class FakeGraph:
+        """capture_begin/capture_end around a module call; replay recomputes the static output."""
+
+        def capture_begin(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def capture_end(self) -> None:
+            pass
+
+        def pool(self) -> tuple[int, int]:
+            return (0, 0)
+
+        def replay(self) -> None:
+            with torch.no_grad():
+                torch.mul(torch.nn.functional.linear(static_x, model.proj.weight, model.proj.bias), 2.0, out=static_out)
+
+    s = session_mod.Session(tmp_path, RecordSettings(cuda_graph_kernels=False))
+    cuda_graphs.install(s, types.SimpleNamespace(CUDAGraph=FakeGraph))
+    static_x = torch.zeros(1, 4)
+    g = FakeGraph()
+    with torch.no_grad():
+        g.capture_begin()
+        static_out = model(static_x, scale=2.0)
+        g.capture_end()
+    expected = []
+    for i in range(3):
+        static_x.copy_(torch.full((1, 4), float(i)))
+        assert g.replay() is None  # what the program gets back is untouched
+        expected.append(static_out.clone())
+    s.close_recorder()
+    assert [c["kind"] for c in s.report()["chosen"]] == ["cuda_graph"]
+    with Recording(tmp_path) as rec:
+        rf = rec["run-000"][0]
+        assert rf.n_steps == 3
+        t = rf.attrs["target"]
+        assert t["step"].endswith(":_Linear") and t["step_kind"] == "module_forward"
+        for i in range(3):
+            view = rf.step(i)
+            assert torch.equal(view.inputs["x"], torch.full((1, 4), float(i)))
+            assert _args(rf, i)["scale"] == 2.0
+            assert dict(view.fields())["output.logits"] == digest(expected[i])  # what the replay wrote
+    from replay.record.discovery import summary_lines
+
+    line = summary_lines([s.report()])[0]
+    assert "replays of a CUDA graph the program captured around this nn.Module's call, 3 calls recorded" in line

@@ -29,7 +29,7 @@ from replay.record.hooks import patch_callable
 from replay.record.launch import module_name
 
 __all__ = ["Watcher", "write_report", "read_reports", "summary_lines", "on_outermost", "on_loop", "choose_module", "step_name",
-           "compiled_replaces", "choose_compiled"]
+           "compiled_replaces", "choose_compiled", "graph_replay_step"]
 
 # A --step function of __main__ not seen after this many module calls is given up on (the
 # hooks cost every module call a few µs while installed).
@@ -160,6 +160,38 @@ def choose_module(session: Any, cls: type, **note: str) -> bool:
     return True
 
 
+def graph_replay_step(session: Any, call: tuple[Any, tuple, dict, Any], replay: Callable[[], Any]) -> Any:
+    """A replay of a CUDA graph captured around ``call`` (module, args, kwargs, output), outside
+    any step: recorded as a step of that module, its inputs the static input tensors as the
+    program filled them, its outputs the static outputs the replay wrote."""
+    import inspect
+
+    module, args, kwargs, out = call
+    cls = type(module)
+    result: list[Any] = []
+
+    def run(*_a: Any, **_k: Any) -> Any:
+        result.append(replay())
+        return out
+
+    try:
+        if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__:
+            return replay()
+        target = step_name(cls)
+        spec = session._spec_from_settings(target, "module_forward")
+        sig = inspect.signature(cls.forward)
+        with session._lock:
+            mine = [c for c in session._chosen if c["step"] == target]
+            if not mine:
+                session._chosen.append({"step": target, "kind": "cuda_graph"})
+            elif mine[0]["kind"] == "module_forward":
+                mine[0]["kind"] = "cuda_graph"
+    except Exception:  # noqa: BLE001 - never into the program: a plain replay
+        return replay()
+    session._call_step(spec, run, sig, True, (module, *args), kwargs)
+    return result[0] if result else None
+
+
 def compiled_replaces(chosen: list[dict[str, str]], ran: Counter[str], target: str) -> list[dict[str, str]] | None:
     """The earlier choices a compiled callable ``target`` replaces as the step (modules chosen
     eagerly that recorded nothing: prefill ran eagerly, decode runs compiled), or None when it
@@ -220,6 +252,7 @@ def read_reports(out: Path) -> list[dict[str, Any]]:
 _HOW = {
     "compiled": "a torch.compile'd callable",
     "module_forward": "the outermost nn.Module's forward",
+    "cuda_graph": "replays of a CUDA graph the program captured around this nn.Module's call",
 }
 
 
