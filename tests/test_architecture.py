@@ -21,8 +21,6 @@ ALLOWED_COMPLEXITY: dict[str, int] = {
     "replay/rerun/runner.py::rerun_step": 38,  # the re-run (issue #14) splits it
     "replay/bisect/layers.py::bisect_layers": 49,  # the re-run (issue #14); grew in 86d8bb1 and after
     "replay/record/writer.py::Writer._emit": 30,  # the recorder (overhead issue)
-    "replay/format/tables.py::check_payload_bounds": 27,  # the reader (issue #16)
-    "replay/format/tables.py::_Builder.step": 26,  # the reader (issue #16)
     "replay/cli/step.py::render_step": 25,  # the re-run owns cli/step.py (issue #14)
     "replay/workloads/mtp/launch.py::run_many": 22,  # the reference workload
     # Landed on main while this check was written (merged at 9fcf8ee):
