@@ -36,6 +36,8 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...], int]] = {
     "gptgen": ("gptgen", ("--tokens", "8"), 0),
     "hfloop": ("hfloop", ("--tokens", "8"), 0),
     "hfloop_tuple_exit3": ("hfloop", ("--tokens", "6", "--tuple", "--exit-code", "3"), 3),
+    "hfloop_compile_forward": ("hfloop", ("--tokens", "6", "--compile", "forward", "--compile-backend", "eager"), 0),
+    "hfloop_compile_method": ("hfloop", ("--tokens", "6", "--compile", "method", "--compile-backend", "eager"), 0),
     "specwrap": ("specwrap", (), 0),
     "specwrap_compiled": ("specwrap", ("--compile", "--compile-backend", "eager"), 0),
 }
@@ -44,6 +46,8 @@ FOUND = {
     "gptgen": "step found with no flags: model:GPT (the outermost nn.Module's forward",
     "hfloop": "step found with no flags: modeling:TinyForCausalLM (the outermost nn.Module's forward",
     "hfloop_tuple_exit3": "step found with no flags: modeling:TinyForCausalLM",
+    "hfloop_compile_forward": "step found with no flags: modeling:TinyForCausalLM (a torch.compile'd callable, 6 calls recorded)",
+    "hfloop_compile_method": "step found with no flags: modeling:TinyForCausalLM (a torch.compile'd callable, 6 calls recorded)",
     "specwrap": ("step found with no flags: nets:TinyLM (the nn.Module called repeatedly inside nets:SpeculativeEngine,"
                  " which runs the loop"),
     "specwrap_compiled": "step found with no flags: nets:TinyLM (a torch.compile'd callable",
@@ -157,6 +161,18 @@ def test_a_wrapper_module_that_runs_the_loop_gives_way_to_its_models_as_streams(
         assert streams["draft"]["steps"] == 2 * streams["target"]["steps"] - (2 if name == "specwrap" else 0)
         text = _replay("info", runs[name]["rec"], cwd=runs["cwd"]).stdout
         assert "streams     2 models in one loop" in text and "one rank: nothing to compare across ranks" in text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["hfloop_compile_forward", "hfloop_compile_method"])
+def test_a_compiled_module_call_is_the_modules_step_with_its_object(runs: dict[str, Any], name: str) -> None:
+    """``m.forward = torch.compile(m.forward)`` and ``m.compile()``: the module's step, every call
+    recorded (prefill included), with the module as its object (weights digested)."""
+    t = _target(runs[name]["rec"])
+    assert t["step"] == "modeling:TinyForCausalLM" and t["step_kind"] == "compiled"
+    assert len(t["weights"]) == 28 and t["compile"]["backend"] == "eager" and t["compile"]["dynamic"] is True
+    _, inputs = _step_args(runs[name]["rec"], 1)
+    assert "past_key_values.0.0" in inputs
 
 
 @pytest.mark.e2e

@@ -38,6 +38,15 @@ def _backend_name(backend: Any) -> str:
     return str(getattr(backend, "__name__", None) or getattr(backend, "compiler_name", None) or type(backend).__name__)
 
 
+def _module_of(fn: Any) -> torch.nn.Module | None:
+    """The module whose call ``fn`` is: its bound ``forward`` (``m.forward = torch.compile(m.forward)``)
+    or ``_call_impl`` (what ``m.compile()`` hands to torch.compile)."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module) and getattr(fn, "__name__", "") in ("forward", "_call_impl"):
+        return owner
+    return None
+
+
 def _remember(model: Any, kwargs: dict[str, Any]) -> None:
     from replay.record.calls import NotJSON, to_json_safe
     from replay.record.launch import module_name
@@ -74,8 +83,9 @@ def install(session: Any) -> None:
         except Exception:  # noqa: BLE001
             pass
         step_fn = getattr(model, "__replay_step_fn__", None)
+        owner = _module_of(model)
         try:
-            _remember(step_fn or model, kwargs)
+            _remember(step_fn or owner or model, kwargs)
         except Exception:  # noqa: BLE001 - only the record of the arguments is lost
             pass
         if step_fn is not None:
@@ -86,6 +96,13 @@ def install(session: Any) -> None:
             except Exception:  # noqa: BLE001
                 return compiled
         compiled = original(model, **kwargs)
+        if owner is not None:
+            # A module's own call compiled: the step is the module's, recorded around the
+            # compiled call with the module as its object (state, weights, class name).
+            try:
+                return session.module_boundary(owner, compiled)
+            except Exception:  # noqa: BLE001
+                return compiled
         if isinstance(model, torch.nn.Module):
             # An OptimizedModule calls its instance attribute ``forward`` (the compiled call):
             # that attribute is wrapped, so the step is recorded around the compiled forward,

@@ -196,9 +196,14 @@ def compiled_replaces(chosen: list[dict[str, str]], ran: Counter[str], target: s
     """The earlier choices a compiled callable ``target`` replaces as the step (modules chosen
     eagerly that recorded nothing: prefill ran eagerly, decode runs compiled), or None when it
     is not the step. Another instance of a compiled module already chosen is a stream of it."""
-    if any(c["step"] == target and c["kind"] == "compiled" for c in chosen):
-        return []
-    earlier = [c for c in chosen if c["kind"] != "compiled" and not ran.get(c["step"])]
+    same = [c for c in chosen if c["step"] == target]
+    earlier = [c for c in chosen if c["kind"] != "compiled" and not ran.get(c["step"]) and c["step"] != target]
+    if same:
+        # The module chosen eagerly is the one whose call is compiled (``m.forward =
+        # torch.compile(m.forward)``): one step, recorded at the compiled boundary.
+        for c in same:
+            c["kind"] = "compiled"
+        return earlier
     return None if chosen and not earlier else earlier
 
 
