@@ -164,6 +164,17 @@ def test_a_wrapper_module_that_runs_the_loop_gives_way_to_its_models_as_streams(
 
 
 @pytest.mark.e2e
+def test_tuple_outputs_name_their_logits(runs: dict[str, Any]) -> None:
+    """``return_dict=False``: ``(logits, past_key_values)``; the logits are named so (margins)."""
+    from replay.format.reader import Recording
+
+    with Recording(runs["hfloop_tuple_exit3"]["rec"]) as r:
+        rf = r["run-000"][0]
+        assert "output.logits" in dict(rf.step(0).fields())
+        assert rf.n_steps == 5
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["hfloop_compile_forward", "hfloop_compile_method"])
 def test_a_compiled_module_call_is_the_modules_step_with_its_object(runs: dict[str, Any], name: str) -> None:
     """``m.forward = torch.compile(m.forward)`` and ``m.compile()``: the module's step, every call
@@ -258,6 +269,8 @@ def test_tensor_parallel_compiled_under_torchrun_runs_and_is_recorded(tmp_path: 
     assert r.returncode == plain.returncode == 0, r.stderr[-3000:]
     assert _tokens(r.stdout) == _tokens(p_out) and len(_tokens(p_out)) == 1
     assert "step found with no flags: generate:decode_one_token (a torch.compile'd callable" in r.stderr
+    # Its hook all-reduces ran inside the compiled graph: the recorder says it did not see them.
+    assert "generate:decode_one_token ran compiled on 2 ranks: collectives inside it run inside its graph" in r.stderr
     info = _replay("info", tmp_path / "rec", "--json", cwd=tmp_path)
     data = json.loads(info.stdout)
     assert data["world_size"] == 2 and [x["steps"] for x in data["ranks"]] == [4, 4]

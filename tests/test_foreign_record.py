@@ -451,3 +451,23 @@ def test_replays_of_a_graph_captured_around_a_module_call_are_its_steps(tmp_path
 
     line = summary_lines([s.report()])[0]
     assert "replays of a CUDA graph the program captured around this nn.Module's call, 3 calls recorded" in line
+
+
+def test_summary_lines_say_what_was_chosen_and_what_could_not_be_seen() -> None:
+    from replay.record.discovery import summary_lines
+
+    wrapper = [{"rank": 0, "world": 1, "named": [], "ran": {"nets:TinyLM": 16},
+                "chosen": [{"step": "nets:TinyLM", "kind": "module_forward", "inside": "nets:SpeculativeEngine"}], "seen": {}}]
+    assert summary_lines(wrapper) == [
+        "replay: step found with no flags: nets:TinyLM (the nn.Module called repeatedly inside nets:SpeculativeEngine,"
+        " which runs the loop, 16 calls recorded); to record another callable: replay record --step MODULE:QUALNAME -- ..."]
+    tp = [{"rank": r, "world": 2, "named": [], "ran": {"g:step": 4}, "chosen": [{"step": "g:step", "kind": "compiled"}], "seen": {}}
+          for r in range(2)]
+    lines = summary_lines(tp)
+    assert len(lines) == 2 and "g:step ran compiled on 2 ranks: collectives inside it run inside its graph" in lines[1]
+    assert len(summary_lines([{**tp[0], "world": 1}])) == 1  # one rank: no collectives to miss
+    nothing = [{"rank": 0, "named": [], "ran": {}, "chosen": [], "seen": {"m:A": 3, "m:B": 1}}]
+    assert summary_lines(nothing) == ["replay: no step found; outermost nn.Module calls seen: m:A (3), m:B (1);"
+                                      " name the step with --step MODULE:QUALNAME"]
+    never = [{"rank": 0, "named": ["m:f"], "ran": {}, "chosen": [], "seen": {}}]
+    assert summary_lines(never) == ["replay: --step m:f never ran: no call of it was seen (check the module and qualname)"]

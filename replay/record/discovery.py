@@ -316,7 +316,22 @@ def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
               for step in sorted(named) if not ran.get(step) and step not in inside]
     if not chosen and not named and not ran and reports:
         lines.append(_nothing_found(seen))
+    lines += _compiled_collectives(reports, chosen, ran)
     return lines
+
+
+def _compiled_collectives(reports: list[dict[str, Any]], chosen: dict[str, dict[str, Any]], ran: Counter[str]) -> list[str]:
+    """Where the recorder cannot see: a compiled step of a multi-rank run has its collectives
+    inside the compiled graph, never through torch.distributed's Python functions."""
+    from replay.textsafe import escape
+
+    world = max((int(r.get("world") or 1) for r in reports), default=1)
+    compiled = [step for step, c in chosen.items() if c.get("kind") in ("compiled", "boundary") and ran.get(step)]
+    if world < 2 or not compiled:
+        return []
+    return [f"replay: {escape(compiled[0])} ran compiled on {world} ranks: collectives inside it run inside its graph"
+            " and are not recorded one by one, so one rank cannot re-run alone on them; re-run all ranks, or record"
+            " with the program's compile off for that"]
 
 
 def watch_main_defs(names: set[str], found: Callable[[], bool]) -> bool:

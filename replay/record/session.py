@@ -889,10 +889,11 @@ class Session:
 
     def report(self) -> dict[str, Any]:
         """What this process saw: for ``replay record``'s summary (see ``discovery``)."""
-        rank, _ = self._rank_world()
+        rank, world = self._rank_world()
         return {
             "pid": os.getpid(),
             "rank": rank,
+            "world": world,
             "named": [normalize_step(t) for t in self.settings.steps],
             "ran": dict(self._ran),
             "chosen": list(self._chosen),
