@@ -471,3 +471,37 @@ def test_summary_lines_say_what_was_chosen_and_what_could_not_be_seen() -> None:
                                       " name the step with --step MODULE:QUALNAME"]
     never = [{"rank": 0, "named": ["m:f"], "ran": {}, "chosen": [], "seen": {}}]
     assert summary_lines(never) == ["replay: --step m:f never ran: no call of it was seen (check the module and qualname)"]
+
+
+JIT_PROGRAM = """
+import sys, torch
+torch.manual_seed(0)
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+    def forward(self, x):
+        return self.l(x).tanh()
+m = M().eval()
+m = torch.jit.script(m) if sys.argv[1] == "script" else torch.jit.trace(m, torch.ones(1, 8))
+x = torch.ones(1, 8)
+with torch.no_grad():
+    for _ in range(5):
+        x = m(x)
+print("ok", float(x.sum()))
+"""
+
+
+@pytest.mark.parametrize("how", ["trace", "script"])
+def test_a_jit_traced_or_scripted_model_runs_unchanged_and_nothing_is_claimed(tmp_path: Path, how: str) -> None:
+    """torch.jit.trace calls the module to build its graph: the recorder must not be traced into
+    it (the program used to crash in the trace check), and a step it cannot see is not claimed."""
+    script = tmp_path / "jitprog.py"
+    script.write_text(JIT_PROGRAM)
+    plain = subprocess.run([sys.executable, str(script), how], env=_env(), capture_output=True, text=True, timeout=300)
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script), how])
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout
+    assert "Traceback" not in r.stderr and "Warning" not in r.stderr and "cannot record" not in r.stderr, r.stderr
+    assert "step found with no flags" not in r.stderr
+    assert "replay: no step" in r.stderr and "name the step with --step MODULE:QUALNAME" in r.stderr

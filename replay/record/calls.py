@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "access", "attribute_holding", "call_key", "weakrefable", "capturing"]
+__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "tracing"]
 
 _SCALARS = (int, float, bool, str, type(None))
 
@@ -316,7 +316,36 @@ def access(obj: Any, name: str | None) -> Any:
     return attr() if callable(attr) and not isinstance(attr, torch.nn.Module) else attr
 
 
+def tracing() -> bool:
+    """A graph is being built from Python calls (``torch.jit.trace``, ``torch.fx`` symbolic
+    tracing): a call now is the tracer's, and anything the recorder did would be traced into
+    the program's graph."""
+    if torch._C._get_tracing_state() is not None:
+        return True
+    return bool(_fx_tracing is not None and _fx_tracing())
+
+
+def _fx_tracer() -> Any:
+    # ``is_fx_tracing`` also answers for torch.export and logs a warning saying so: the one for
+    # symbolic tracing alone says nothing.
+    try:
+        from torch.fx import _symbolic_trace as st
+    except ImportError:  # pragma: no cover - a torch without it
+        return None
+    fn = getattr(st, "is_fx_symbolic_tracing", None)
+    if fn is not None:
+        return fn
+    # Older torch: the flag itself (is_fx_tracing() would log a warning into the program's output).
+    return lambda: bool(getattr(st, "_is_fx_tracing_flag", False))
+
+
+_fx_tracing = _fx_tracer()
+
+
 def capturing() -> bool:
+    """A CUDA graph is being captured, or a tracer is building a graph: not a step to record."""
+    if tracing():
+        return True
     return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from replay.record.calls import tracing
 from replay.record.hooks import patch_callable
 from replay.record.launch import module_name
 
@@ -142,8 +143,10 @@ def on_outermost(session: Any, module: torch.nn.Module) -> str:
     if not session._discover or session._chosen or session.disabled:
         return "stop"
     cls = type(module)
-    if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__:
-        return "keep"  # compiled modules and local classes cannot be named: keep looking
+    if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__ or isinstance(module, torch.jit.ScriptModule):
+        return "keep"  # compiled, scripted or traced modules and local classes cannot be patched: keep looking
+    if tracing():
+        return "keep"  # torch.jit.trace / fx calling the module to build a graph: not the program's loop
     return "chosen" if choose_module(session, cls) else "stop"
 
 
@@ -288,9 +291,15 @@ def _chosen_line(step: str, c: dict[str, Any], n: int) -> str:
             f" to record another callable: replay record --step MODULE:QUALNAME -- ...")
 
 
-def _nothing_found(seen: Counter[str]) -> str:
+def _nothing_found(seen: Counter[str], chosen: str | None = None) -> str:
     from replay.textsafe import escape
 
+    if chosen is not None:
+        # Found at its first call, which was already running: it never ran again (the program
+        # went on with a traced or scripted copy, say), so no step of it is in the recording.
+        most = ", ".join(f"{escape(k)} ({v})" for k, v in seen.most_common(5)) or "none"
+        return (f"replay: no step recorded: {escape(chosen)} was chosen at its first call but never ran again;"
+                f" outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME")
     if seen:
         most = ", ".join(f"{escape(k)} ({v})" for k, v in seen.most_common(5))
         return f"replay: no step found; outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME"
@@ -311,7 +320,8 @@ def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
         f" recorded at that boundary ({ran.get(at, 0)} calls)"
         for mod_step, at in inside.items()
     ]
-    lines += [_chosen_line(step, c, ran.get(step, 0)) for step, c in chosen.items() if c.get("kind") != "boundary"]
+    lines += [_chosen_line(step, c, ran.get(step, 0)) if ran.get(step) or c.get("kind") != "module_forward"
+              else _nothing_found(seen, step) for step, c in chosen.items() if c.get("kind") != "boundary"]
     lines += [f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)"
               for step in sorted(named) if not ran.get(step) and step not in inside]
     if not chosen and not named and not ran and reports:
