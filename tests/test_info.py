@@ -294,3 +294,10 @@ def test_info_of_one_stream_has_no_stream_labels(tmp_path, run_cli):
     data = run_cli("info", rec, "--json").json()
     assert data["streams"] == [] and "stream" not in data["first_divergence"]
     assert "streams " not in run_cli("info", rec).out
+
+
+def test_the_stream_argument_is_spelled_as_the_recorder_writes_it():
+    from replay import numerics
+    from replay.analysis import streams
+
+    assert streams.STREAM_ARG == numerics.STREAM_ARG

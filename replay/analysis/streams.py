@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 
 from replay.format.reader import RankFile
-from replay.numerics import STREAM_ARG
 
 __all__ = ["step_streams"]
+
+# ``replay.numerics.STREAM_ARG``, spelled here: reading a recording (``replay info``) needs no torch.
+STREAM_ARG = "__stream__"
 
 
 def _first_stream(rf: RankFile) -> str | None:
