@@ -380,3 +380,128 @@ def test_a_failure_of_the_recorder_around_a_step_stops_recording_and_the_step_ru
         assert torch.equal(out, torch.full((2,), 2.0))
     assert s.disabled
     assert capfd.readouterr().err.count("recording stopped: RuntimeError: recorder bug") == 1
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return self.proj(x) * scale
+
+
+def test_replays_of_a_graph_captured_around_a_module_call_are_its_steps(tmp_path: Path) -> None:
+    """A program that captures its decode step in a CUDA graph and then only replays it: with no
+    step named, each replay is a step of the captured module (static inputs as filled, static
+    outputs as written). On the CPU a stand-in graph class goes through the same wrappers."""
+    import types
+
+    from replay.digest import digest
+    from replay.format.reader import Recording
+    from replay.record import cuda_graphs
+    from replay.record import session as session_mod
+    from replay.record.settings import RecordSettings
+
+    model = _Linear().eval()
+
+    class FakeGraph:
+        """capture_begin/capture_end around a module call; replay recomputes the static output."""
+
+        def capture_begin(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def capture_end(self) -> None:
+            pass
+
+        def pool(self) -> tuple[int, int]:
+            return (0, 0)
+
+        def replay(self) -> None:
+            with torch.no_grad():
+                torch.mul(torch.nn.functional.linear(static_x, model.proj.weight, model.proj.bias), 2.0, out=static_out)
+
+    s = session_mod.Session(tmp_path, RecordSettings(cuda_graph_kernels=False))
+    cuda_graphs.install(s, types.SimpleNamespace(CUDAGraph=FakeGraph))
+    static_x = torch.zeros(1, 4)
+    g = FakeGraph()
+    with torch.no_grad():
+        g.capture_begin()
+        static_out = model(static_x, scale=2.0)
+        g.capture_end()
+    expected = []
+    for i in range(3):
+        static_x.copy_(torch.full((1, 4), float(i)))
+        assert g.replay() is None  # what the program gets back is untouched
+        expected.append(static_out.clone())
+    s.close_recorder()
+    assert [c["kind"] for c in s.report()["chosen"]] == ["cuda_graph"]
+    with Recording(tmp_path) as rec:
+        rf = rec["run-000"][0]
+        assert rf.n_steps == 3
+        t = rf.attrs["target"]
+        assert t["step"].endswith(":_Linear") and t["step_kind"] == "module_forward"
+        for i in range(3):
+            view = rf.step(i)
+            assert torch.equal(view.inputs["x"], torch.full((1, 4), float(i)))
+            assert _args(rf, i)["scale"] == 2.0
+            assert dict(view.fields())["output.logits"] == digest(expected[i])  # what the replay wrote
+    from replay.record.discovery import summary_lines
+
+    line = summary_lines([s.report()])[0]
+    assert "replays of a CUDA graph the program captured around this nn.Module's call, 3 calls recorded" in line
+
+
+def test_summary_lines_say_what_was_chosen_and_what_could_not_be_seen() -> None:
+    from replay.record.discovery import summary_lines
+
+    wrapper = [{"rank": 0, "world": 1, "named": [], "ran": {"nets:TinyLM": 16},
+                "chosen": [{"step": "nets:TinyLM", "kind": "module_forward", "inside": "nets:SpeculativeEngine"}], "seen": {}}]
+    assert summary_lines(wrapper) == [
+        "replay: step found with no flags: nets:TinyLM (the nn.Module called repeatedly inside nets:SpeculativeEngine,"
+        " which runs the loop, 16 calls recorded); to record another callable: replay record --step MODULE:QUALNAME -- ..."]
+    tp = [{"rank": r, "world": 2, "named": [], "ran": {"g:step": 4}, "chosen": [{"step": "g:step", "kind": "compiled"}], "seen": {}}
+          for r in range(2)]
+    lines = summary_lines(tp)
+    assert len(lines) == 2 and "g:step ran compiled on 2 ranks: collectives inside it run inside its graph" in lines[1]
+    assert len(summary_lines([{**tp[0], "world": 1}])) == 1  # one rank: no collectives to miss
+    nothing = [{"rank": 0, "named": [], "ran": {}, "chosen": [], "seen": {"m:A": 3, "m:B": 1}}]
+    assert summary_lines(nothing) == ["replay: no step found; outermost nn.Module calls seen: m:A (3), m:B (1);"
+                                      " name the step with --step MODULE:QUALNAME"]
+    never = [{"rank": 0, "named": ["m:f"], "ran": {}, "chosen": [], "seen": {}}]
+    assert summary_lines(never) == ["replay: --step m:f never ran: no call of it was seen (check the module and qualname)"]
+
+
+JIT_PROGRAM = """
+import sys, torch
+torch.manual_seed(0)
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+    def forward(self, x):
+        return self.l(x).tanh()
+m = M().eval()
+m = torch.jit.script(m) if sys.argv[1] == "script" else torch.jit.trace(m, torch.ones(1, 8))
+x = torch.ones(1, 8)
+with torch.no_grad():
+    for _ in range(5):
+        x = m(x)
+print("ok", float(x.sum()))
+"""
+
+
+@pytest.mark.parametrize("how", ["trace", "script"])
+def test_a_jit_traced_or_scripted_model_runs_unchanged_and_nothing_is_claimed(tmp_path: Path, how: str) -> None:
+    """torch.jit.trace calls the module to build its graph: the recorder must not be traced into
+    it (the program used to crash in the trace check), and a step it cannot see is not claimed."""
+    script = tmp_path / "jitprog.py"
+    script.write_text(JIT_PROGRAM)
+    plain = subprocess.run([sys.executable, str(script), how], env=_env(), capture_output=True, text=True, timeout=300)
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script), how])
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout
+    assert "Traceback" not in r.stderr and "Warning" not in r.stderr and "cannot record" not in r.stderr, r.stderr
+    assert "step found with no flags" not in r.stderr
+    assert "replay: no step" in r.stderr and "name the step with --step MODULE:QUALNAME" in r.stderr

@@ -243,3 +243,61 @@ def test_rank_that_stopped_early_is_not_a_divergence(tmp_path, run_cli):
     data = run_cli("info", rec, "--json").json()
     assert data["first_divergence"] is None
     assert [r["steps"] for r in data["ranks"]] == [8, 8, 5]
+
+
+def _streams_recording(tmp_path, *, diverge_rank: int, diverge_step: int):
+    """Two ranks, a target and a draft stream in one loop (T D D T D D ...); from
+    ``diverge_step`` on, ``diverge_rank``'s outputs differ."""
+    import torch
+
+    from replay.record.config import RecorderConfig
+    from replay.record.recorder import Recorder
+
+    out = tmp_path / "rec"
+    order = ["target", "draft", "draft"] * 4
+    for r in range(2):
+        rec = Recorder(RecorderConfig(out=out, part="run-000", rank=r, world_size=2))
+        rec.set_target({"step": "m:M", "stream": "target", "streams": {"target": {}, "draft": {}}})
+        for s, name in enumerate(order):
+            rec.begin_step()
+            rec.record_inputs(x=torch.full((2,), float(s)))
+            rec.record_args(__stream__=name)
+            y = torch.full((3,), float(s))
+            if r == diverge_rank and s >= diverge_step:
+                y[0] += 1
+            rec.record_outputs(logits=y)
+            rec.end_step()
+        rec.close()
+    return out
+
+
+def test_info_labels_divergences_with_their_stream_and_counts_steps_per_stream(tmp_path, run_cli):
+    rec = _streams_recording(tmp_path, diverge_rank=1, diverge_step=5)
+    data = run_cli("info", rec, "--json").json()
+    d = data["first_divergence"]
+    assert (d["step"], d["stream"], d["stream_step"], d["field"]) == (5, "draft", 3, "output.logits")
+    streams = {s["stream"]: s for s in data["streams"]}
+    assert [s["stream"] for s in data["streams"]] == ["target", "draft"]  # in order of first appearance
+    assert (streams["target"]["steps"], streams["draft"]["steps"]) == (4, 8)
+    assert (streams["target"]["first_step"], streams["draft"]["first_step"], streams["draft"]["last_step"]) == (0, 1, 11)
+    # Each stream's own first divergence: the target's is its step 2 (step 6 of the part).
+    td = streams["target"]["first_divergence"]
+    assert (td["step"], td["stream_step"]) == (6, 2)
+    assert streams["draft"]["first_divergence"]["step"] == 5
+    text = run_cli("info", rec).out
+    assert "first divergence        step 5 (stream draft, its step 3): output.logits differs on rank(s)" in text
+    assert "streams     2 models in one loop" in text
+
+
+def test_info_of_one_stream_has_no_stream_labels(tmp_path, run_cli):
+    rec = make_recording(tmp_path, ranks=2, steps=4, diverge_at=2, diverge_rank=1)
+    data = run_cli("info", rec, "--json").json()
+    assert data["streams"] == [] and "stream" not in data["first_divergence"]
+    assert "streams " not in run_cli("info", rec).out
+
+
+def test_the_stream_argument_is_spelled_as_the_recorder_writes_it():
+    from replay import numerics
+    from replay.analysis import streams
+
+    assert streams.STREAM_ARG == numerics.STREAM_ARG

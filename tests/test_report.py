@@ -352,3 +352,27 @@ def test_info_and_report_agree_on_where_and_who(tmp_path, run_cli, ranks, diverg
     odd = [r for i, r in enumerate(rep["agreement"]["ranks"]) if cells[i, col] > Cell.GRAPH]
     assert odd == d["ranks"]
     assert rep["agreement"]["divergent_steps"]["first"][0] == d["step"]
+
+
+def test_report_across_streams_labels_the_divergence_and_lists_each_stream(tmp_path, run_cli):
+    from tests.test_info import _streams_recording
+
+    rec = _streams_recording(tmp_path, diverge_rank=1, diverge_step=5)
+    res = run_cli("report", rec)
+    assert res.code == 0, res.err
+    page = Path(res.out.strip()).read_text()
+    _check_self_contained(page)
+    assert "First divergence: step 5 (stream draft, its step 3), rank 1, field <code>output.logits</code>" in page
+    assert "2 models in one loop" in page
+    assert re.search(r"<td>target</td><td class=\"num\">4</td><td class=\"num\">0</td><td class=\"num\">9</td>"
+                     r"<td>step 6 \(stream target, its step 2\)", page), page[page.find("models in one loop"):][:800]
+    assert "<td>draft</td><td class=\"num\">8</td>" in page
+    # No graphs ran: the next commands compare the recording with a re-run, never --mode both.
+    assert "--between recorded,rerun" in page and "--mode both" not in page
+
+
+def test_report_of_one_rank_makes_no_verdict_across_ranks(tmp_path, run_cli):
+    rec = make_recording(tmp_path, ranks=1, steps=3)
+    page = Path(run_cli("report", rec).out.strip()).read_text()
+    assert "No divergence" not in page and "<b>One rank</b>: nothing to compare across ranks" in page
+    assert f"replay step {rec} --rank 0 --step 2" in page

@@ -44,7 +44,8 @@ class Divergence:
         return f"step {self.step}: {self.field} differs on rank{'s' if len(self.ranks) > 1 else ''} {odd}"
 
 
-def _field_ids(rf: RankFile, names: dict[str, int], prefix: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _field_ids(rf: RankFile, names: dict[str, int], prefix: str | None,
+               steps_kept: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step, global field id, digest) of a rank's field rows, in program order.
 
     Field names are per-file string ids; they are mapped to ids shared by all ranks through a
@@ -59,25 +60,28 @@ def _field_ids(rf: RankFile, names: dict[str, int], prefix: str | None) -> tuple
             lut[int(i)] = names.setdefault(name, len(names))
     gid = lut[f["field"]]
     steps, digests = f["step"], f["digest"]
-    if prefix is not None:
+    if prefix is not None or steps_kept is not None:
         keep = gid >= 0
+        if steps_kept is not None:
+            keep &= np.isin(steps, steps_kept)
         gid, steps, digests = gid[keep], steps[keep], digests[keep]
     return steps, gid, digests
 
 
 def first_divergence(
-    part: Part, *, prefix: str | None = None, ranks: Iterable[int] | None = None
+    part: Part, *, prefix: str | None = None, ranks: Iterable[int] | None = None, steps: np.ndarray | None = None
 ) -> Divergence | None:
     """The first (step, field) at which the ranks' digests disagree.
 
-    ``prefix`` limits the fields compared (``"tokens."`` for the first token divergence).
-    A step a rank never reached is not a disagreement: it is left out for that rank.
+    ``prefix`` limits the fields compared (``"tokens."`` for the first token divergence),
+    ``steps`` the steps (those of one stream, say). A step a rank never reached is not a
+    disagreement: it is left out for that rank.
     """
     chosen = sorted(ranks) if ranks is not None else list(part)
     if len(chosen) < 2:
         return None
     names: dict[str, int] = {}
-    rows = {r: _field_ids(part[r], names, prefix) for r in chosen}
+    rows = {r: _field_ids(part[r], names, prefix, steps) for r in chosen}
     ids = {i: n for n, i in names.items()}
     # Fast path: ranks in lockstep record the same fields in the same order, so their rows line
     # up one to one and a column-wise comparison finds the first difference in O(ranks x rows).

@@ -174,6 +174,35 @@ def readable(part: Part) -> tuple[Part, dict[int, str]]:
     return (part.without(bad) if bad else part), {r: str(e) for r, e in bad.items()}
 
 
+def _label_streams(part: Part, out: dict[str, Any]) -> None:
+    """Several models in one loop (draft and target): the step sequence of each, its own first
+    divergence across ranks, and the stream of each divergence found (issue 14)."""
+    from replay.analysis.streams import step_streams
+
+    out["streams"] = []
+    if not len(part):
+        return
+    rf = part[min(part)]
+    steps, idx, names = step_streams(rf)
+    for i, name in enumerate(names):
+        mine = steps[idx == i]
+        d = first_divergence(part, steps=mine) if len(part) > 1 else None
+        out["streams"].append({"stream": name, "steps": int(mine.size), "first_step": int(mine[0]),
+                               "last_step": int(mine[-1]), "first_divergence": _in_stream(d.to_json(), steps, idx, names) if d else None})
+    for key in ("first_divergence", "first_token_divergence"):
+        if names and out.get(key):
+            out[key] = _in_stream(out[key], steps, idx, names)
+
+
+def _in_stream(d: dict[str, Any], steps: Any, idx: Any, names: list[str]) -> dict[str, Any]:
+    """``d`` with the stream of its step and the step's index within that stream."""
+    at = np.flatnonzero(steps == d["step"])
+    if at.size:
+        i = int(idx[at[0]])
+        d = {**d, "stream": names[i], "stream_step": int(((idx == i) & (steps < d["step"])).sum())}
+    return d
+
+
 def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     world = part.world_size
     part, unreadable = readable(part)
@@ -190,6 +219,7 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     }
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
+    _label_streams(part, out)
     if with_details:
         out["tuner_differences"] = _tuner_differences(part)
         out["kernel_differences"] = _kernel_differences(part)

@@ -41,6 +41,7 @@ def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     s = result.to_json() if isinstance(result, api.InfoResult) else result
     lines = _header(s)
     lines.append(_rank_table(s["ranks"]))
+    lines += _stream_lines(s)
     lines += _rank_problems(s)
     lines += _divergence_lines(s)
     lines += _difference_lines(s)
@@ -76,6 +77,32 @@ def _rank_table(ranks: list[dict[str, Any]]) -> str:
         where = escape(r["host"]) + (f" (node {r['node_rank']})" if r.get("node_rank") is not None else "")
         rows.append([r["rank"], r["steps"], state, r["graphs_captured"], r["graph_steps"], r["eager_steps"], r["raised_steps"], where])
     return table(["rank", "steps", "complete", "graphs", "graph steps", "eager steps", "raised", "host"], rows)
+
+
+def _stream_lines(s: dict[str, Any]) -> list[str]:
+    """Several models in one loop: a step sequence per stream (step numbers count all streams)."""
+    streams = s.get("streams") or []
+    if not streams:
+        return []
+    compared = len(s["ranks"]) > 1
+    rows = []
+    for x in streams:
+        row = [escape(x["stream"]), x["steps"], x["first_step"], x["last_step"]]
+        if compared:
+            d = x.get("first_divergence")
+            row.append(f"step {d['step']} (its step {d.get('stream_step', '?')}): {escape(d['field'])} on rank(s) {_ranks(d['ranks'])}"
+                       if d else "none across ranks")
+        rows.append(row)
+    head = ["stream", "steps", "first step", "last step"] + (["first divergence"] if compared else [])
+    return [f"streams     {len(streams)} models in one loop, one step sequence each (step numbers count all, in program order)",
+            table(head, rows)]
+
+
+def _where(d: dict[str, Any]) -> str:
+    """``step 9`` or ``step 9 (stream target, its step 3)``."""
+    if d.get("stream") is None:
+        return f"step {d['step']}"
+    return f"step {d['step']} (stream {escape(str(d['stream']))}, its step {d.get('stream_step', '?')})"
 
 
 def _rank_problems(s: dict[str, Any]) -> list[str]:
@@ -114,10 +141,10 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
         read = "every rank that can be read" if s["unreadable_ranks"] else "every rank"
         lines = [style(f"no divergence: {read} recorded the same bits at every common step", fg="green")]
     else:
-        lines = [style(f"first divergence        step {d['step']}: {escape(d['field'])} differs on rank(s) "
+        lines = [style(f"first divergence        {_where(d)}: {escape(d['field'])} differs on rank(s) "
                        f"{_ranks(d['ranks'])} (majority: {_ranks(d['majority'])})", fg="red", bold=True)]
     if t is not None:
-        lines.append(style(f"first token divergence  step {t['step']}: {escape(t['field'])} differs on rank(s) "
+        lines.append(style(f"first token divergence  {_where(t)}: {escape(t['field'])} differs on rank(s) "
                            f"{_ranks(t['ranks'])}", fg="red", bold=True))
         margins = s.get("margin_at_token_divergence", {})
         if margins:

@@ -25,7 +25,19 @@ def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torc
     elif hasattr(out, "__dataclass_fields__"):
         pairs = [(k, getattr(out, k)) for k in out.__dataclass_fields__]
     elif isinstance(out, (list, tuple)):
-        pairs = [(names[i] if i < len(names) else f"out{i}", v) for i, v in enumerate(out)]
+        pairs = _sequence_pairs(out, names)
     else:
         return {}
     return {k: v for k, v in pairs if isinstance(v, torch.Tensor)}
+
+
+def _sequence_pairs(out: list | tuple, names: tuple[str, ...] | list[str]) -> list[tuple[str, Any]]:
+    pairs = [(names[i] if i < len(names) else f"out{i}", v) for i, v in enumerate(out)]
+    if names:
+        return pairs
+    shaped = [i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2]
+    if len(shaped) == 1:
+        # ``(logits, past_key_values)`` (HF, return_dict=False) or ``(token, logits)`` (gpt-fast):
+        # the one floating output shaped like logits is named so, as a lone tensor would be.
+        pairs[shaped[0]] = ("logits", out[shaped[0]])
+    return pairs

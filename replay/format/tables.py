@@ -173,22 +173,17 @@ class _Builder:
         )
         return int(c.get("out", "0"), 16), compare
 
-    def step(self, b: dict) -> None:
-        step = int(b["step"])
-        order = 0
-        field_digests: list[tuple[str, int]] = []
-        inputs = [_digest_of(r) for r in b.get("inputs", [])]
-        for r in b.get("inputs", []):
-            self.tensor(step, TensorKind.INPUT, r)
-            field_digests.append((f"input.{r['name']}", _digest_of(r)))
-        run = b.get("run") or {}
-        mode = {"graph": RunMode.GRAPH, "eager": RunMode.EAGER}.get(run.get("mode", ""), RunMode.UNKNOWN)
-        key = str(run.get("key", "")) if mode == RunMode.GRAPH else ""
-        if mode != RunMode.UNKNOWN:
-            field_digests.append(("graph", digest_bytes(f"{run.get('mode')}:{key}:{run.get('padded', -1)}".encode())))
-        replayed = [int(g) for g in b.get("replays", [])]
-        for i, g in enumerate(replayed):
-            self.replays.append((step, i, g))
+    def _step_tensors(self, step: int, kind: TensorKind, records: list[dict], prefix: str | None,
+                      field_digests: list[tuple[str, int]]) -> list[int]:
+        """Store a step's tensors of one kind; their digests (also as fields under ``prefix``)."""
+        digests = [_digest_of(r) for r in records]
+        for r in records:
+            self.tensor(step, kind, r)
+            if prefix is not None:
+                field_digests.append((f"{prefix}.{r['name']}", _digest_of(r)))
+        return digests
+
+    def _step_collectives(self, step: int, b: dict, field_digests: list[tuple[str, int]]) -> int:
         n_coll = 0
         for c in b.get("collectives", []):
             out, compare = self.collective(step, c)
@@ -197,20 +192,30 @@ class _Builder:
                 # repeat every step and the string table stays small.
                 field_digests.append((f"collective.{n_coll}.{c['op']}", out))
             n_coll += 1
-        outputs = [_digest_of(r) for r in b.get("outputs", [])]
-        for r in b.get("outputs", []):
-            self.tensor(step, TensorKind.OUTPUT, r)
-            field_digests.append((f"output.{r['name']}", _digest_of(r)))
-        tokens = [_digest_of(r) for r in b.get("tokens", [])]
-        for r in b.get("tokens", []):
-            self.tensor(step, TensorKind.TOKENS, r)
-            field_digests.append((f"tokens.{r['name']}", _digest_of(r)))
-        rng = [_digest_of(r) for r in b.get("rng", [])]
-        for r in b.get("rng", []):
-            self.tensor(step, TensorKind.RNG, r)
-        for name, dig in field_digests:
+        return n_coll
+
+    def step(self, b: dict) -> None:
+        step = int(b["step"])
+        field_digests: list[tuple[str, int]] = []
+        inputs = self._step_tensors(step, TensorKind.INPUT, b.get("inputs", []), "input", field_digests)
+        run = b.get("run") or {}
+        mode = {"graph": RunMode.GRAPH, "eager": RunMode.EAGER}.get(run.get("mode", ""), RunMode.UNKNOWN)
+        key = str(run.get("key", "")) if mode == RunMode.GRAPH else ""
+        if mode != RunMode.UNKNOWN:
+            field_digests.append(("graph", digest_bytes(f"{run.get('mode')}:{key}:{run.get('padded', -1)}".encode())))
+        replayed = [int(g) for g in b.get("replays", [])]
+        for i, g in enumerate(replayed):
+            self.replays.append((step, i, g))
+        n_coll = self._step_collectives(step, b, field_digests)
+        outputs = self._step_tensors(step, TensorKind.OUTPUT, b.get("outputs", []), "output", field_digests)
+        tokens = self._step_tensors(step, TensorKind.TOKENS, b.get("tokens", []), "tokens", field_digests)
+        rng = self._step_tensors(step, TensorKind.RNG, b.get("rng", []), None, field_digests)
+        for order, (name, dig) in enumerate(field_digests):
             self.fields.append((step, order, self.s(name), dig))
-            order += 1
+        self._step_row(step, b, run, mode, key, replayed, n_coll, (inputs, outputs, tokens, rng))
+
+    def _step_row(self, step: int, b: dict, run: dict, mode: RunMode, key: str, replayed: list[int], n_coll: int,
+                  digests: tuple[list[int], list[int], list[int], list[int]]) -> None:
         status = StepStatus.RAISED if b.get("status") == "raised" else StepStatus.OK
         reason = str(b.get("error") or run.get("reason") or "")
         margin = b.get("margin")
@@ -232,10 +237,7 @@ class _Builder:
                 int(accepted) if accepted is not None else -1,
                 n_coll,
                 args_id,
-                combine_digests(inputs),
-                combine_digests(outputs),
-                combine_digests(tokens),
-                combine_digests(rng),
+                *(combine_digests(d) for d in digests),
             )
         )
 
@@ -394,19 +396,33 @@ def check_payload_bounds(t: RankTables) -> None:
     the string table, a step of 2**62 that a plot tries to draw) is refused here, once, as
     damage (``ValueError``).
     """
+    _check_stored_tensors(t)
+    _check_string_ids(t)
+    _check_steps(t)
+    _check_tensor_ids(t)
+
+
+def _check_stored_tensors(t: RankTables) -> None:
     stored = t.tensors[t.tensors["offset"] >= 0]
-    if stored.size:
-        # Each bound on its own: offset + nbytes could wrap around in int64.
-        if (int(stored["nbytes"].min()) < 0 or int(stored["offset"].max()) > t.payload_size
-                or int(stored["nbytes"].max()) > t.payload_size
-                or int((stored["offset"] + stored["nbytes"]).max()) > t.payload_size):
-            raise ValueError("a tensor lies beyond the end of the payload file")
+    if not stored.size:
+        return
+    # Each bound on its own: offset + nbytes could wrap around in int64.
+    if (int(stored["nbytes"].min()) < 0 or int(stored["offset"].max()) > t.payload_size
+            or int(stored["nbytes"].max()) > t.payload_size
+            or int((stored["offset"] + stored["nbytes"]).max()) > t.payload_size):
+        raise ValueError("a tensor lies beyond the end of the payload file")
+
+
+def _check_string_ids(t: RankTables) -> None:
     n_strings = len(t.strings)
     for table, columns in _STRING_COLUMNS.items():
         rows = getattr(t, table)
         for col in columns:
             if rows.size and (int(rows[col].min()) < -1 or int(rows[col].max()) >= n_strings):
                 raise ValueError(f"table /{table}: column {col} names a string that is not in /strings")
+
+
+def _check_steps(t: RankTables) -> None:
     steps = t.steps["step"]
     if steps.size and int(steps.min()) < 0:
         raise ValueError("table /steps: a negative step")
@@ -417,6 +433,9 @@ def check_payload_bounds(t: RankTables) -> None:
         col = getattr(t, table)["step"]
         if col.size and (int(col.min()) < -1 or int(col.max()) > hi):
             raise ValueError(f"table /{table}: a step outside the recorded steps (0..{hi - 1})")
+
+
+def _check_tensor_ids(t: RankTables) -> None:
     n = t.tensors.size
     out = t.collectives["out_tensor"]
     if out.size and n and (int(out.min()) < -1 or int(out.max()) >= n):

@@ -12,7 +12,7 @@ import torch
 from replay.core.outputs import name_outputs  # noqa: F401 - the vocabulary moved below record and rerun
 from replay.core.state import module_state  # noqa: F401
 
-__all__ = ["to_json_safe", "module_state", "split_arguments", "name_outputs", "access", "attribute_holding", "call_key", "weakrefable", "capturing"]
+__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "tracing"]
 
 _SCALARS = (int, float, bool, str, type(None))
 
@@ -31,38 +31,62 @@ class NotJSON(TypeError):
     """A value ``to_json_safe`` cannot turn into JSON (a tensor, a model, an open file, ...)."""
 
 
+def _json_leaf(v: Any) -> tuple[bool, Any]:
+    """(True, JSON) for the leaves of a config (scalars, enums, dtypes, devices, paths)."""
+    import enum
+    import os
+
+    if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
+        return True, v
+    if isinstance(v, float):
+        return True, (v if v == v and v not in (float("inf"), float("-inf")) else str(v))
+    if isinstance(v, (torch.dtype, torch.device)):
+        return True, str(v)
+    if isinstance(v, os.PathLike):
+        return True, os.fspath(v)
+    if isinstance(v, enum.Enum):
+        return False, v.value
+    return False, None
+
+
+def _json_fields(v: Any) -> dict[Any, Any] | list[Any] | None:
+    """The fields of a config container (dataclass, namespace, dict, sequence, set, namedtuple)."""
+    import dataclasses
+    import types
+
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+    if isinstance(v, types.SimpleNamespace) or type(v).__name__ == "Namespace":
+        return dict(vars(v))
+    if hasattr(v, "_asdict") and isinstance(v, tuple):
+        return dict(v._asdict())
+    if isinstance(v, dict):
+        return v
+    if isinstance(v, (set, frozenset)):
+        return sorted(v, key=repr)
+    if isinstance(v, (list, tuple)):
+        return list(v)
+    return None
+
+
 def to_json_safe(v: Any, _depth: int = 0) -> Any:
     """A config as JSON: dataclasses and namespaces as dicts of their fields, enums by value,
     paths, dtypes and devices as strings, tuples and sets as lists. Raises ``NotJSON`` for
     anything else (a tensor, a module): a config is data, not objects."""
-    import dataclasses
     import enum
-    import os
-    import types
 
     if _depth > 32:
         raise NotJSON("nested more than 32 levels deep")
+    leaf, value = _json_leaf(v)
+    if leaf:
+        return value
     if isinstance(v, enum.Enum):
-        return to_json_safe(v.value, _depth + 1)
-    if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
-        return v
-    if isinstance(v, float):
-        return v if v == v and v not in (float("inf"), float("-inf")) else str(v)
-    if isinstance(v, (torch.dtype, torch.device)):
-        return str(v)
-    if isinstance(v, os.PathLike):
-        return os.fspath(v)
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return {f.name: to_json_safe(getattr(v, f.name), _depth + 1) for f in dataclasses.fields(v)}
-    if isinstance(v, types.SimpleNamespace) or type(v).__name__ == "Namespace":
-        return {str(k): to_json_safe(x, _depth + 1) for k, x in vars(v).items()}
-    if isinstance(v, dict):
-        return {str(k.value if isinstance(k, enum.Enum) else k): to_json_safe(x, _depth + 1) for k, x in v.items()}
-    if isinstance(v, (list, tuple, set, frozenset)):
-        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-        return [to_json_safe(x, _depth + 1) for x in items]
-    if hasattr(v, "_asdict"):
-        return to_json_safe(v._asdict(), _depth + 1)
+        return to_json_safe(value, _depth + 1)
+    fields = _json_fields(v)
+    if isinstance(fields, dict):
+        return {str(k.value if isinstance(k, enum.Enum) else k): to_json_safe(x, _depth + 1) for k, x in fields.items()}
+    if isinstance(fields, list):
+        return [to_json_safe(x, _depth + 1) for x in fields]
     raise NotJSON(f"a {type(v).__name__} is not JSON data")
 
 
@@ -106,48 +130,129 @@ def attribute_holding(owner: Any, value: Any) -> str | None:
     return None
 
 
+# The recorded arguments' reserved key holding the shape of nested tensor arguments.
+STRUCTURE_ARG = "__structure__"
+_MAX_NESTED = 1 << 16
+
+
+def flatten_tensors(name: str, v: Any) -> tuple[dict[str, torch.Tensor], Any] | None:
+    """A container of tensors (lists, tuples, dicts, nested, with ``None`` holes: an HF
+    ``past_key_values``) as ``{name.i.j: tensor}`` and its structure for ``rebuild_inputs``;
+    None when ``v`` is not such a container (no tensor in it, or anything else inside)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, x: Any, depth: int) -> Any:
+        if isinstance(x, torch.Tensor):
+            out[prefix] = x
+            return "tensor"
+        if x is None:
+            return None
+        if depth > 8 or len(out) > _MAX_NESTED:
+            raise ValueError("too deep")
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return {"type": "tuple" if isinstance(x, tuple) else "list", "items": [walk(f"{prefix}.{i}", y, depth + 1) for i, y in enumerate(x)]}
+        if isinstance(x, dict) and all(isinstance(k, str) and "." not in k for k in x):
+            return {"type": "dict", "keys": list(x), "items": [walk(f"{prefix}.{k}", y, depth + 1) for k, y in x.items()]}
+        raise ValueError("not a tensor container")
+
+    try:
+        structure = walk(name, v, 0)
+    except ValueError:
+        return None
+    return (out, structure) if out else None
+
+
+def rebuild_inputs(inputs: dict[str, torch.Tensor], structures: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Inverse of ``split_arguments``'s flattening: ``{name: tensor or container}``.
+
+    ``structures`` (the recorded ``__structure__`` argument) gives nested containers their
+    types and ``None`` holes; without it, one level: digit keys make a list, others a dict."""
+    structures = structures or {}
+    out: dict[str, Any] = {}
+    flat: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in inputs.items():
+        base, dot, sub = k.partition(".")
+        if base in structures:
+            continue
+        if dot:
+            flat.setdefault(base, {})[sub] = v
+        else:
+            out[k] = v
+    for base, items in flat.items():
+        out[base] = [items[s] for s in sorted(items, key=int)] if all(s.isdigit() for s in items) else items
+
+    def build(prefix: str, spec: Any) -> Any:
+        if spec == "tensor":
+            return inputs[prefix]
+        if not isinstance(spec, dict):
+            return None
+        if spec.get("type") == "dict":
+            return {k: build(f"{prefix}.{k}", s) for k, s in zip(spec.get("keys", []), spec.get("items", []))}
+        items = [build(f"{prefix}.{i}", s) for i, s in enumerate(spec.get("items", []))]
+        return tuple(items) if spec.get("type") == "tuple" else items
+
+    for base, spec in structures.items():
+        out[base] = build(base, spec)
+    return out
+
+
+def _argument_pairs(bound: inspect.BoundArguments, skip_first: bool) -> list[tuple[str, Any]]:
+    """(name, value) of every argument, ``*args`` as ``name.i`` and ``**kwargs`` by key."""
+    items = list(bound.arguments.items())
+    if skip_first and items:
+        items = items[1:]
+    params = bound.signature.parameters
+    pairs: list[tuple[str, Any]] = []
+    for name, value in items:
+        kind = params[name].kind
+        if kind == inspect.Parameter.VAR_KEYWORD and isinstance(value, dict):
+            pairs += list(value.items())
+        elif kind == inspect.Parameter.VAR_POSITIONAL:
+            pairs += [(f"{name}.{i}", v) for i, v in enumerate(value)]
+        else:
+            pairs.append((name, value))
+    return pairs
+
+
+def _plain_container(v: Any, found: tuple[dict[str, torch.Tensor], Any]) -> bool:
+    """A flat list or str-keyed dict of tensors only: recorded without a structure (as before)."""
+    _, structure = found
+    items = structure.get("items", []) if isinstance(structure, dict) else []
+    return isinstance(v, (list, dict)) and all(s == "tensor" for s in items)
+
+
 def split_arguments(
     bound: inspect.BoundArguments, skip_first: bool, owner: Any = None, target_arg: Any = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A step's arguments: tensors (recorded as inputs) and the rest (recorded as JSON).
 
-    An object that is an attribute of ``owner`` (the step's object) is recorded as
-    ``{"attr": name}``; ``target_arg`` (the step's object when it is an argument of a function
-    step) as ``{"target": true}``; anything else as ``{"unrecorded": type}``."""
+    Containers of tensors are flattened to ``name.i`` inputs (nested ones, tuples and ``None``
+    holes with their shape under ``__structure__``, see ``rebuild_inputs``). An object that is
+    an attribute of ``owner`` (the step's object) is recorded as ``{"attr": name}``;
+    ``target_arg`` (the step's object when it is an argument of a function step) as
+    ``{"target": true}``; anything else as ``{"unrecorded": type}``."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
-    items = list(bound.arguments.items())
-    if skip_first and items:
-        items = items[1:]
-    params = bound.signature.parameters
-    for name, value in items:
-        kind = params[name].kind
-        if kind == inspect.Parameter.VAR_KEYWORD and isinstance(value, dict):
-            pairs = list(value.items())
-        elif kind == inspect.Parameter.VAR_POSITIONAL:
-            pairs = [(f"{name}.{i}", v) for i, v in enumerate(value)]
+    structures: dict[str, Any] = {}
+    for n, v in _argument_pairs(bound, skip_first):
+        if isinstance(v, torch.Tensor):
+            tensors[n] = v
+            continue
+        found = flatten_tensors(n, v) if isinstance(v, (list, tuple, dict)) else None
+        if found is not None:
+            tensors.update(found[0])
+            if not _plain_container(v, found):
+                structures[n] = found[1]
+        elif target_arg is not None and v is target_arg:
+            # The step's object passed as an argument (``decode_one_token(model, ...)``):
+            # a re-run passes the object it rebuilt.
+            scalars[n] = {"target": True, "type": type(v).__name__}
+        elif (attr := attribute_holding(owner, v) if not isinstance(v, (list, tuple, dict, torch.dtype)) else None):
+            scalars[n] = {"attr": attr, "type": type(v).__name__}
         else:
-            pairs = [(name, value)]
-        for n, v in pairs:
-            if isinstance(v, torch.Tensor):
-                tensors[n] = v
-            elif isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
-                for i, x in enumerate(v):
-                    tensors[f"{n}.{i}"] = x
-            elif isinstance(v, dict) and v and all(isinstance(x, torch.Tensor) for x in v.values()):
-                for k, x in v.items():
-                    tensors[f"{n}.{k}"] = x
-            else:
-                if target_arg is not None and v is target_arg:
-                    # The step's object passed as an argument (``decode_one_token(model, ...)``):
-                    # a re-run passes the object it rebuilt.
-                    scalars[n] = {"target": True, "type": type(v).__name__}
-                    continue
-                attr = attribute_holding(owner, v) if not isinstance(v, (list, tuple, dict, torch.dtype)) else None
-                if attr:
-                    scalars[n] = {"attr": attr, "type": type(v).__name__}
-                    continue
-                scalars[n] = _jsonable(v)
+            scalars[n] = _jsonable(v)
+    if structures:
+        scalars[STRUCTURE_ARG] = structures
     return tensors, scalars
 
 
@@ -161,7 +266,36 @@ def access(obj: Any, name: str | None) -> Any:
     return attr() if callable(attr) and not isinstance(attr, torch.nn.Module) else attr
 
 
+def tracing() -> bool:
+    """A graph is being built from Python calls (``torch.jit.trace``, ``torch.fx`` symbolic
+    tracing): a call now is the tracer's, and anything the recorder did would be traced into
+    the program's graph."""
+    if torch._C._get_tracing_state() is not None:
+        return True
+    return bool(_fx_tracing is not None and _fx_tracing())
+
+
+def _fx_tracer() -> Any:
+    # ``is_fx_tracing`` also answers for torch.export and logs a warning saying so: the one for
+    # symbolic tracing alone says nothing.
+    try:
+        from torch.fx import _symbolic_trace as st
+    except ImportError:  # pragma: no cover - a torch without it
+        return None
+    fn = getattr(st, "is_fx_symbolic_tracing", None)
+    if fn is not None:
+        return fn
+    # Older torch: the flag itself (is_fx_tracing() would log a warning into the program's output).
+    return lambda: bool(getattr(st, "_is_fx_tracing_flag", False))
+
+
+_fx_tracing = _fx_tracer()
+
+
 def capturing() -> bool:
+    """A CUDA graph is being captured, or a tracer is building a graph: not a step to record."""
+    if tracing():
+        return True
     return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 

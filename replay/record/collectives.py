@@ -86,7 +86,24 @@ def _wrap(session: Any, dist: Any, name: str, fn: Callable[..., Any], spec: Coll
             session.warn_once(f"coll:{name}", f"cannot record {name} ({e})")
         return work
 
+    import functools
+
+    functools.update_wrapper(collective, fn)  # its signature, for Dynamo's rewrite of it (below)
     return collective
+
+
+def _teach_dynamo(pairs: list[tuple[Callable[..., Any], Callable[..., Any]]]) -> None:
+    """Dynamo turns torch.distributed's collectives into traceable ones by function identity,
+    and checks ``fn in (dist.all_reduce, ...)``, which is now our wrapper: mapping each wrapper
+    to what its original maps to makes a compiled program trace the same collective as without
+    the recorder (else ``torch.compile`` of a step with ``dist.all_reduce`` raises)."""
+    try:
+        from torch.distributed._functional_collectives import traceable_collective_remaps as remaps
+    except Exception:  # noqa: BLE001 - a torch without them: nothing to teach
+        return
+    for orig, wrapped in pairs:
+        if orig in remaps:
+            remaps[wrapped] = remaps[orig]
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -155,14 +172,17 @@ def install(session: Any, dist: Any) -> None:
     c10d = getattr(dist, "distributed_c10d", None)
     if c10d is None or getattr(c10d, "__replay_patched__", False):
         return
+    pairs = []
     for name, spec in COLLECTIVES.items():
         fn = getattr(c10d, name, None)
         if fn is None:
             continue
         wrapped = _wrap(session, dist, name, fn, spec)
+        pairs.append((fn, wrapped))
         setattr(c10d, name, wrapped)
         if getattr(dist, name, None) is fn:
             setattr(dist, name, wrapped)
+    _teach_dynamo(pairs)
     orig_init = c10d.init_process_group
     orig_destroy = c10d.destroy_process_group
 

@@ -4,6 +4,9 @@ Kernels are read from the graph itself: capture runs in CUDA graph debug mode an
 dumped as DOT after capture, which lists each kernel node's function and launch dimensions.
 On machines without CUDA, runners that stand in for graphs are described by the operators they
 ran while capturing (``OpLog``).
+
+With no step named, a graph the program captured around a module call and then replays is a
+step candidate: each replay outside a step is recorded as that module's call (``discovery``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import re
 import tempfile
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -157,10 +161,16 @@ def install(session: Any, module: Any) -> None:
                 self.enable_debug_mode()
             except Exception:  # noqa: BLE001
                 pass
-        return orig_begin(self, *args, **kwargs)
+        out = orig_begin(self, *args, **kwargs)
+        if getattr(session, "_discover", False) and not session.disabled:
+            _watch_capture(self)
+        return out
 
     def capture_end(self: Any) -> Any:
-        out = orig_end(self)
+        try:
+            out = orig_end(self)
+        finally:
+            _end_capture(self)
         kernels: list[dict[str, Any]] = []
         if wants_kernels and not session.disabled:
             try:
@@ -179,7 +189,7 @@ def install(session: Any, module: Any) -> None:
             session.warn_once("capture", f"cannot record a CUDA graph capture ({e})")
         return out
 
-    def replay(self: Any) -> Any:
+    def plain_replay(self: Any) -> Any:
         out = orig_replay(self)
         try:
             session.on_cuda_graph_replayed(self)
@@ -187,8 +197,73 @@ def install(session: Any, module: Any) -> None:
             session.warn_once("replay", f"cannot record a CUDA graph replay ({e})")
         return out
 
+    def replay(self: Any) -> Any:
+        call = _captured_call(self) if getattr(session, "_discover", False) else None
+        if call is None or getattr(session._local, "depth", 0) or session.disabled:
+            return plain_replay(self)
+        from replay.record.discovery import graph_replay_step
+
+        return graph_replay_step(session, call, lambda: plain_replay(self))
+
     cls.capture_begin, cls.capture_end, cls.replay = capture_begin, capture_end, replay
     cls.__replay_patched__ = True
+
+
+class _CaptureWatch:
+    """The outermost ``nn.Module`` call made while a graph is captured (hooks installed for the
+    capture only): its arguments are the graph's static inputs, its result the static outputs,
+    so each replay of the graph is a call of that module with what those tensors hold then."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.call: tuple[Any, tuple, dict, Any] | None = None
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self.handles = [register_module_forward_pre_hook(self._pre),
+                        register_module_forward_hook(self._post, with_kwargs=True, always_call=True)]
+
+    def _pre(self, _m: Any, _args: Any) -> None:
+        self.depth += 1
+
+    def _post(self, m: Any, args: Any, kwargs: Any, out: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0 and self.call is None:
+            self.call = (m, tuple(args), dict(kwargs or {}), out)
+
+    def stop(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+_watching: dict[int, _CaptureWatch] = {}
+_calls: "weakref.WeakKeyDictionary[Any, tuple[Any, tuple, dict, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _watch_capture(graph: Any) -> None:
+    try:
+        _watching[id(graph)] = _CaptureWatch()
+    except Exception:  # noqa: BLE001 - only discovery through this graph is lost
+        pass
+
+
+def _end_capture(graph: Any) -> None:
+    watch = _watching.pop(id(graph), None)
+    if watch is None:
+        return
+    watch.stop()
+    if watch.call is not None:
+        try:
+            _calls[graph] = watch.call
+        except TypeError:
+            pass
+
+
+def _captured_call(graph: Any) -> tuple[Any, tuple, dict, Any] | None:
+    try:
+        return _calls.get(graph)
+    except TypeError:
+        return None
 
 
 class OpLog(TorchDispatchMode):

@@ -25,9 +25,12 @@ from typing import Any, Callable
 
 import torch
 
+from replay.record.calls import tracing
+from replay.record.hooks import patch_callable
 from replay.record.launch import module_name
 
-__all__ = ["Watcher", "write_report", "read_reports", "summary_lines"]
+__all__ = ["Watcher", "write_report", "read_reports", "summary_lines", "on_outermost", "on_loop", "choose_module", "step_name",
+           "compiled_replaces", "choose_compiled", "graph_replay_step"]
 
 # A --step function of __main__ not seen after this many module calls is given up on (the
 # hooks cost every module call a few µs while installed).
@@ -38,15 +41,25 @@ _MAX_OUTERMOST = 200
 
 
 class Watcher:
-    """Global module-call hooks, installed while something is left to find."""
+    """Global module-call hooks, installed while something is left to find.
 
-    def __init__(self, *, on_outermost: Callable[[torch.nn.Module], None] | None, scan: Callable[[], bool] | None) -> None:
+    ``on_outermost(module)`` answers each outermost module call: ``"chosen"`` (its class is the
+    step now), ``"keep"`` (keep looking) or ``"stop"``. While the call that chose runs, the
+    watcher looks one level in: a module instance (with submodules) called twice there means
+    the chosen module runs the whole loop (a wrapper called once, the model inside it many
+    times), and ``on_loop(outer, inner)`` is told; discovery stops when that call returns."""
+
+    def __init__(self, *, on_outermost: Callable[[torch.nn.Module], str] | None, scan: Callable[[], bool] | None,
+                 on_loop: Callable[[torch.nn.Module, torch.nn.Module], None] | None = None) -> None:
         self.on_outermost = on_outermost
+        self.on_loop = on_loop
         self.scan = scan
         self.seen: Counter[str] = Counter()
         self._local = threading.local()
         self._handles: list[Any] = []
         self._scans = 0
+        self._inside: torch.nn.Module | None = None
+        self._inner: Counter[int] = Counter()
 
     def install(self) -> None:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -62,12 +75,13 @@ class Watcher:
 
     def done_discovering(self) -> None:
         self.on_outermost = None
+        self._inside = None
         if self.scan is None:
             self.remove()
 
     def done_scanning(self) -> None:
         self.scan = None
-        if self.on_outermost is None:
+        if self.on_outermost is None and self._inside is None:
             self.remove()
 
     def _pre(self, module: torch.nn.Module, _args: Any) -> None:
@@ -81,21 +95,140 @@ class Watcher:
                 if self.scan() or self._scans > _MAX_SCANS:
                     self.done_scanning()
             if depth == 0:
-                cls = type(module)
-                self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
-                if self.on_outermost is not None:
-                    self.on_outermost(module)
-                    if sum(self.seen.values()) > _MAX_OUTERMOST:
-                        self.done_discovering()
+                self._outermost(module)
+            elif depth == 1 and self._inside is not None:
+                self._one_level_in(module)
         except Exception:  # noqa: BLE001 - never into the program
             self.remove()
         return None
 
+    def _outermost(self, module: torch.nn.Module) -> None:
+        cls = type(module)
+        self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
+        if self.on_outermost is None:
+            return
+        answer = self.on_outermost(module)
+        if answer == "chosen":
+            self._inside, self._inner = module, Counter()
+        elif answer == "stop" or sum(self.seen.values()) > _MAX_OUTERMOST:
+            self.done_discovering()
+
+    def _one_level_in(self, module: torch.nn.Module) -> None:
+        if next(iter(module.children()), None) is None:
+            return  # a leaf called twice (an activation, a norm) is part of a model, not a loop
+        self._inner[id(module)] += 1
+        if self._inner[id(module)] >= 2:
+            outer = self._inside
+            self.done_discovering()
+            if self.on_loop is not None and outer is not None:
+                self.on_loop(outer, module)
+
     def _post(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
         if torch.compiler.is_compiling():
             return None
-        self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+        depth = max(0, getattr(self._local, "depth", 1) - 1)
+        self._local.depth = depth
+        if depth == 0 and self._inside is not None:
+            self.done_discovering()  # the chosen module's call returned: it is the step
         return None
+
+
+def step_name(cls: type) -> str:
+    return f"{module_name(cls.__module__)}:{cls.__qualname__}"
+
+
+def on_outermost(session: Any, module: torch.nn.Module) -> str:
+    """The first outermost module call of an undiscovered program: its class's forward is the
+    step (its later calls are recorded: this one is already running)."""
+    if not session._discover or session._chosen or session.disabled:
+        return "stop"
+    cls = type(module)
+    if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__ or isinstance(module, torch.jit.ScriptModule):
+        return "keep"  # compiled, scripted or traced modules and local classes cannot be patched: keep looking
+    if tracing():
+        return "keep"  # torch.jit.trace / fx calling the module to build a graph: not the program's loop
+    return "chosen" if choose_module(session, cls) else "stop"
+
+
+def choose_module(session: Any, cls: type, **note: str) -> bool:
+    target = step_name(cls)
+    spec = session._spec_from_settings(target, "module_forward")
+    session._chosen.append({"step": target, "kind": "module_forward", **note})
+    try:
+        patch_callable(f"{cls.__module__}:{cls.__qualname__}", lambda fn, t, spec=spec: session._wrap_step(fn, t, spec))
+    except Exception as e:  # noqa: BLE001
+        session._chosen.pop()
+        session.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
+        return False
+    return True
+
+
+def graph_replay_step(session: Any, call: tuple[Any, tuple, dict, Any], replay: Callable[[], Any]) -> Any:
+    """A replay of a CUDA graph captured around ``call`` (module, args, kwargs, output), outside
+    any step: recorded as a step of that module, its inputs the static input tensors as the
+    program filled them, its outputs the static outputs the replay wrote."""
+    import inspect
+
+    module, args, kwargs, out = call
+    cls = type(module)
+    result: list[Any] = []
+
+    def run(*_a: Any, **_k: Any) -> Any:
+        result.append(replay())
+        return out
+
+    try:
+        if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__:
+            return replay()
+        target = step_name(cls)
+        spec = session._spec_from_settings(target, "module_forward")
+        sig = inspect.signature(cls.forward)
+        with session._lock:
+            mine = [c for c in session._chosen if c["step"] == target]
+            if not mine:
+                session._chosen.append({"step": target, "kind": "cuda_graph"})
+            elif mine[0]["kind"] == "module_forward":
+                mine[0]["kind"] = "cuda_graph"
+    except Exception:  # noqa: BLE001 - never into the program: a plain replay
+        return replay()
+    session._call_step(spec, run, sig, True, (module, *args), kwargs)
+    return result[0] if result else None
+
+
+def compiled_replaces(chosen: list[dict[str, str]], ran: Counter[str], target: str) -> list[dict[str, str]] | None:
+    """The earlier choices a compiled callable ``target`` replaces as the step (modules chosen
+    eagerly that recorded nothing: prefill ran eagerly, decode runs compiled), or None when it
+    is not the step. Another instance of a compiled module already chosen is a stream of it."""
+    same = [c for c in chosen if c["step"] == target]
+    earlier = [c for c in chosen if c["kind"] != "compiled" and not ran.get(c["step"]) and c["step"] != target]
+    if same:
+        # The module chosen eagerly is the one whose call is compiled (``m.forward =
+        # torch.compile(m.forward)``): one step, recorded at the compiled boundary.
+        for c in same:
+            c["kind"] = "compiled"
+        return earlier
+    return None if chosen and not earlier else earlier
+
+
+def choose_compiled(chosen: list[dict[str, str]], target: str) -> None:
+    if not any(c["step"] == target for c in chosen):
+        chosen.append({"step": target, "kind": "compiled"})
+
+
+def on_loop(session: Any, outer: torch.nn.Module, inner: torch.nn.Module) -> None:
+    """``outer`` (chosen at its first call) runs the loop: the module it calls repeatedly is
+    the step instead (every instance of its class, a draft and its target being streams)."""
+    outer_target = step_name(type(outer))
+    with session._lock:
+        if session._ran.get(outer_target) or not any(c["step"] == outer_target for c in session._chosen):
+            return  # it recorded steps already, or a compiled callable replaced it
+        session._inactive.add(outer_target)
+        session._chosen = [c for c in session._chosen if c["step"] != outer_target]
+    cls = type(inner)
+    if cls.__name__ == "OptimizedModule":
+        return  # its compiled forward's boundary records it
+    if "<locals>" not in cls.__qualname__:
+        choose_module(session, cls, inside=outer_target)
 
 
 def write_report(out: Path, data: dict[str, Any]) -> None:
@@ -127,7 +260,51 @@ def read_reports(out: Path) -> list[dict[str, Any]]:
 _HOW = {
     "compiled": "a torch.compile'd callable",
     "module_forward": "the outermost nn.Module's forward",
+    "cuda_graph": "replays of a CUDA graph the program captured around this nn.Module's call",
 }
+
+
+def _merged(reports: list[dict[str, Any]]) -> tuple[Counter[str], set[str], dict[str, dict[str, Any]], Counter[str]]:
+    """(calls per step, steps named, the first choice per step, outermost module calls seen)."""
+    ran: Counter[str] = Counter()
+    named: set[str] = set()
+    chosen: dict[str, dict[str, Any]] = {}
+    seen: Counter[str] = Counter()
+    for r in reports:
+        ran.update({str(k): int(v) for k, v in (r.get("ran") or {}).items()})
+        named.update(str(s) for s in r.get("named") or [])
+        for c in r.get("chosen") or []:
+            if isinstance(c, dict):
+                chosen.setdefault(str(c.get("step")), c)
+        seen.update({str(k): int(v) for k, v in (r.get("seen") or {}).items()})
+    return ran, named, chosen, seen
+
+
+def _chosen_line(step: str, c: dict[str, Any], n: int) -> str:
+    from replay.textsafe import escape
+
+    kind = str(c.get("kind"))
+    how = _HOW.get(kind, kind)
+    if kind == "module_forward" and c.get("inside"):
+        how = f"the nn.Module called repeatedly inside {escape(str(c['inside']))}, which runs the loop"
+    return (f"replay: step found with no flags: {escape(step)} ({how}, {n} call{'s' if n != 1 else ''} recorded);"
+            f" to record another callable: replay record --step MODULE:QUALNAME -- ...")
+
+
+def _nothing_found(seen: Counter[str], chosen: str | None = None) -> str:
+    from replay.textsafe import escape
+
+    if chosen is not None:
+        # Found at its first call, which was already running: it never ran again (the program
+        # went on with a traced or scripted copy, say), so no step of it is in the recording.
+        most = ", ".join(f"{escape(k)} ({v})" for k, v in seen.most_common(5)) or "none"
+        return (f"replay: no step recorded: {escape(chosen)} was chosen at its first call but never ran again;"
+                f" outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME")
+    if seen:
+        most = ", ".join(f"{escape(k)} ({v})" for k, v in seen.most_common(5))
+        return f"replay: no step found; outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME"
+    return ("replay: no step found: no nn.Module forward or torch.compile'd function ran;"
+            " name the step with --step MODULE:QUALNAME")
 
 
 def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
@@ -135,50 +312,36 @@ def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
     what was seen when none was found, and every named step that never ran."""
     from replay.textsafe import escape
 
-    lines: list[str] = []
-    ran: Counter[str] = Counter()
-    named: set[str] = set()
-    chosen: dict[str, str] = {}
-    seen: Counter[str] = Counter()
-    for r in reports:
-        ran.update({str(k): int(v) for k, v in (r.get("ran") or {}).items()})
-        named.update(str(s) for s in r.get("named") or [])
-        for c in r.get("chosen") or []:
-            chosen.setdefault(str(c.get("step")), str(c.get("kind")))
-        seen.update({str(k): int(v) for k, v in (r.get("seen") or {}).items()})
-    inside: dict[str, str] = {}
-    for r in reports:
-        for c in r.get("chosen") or []:
-            if c.get("kind") == "boundary":
-                inside[str(c.get("inside"))] = str(c.get("step"))
-    for mod_step, at in inside.items():
-        lines.append(
-            f"replay: --step {escape(mod_step)} runs inside torch.compile'd {escape(at)}, where the recorder cannot see:"
-            f" recorded at that boundary ({ran.get(at, 0)} calls)"
-        )
-    for step, kind in chosen.items():
-        if kind == "boundary":
-            continue
-        n = ran.get(step, 0)
-        lines.append(
-            f"replay: step found with no flags: {escape(step)} ({_HOW.get(kind, kind)}, {n} call{'s' if n != 1 else ''} recorded);"
-            f" to record another callable: replay record --step MODULE:QUALNAME -- ..."
-        )
-    for step in sorted(named):
-        if not ran.get(step) and step not in inside:
-            lines.append(f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)")
+    ran, named, chosen, seen = _merged(reports)
+    # A named nn.Module step inside a compiled callable is recorded at that callable's boundary.
+    inside = {str(c.get("inside")): step for step, c in chosen.items() if c.get("kind") == "boundary"}
+    lines = [
+        f"replay: --step {escape(mod_step)} runs inside torch.compile'd {escape(at)}, where the recorder cannot see:"
+        f" recorded at that boundary ({ran.get(at, 0)} calls)"
+        for mod_step, at in inside.items()
+    ]
+    lines += [_chosen_line(step, c, ran.get(step, 0)) if ran.get(step) or c.get("kind") != "module_forward"
+              else _nothing_found(seen, step) for step, c in chosen.items() if c.get("kind") != "boundary"]
+    lines += [f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)"
+              for step in sorted(named) if not ran.get(step) and step not in inside]
     if not chosen and not named and not ran and reports:
-        if seen:
-            most = ", ".join(f"{escape(k)} ({v})" for k, v in seen.most_common(5))
-            lines.append(
-                f"replay: no step found; outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME"
-            )
-        else:
-            lines.append(
-                "replay: no step found: no nn.Module forward or torch.compile'd function ran;"
-                " name the step with --step MODULE:QUALNAME"
-            )
+        lines.append(_nothing_found(seen))
+    lines += _compiled_collectives(reports, chosen, ran)
     return lines
+
+
+def _compiled_collectives(reports: list[dict[str, Any]], chosen: dict[str, dict[str, Any]], ran: Counter[str]) -> list[str]:
+    """Where the recorder cannot see: a compiled step of a multi-rank run has its collectives
+    inside the compiled graph, never through torch.distributed's Python functions."""
+    from replay.textsafe import escape
+
+    world = max((int(r.get("world") or 1) for r in reports), default=1)
+    compiled = [step for step, c in chosen.items() if c.get("kind") in ("compiled", "boundary") and ran.get(step)]
+    if world < 2 or not compiled:
+        return []
+    return [f"replay: {escape(compiled[0])} ran compiled on {world} ranks: collectives inside it run inside its graph"
+            " and are not recorded one by one, so one rank cannot re-run alone on them; re-run all ranks, or record"
+            " with the program's compile off for that"]
 
 
 def watch_main_defs(names: set[str], found: Callable[[], bool]) -> bool:

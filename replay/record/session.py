@@ -125,13 +125,14 @@ class Session(GraphEvents):
         profiles = list(PROFILES.values()) if s.profile == "auto" else [PROFILES[s.profile]] if s.profile in PROFILES else []
         for p in profiles:
             when_imported(p.trigger, lambda _m, p=p: self._activate(p))
-        from replay.record import collectives, compiled, cuda_graphs, tuners
+        from replay.record import collectives, compiled, cuda_graphs, discovery, tuners
         from replay.record.discovery import Watcher
 
         compiled.install(self)
         self._watcher = Watcher(
             on_outermost=self._on_outermost if self._discover else None,
             scan=self._scan_main if self._main_pending else None,
+            on_loop=lambda outer, inner: discovery.on_loop(self, outer, inner),
         )
         if self._discover or self._main_pending:
             self._watcher.install()
@@ -395,9 +396,11 @@ class Session(GraphEvents):
                     return spec
         if not self._discover or getattr(self._local, "depth", 0):
             return None
+        from replay.record import discovery  # issue 14: discovery's choices live there
+
         with self._lock:
-            earlier = [c for c in self._chosen if c["kind"] != "compiled" and not self._ran.get(c["step"])]
-            if self._chosen and not earlier:
+            earlier = discovery.compiled_replaces(self._chosen, self._ran, target)
+            if earlier is None:
                 return None
             for c in earlier:
                 # Prefill ran the model eagerly, decode runs compiled: the compiled callable is
@@ -405,29 +408,14 @@ class Session(GraphEvents):
                 self._inactive.add(c["step"])
                 self._chosen.remove(c)
             spec = self._spec_from_settings(target, "compiled")
-            self._chosen.append({"step": target, "kind": "compiled"})
+            discovery.choose_compiled(self._chosen, target)
             holder["spec"] = spec
         return spec
 
-    def _on_outermost(self, module: torch.nn.Module) -> None:
-        """The first outermost module call of an undiscovered program: its class's forward is the step."""
-        if not self._discover or self._chosen or self.disabled:
-            if self._watcher is not None:
-                self._watcher.done_discovering()
-            return
-        cls = type(module)
-        if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__:
-            return  # compiled modules and local classes cannot be named: keep looking
-        target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
-        spec = self._spec_from_settings(target, "module_forward")
-        self._chosen.append({"step": target, "kind": "module_forward"})
-        try:
-            patch_callable(f"{cls.__module__}:{cls.__qualname__}", lambda fn, t, spec=spec: self._wrap_step(fn, t, spec))
-        except Exception as e:  # noqa: BLE001
-            self._chosen.pop()
-            self.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
-        if self._watcher is not None:
-            self._watcher.done_discovering()
+    def _on_outermost(self, module: torch.nn.Module) -> str:
+        from replay.record import discovery  # issue 14: discovery's choices live there
+
+        return discovery.on_outermost(self, module)
 
     def _main_defs_found(self) -> bool:
         main = sys.modules.get("__main__")
@@ -477,6 +465,9 @@ class Session(GraphEvents):
     def _stream_info(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> dict[str, Any]:
         info: dict[str, Any] = {**spec.to_json(), "step": spec.step, "step_kind": spec.kind or "function", "profile": spec.profile}
         info["factory"] = self.settings.factory or spec.factory
+        from replay.record.compiled import arguments_for  # issue 14: torch.compile's arguments, as recorded
+
+        info["compile"] = arguments_for(spec.step)
         config, config_attr = self._config_of(spec, obj)
         info["config"] = config
         info["config_attr"] = config_attr
@@ -764,10 +755,11 @@ class Session(GraphEvents):
 
     def report(self) -> dict[str, Any]:
         """What this process saw: for ``replay record``'s summary (see ``discovery``)."""
-        rank, _ = self._rank_world()
+        rank, world = self._rank_world()
         return {
             "pid": os.getpid(),
             "rank": rank,
+            "world": world,
             "named": [normalize_step(t) for t in self.settings.steps],
             "ran": dict(self._ran),
             "chosen": list(self._chosen),

@@ -22,7 +22,7 @@ def stream_name(obj: Any, taken: set[str]) -> str:
                 break
             if not f.f_code.co_filename.startswith(_OWN):
                 for k, v in f.f_locals.items():
-                    if v is obj and k not in _SKIP and not k.startswith("_"):
+                    if _holds(v, obj) and k not in _SKIP and not k.startswith("_"):
                         base = k  # keep going: an outer frame's name wins
                         break
             f = f.f_back
@@ -32,6 +32,13 @@ def stream_name(obj: Any, taken: set[str]) -> str:
     while name in taken:
         name, i = f"{base}{i}", i + 1
     return name
+
+
+def _holds(v: Any, obj: Any) -> bool:
+    """``v`` is ``obj``, or the compiled module made of it (``target = torch.compile(target)``)."""
+    if v is obj:
+        return True
+    return type(v).__name__ == "OptimizedModule" and getattr(v, "_orig_mod", None) is obj
 
 
 def _own_dir() -> str:

@@ -135,23 +135,28 @@ def _section(sid: str, how: str, body: str) -> str:
 def _summary(rep: Report) -> str:
     verdict, grid = _verdict(rep), _facts(rep)
     return _section("summary", "Where the ranks first disagree, and what to run next.",
-                    verdict + grid + "".join(_rank_notes(rep.summary)) + _next_commands(rep))
+                    verdict + grid + _streams(rep.summary) + "".join(_rank_notes(rep.summary)) + _next_commands(rep))
 
 
 def _verdict(rep: Report) -> str:
     d, t = rep.first_divergence, rep.first_token_divergence
     lines = []
-    if d is None:
+    if d is None and len(rep.ranks) < 2:
+        # One rank: nothing was compared across ranks, so there is no verdict about them.
+        cls = "warn"
+        lines.append("<b>One rank</b>: nothing to compare across ranks; re-run a step against its recording with "
+                     "<code>replay step</code> to check it.")
+    elif d is None:
         cls = "good"
         lines.append("<b>No divergence</b>: every rank recorded the same bits at every common step.")
     else:
         cls = "bad" if t is not None else "warn"
         lines.append(
-            f"<b>First divergence: step {d['step']}, {_ranks(d['ranks'])}, field <code>{_e(d['field'])}</code></b> "
+            f"<b>First divergence: {_at(d)}, {_ranks(d['ranks'])}, field <code>{_e(d['field'])}</code></b> "
             f"(majority: {_e(', '.join(map(str, d['majority'])))})."
         )
         if t is not None:
-            lines.append(f"<b>First token divergence: step {t['step']}, {_ranks(t['ranks'])}</b> (<code>{_e(t['field'])}</code>).")
+            lines.append(f"<b>First token divergence: {_at(t)}, {_ranks(t['ranks'])}</b> (<code>{_e(t['field'])}</code>).")
         else:
             lines.append("No token divergence: the ranks differ in bits but sampled the same tokens.")
     at = rep.margin_at
@@ -165,6 +170,31 @@ def _verdict(rep: Report) -> str:
     if len(s.get("kernel_differences", [])):
         lines.append(f"Captured graphs hold different kernels on different ranks ({len(s['kernel_differences'])} graph keys): see below.")
     return f'<div class="verdict {cls}">' + "".join(f'<div class="line">{x}</div>' for x in lines) + "</div>"
+
+
+def _at(d: dict[str, Any]) -> str:
+    """``step 9``, or ``step 9 (stream draft, its step 4)`` when the loop runs several models."""
+    if d.get("stream") is None:
+        return f"step {_e(d['step'])}"
+    return f"step {_e(d['step'])} (stream {_e(d['stream'])}, its step {_e(d.get('stream_step', '?'))})"
+
+
+def _streams(s: dict[str, Any]) -> str:
+    """Several models in one loop: each one's step sequence and, across ranks, first divergence."""
+    streams = s.get("streams") or []
+    if not streams:
+        return ""
+    compared = len(s.get("ranks", [])) > 1
+    rows = []
+    for x in streams:
+        d = x.get("first_divergence")
+        row = [_e(x["stream"]), _e(x["steps"]), _e(x["first_step"]), _e(x["last_step"])]
+        if compared:
+            row.append(f"{_at(d)}: <code>{_e(d['field'])}</code> on {_ranks(d['ranks'])}" if d else "none across ranks")
+        rows.append(row)
+    head = ["stream", "steps", "first step", "last step"] + (["first divergence"] if compared else [])
+    return (f"<p>{len(streams)} models in one loop (draft and target, say), one step sequence each; step numbers count "
+            "all of them, in program order.</p>" + _table(head, rows, numeric={1, 2, 3}))
 
 
 def _facts(rep: Report) -> str:
@@ -200,13 +230,20 @@ def _rank_notes(s: dict[str, Any]) -> list[str]:
 
 
 def _next_commands(rep: Report) -> str:
+    """Commands that work here: no ``--mode`` (``replay step`` picks what the recording and this
+    machine can run), and eager against CUDA graphs only where graphs ran."""
+    run = _e(rep.recording)
     target = rep.first_token_divergence or rep.first_divergence
     if target is None:
-        return ""
-    run = _e(rep.recording)
+        if len(rep.ranks) != 1 or not rep.n_steps:
+            return ""
+        return f'<pre class="cmd">replay step {run} --rank {_e(rep.ranks[0])} --step {_e(rep.last_step)}</pre>'
+    rank, step = target["ranks"][0], target["step"]
+    graphs = sum(r["graph_steps"] for r in rep.rank_runs)
+    between = "eager,cudagraph" if graphs else "recorded,rerun"
     return (
-        f'<pre class="cmd">replay step {run} --rank {target["ranks"][0]} --step {target["step"]} --mode both\n'
-        f'replay bisect layers {run} --rank {target["ranks"][0]} --step {target["step"]} --between eager,cudagraph</pre>'
+        f'<pre class="cmd">replay step {run} --rank {_e(rank)} --step {_e(step)}\n'
+        f'replay bisect layers {run} --rank {_e(rank)} --step {_e(step)} --between {between}</pre>'
     )
 
 
