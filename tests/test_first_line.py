@@ -99,8 +99,6 @@ def test_the_first_line_is_the_verdict(recs):
 _VERDICT_WORDS = re.compile(r"diverge|disagree|agree|reproduc|bit for bit|bitwise|differ|the same|nothing to compare|raised")
 
 
-@pytest.mark.xfail(strict=True, reason="info (helper record) and step (helper rerun) still lead with where the "
-                                        "recording is: see /work/notes/first-line.md")
 def test_the_first_line_of_info_and_step_is_the_verdict(recs):
     bad = []
     for args in (["info", recs["drift"]], ["info", recs["same"]], ["step", recs["a"], "--rank", 0, "--step", 3, "--no-save"]):

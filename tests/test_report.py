@@ -360,7 +360,7 @@ def test_report_across_streams_labels_the_divergence_and_lists_each_stream(tmp_p
     rec = _streams_recording(tmp_path, diverge_rank=1, diverge_step=5)
     res = run_cli("report", rec)
     assert res.code == 0, res.err
-    page = Path(res.out.strip()).read_text()
+    page = Path(res.out.splitlines()[-1]).read_text()
     _check_self_contained(page)
     assert "First divergence: step 5 (stream draft, its step 3), rank 1, field <code>output.logits</code>" in page
     assert "2 models in one loop" in page
@@ -373,6 +373,6 @@ def test_report_across_streams_labels_the_divergence_and_lists_each_stream(tmp_p
 
 def test_report_of_one_rank_makes_no_verdict_across_ranks(tmp_path, run_cli):
     rec = make_recording(tmp_path, ranks=1, steps=3)
-    page = Path(run_cli("report", rec).out.strip()).read_text()
+    page = Path(run_cli("report", rec).out.splitlines()[-1]).read_text()
     assert "No divergence" not in page and "<b>One rank</b>: nothing to compare across ranks" in page
     assert f"replay step {rec} --rank 0 --step 2" in page

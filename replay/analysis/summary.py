@@ -224,3 +224,28 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         out["tuner_differences"] = _tuner_differences(part)
         out["kernel_differences"] = _kernel_differences(part)
     return out
+
+
+def verdict_line(summary: dict[str, Any]) -> str:
+    """The one-line verdict of a part summary, the first line of ``replay info`` and ``replay
+    report``: where the ranks first disagree (and their tokens), or that they never do, or that
+    one rank has nothing to compare with. Never "no divergence" unless two ranks were compared."""
+    d, t = summary.get("first_divergence"), summary.get("first_token_divergence")
+    ranks = summary.get("ranks") or []
+    left_out = " (among the ranks that can be read)" if summary.get("unreadable_ranks") else ""
+    if d is None:
+        if len(ranks) < 2:
+            return f"one rank{left_out}: nothing to compare across ranks"
+        return f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step"
+    text = (f"first divergence at {_at(d)}{left_out}: {d['field']} differs on rank(s) "
+            f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d.get('majority') or []))})")
+    if t is not None:
+        return text + f"; first token divergence at {_at(t)} ({t['field']})"
+    return text + "; no token divergence"
+
+
+def _at(d: dict[str, Any]) -> str:
+    """``step 9`` or ``step 9 (stream draft, its step 3)``."""
+    if d.get("stream") is None:
+        return f"step {d['step']}"
+    return f"step {d['step']} (stream {d['stream']}, its step {d.get('stream_step', '?')})"

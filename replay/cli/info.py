@@ -9,6 +9,7 @@ import click
 
 from replay import api
 from replay.cli.common import emit_json, json_option, open_run, part_option, report_unreadable, run_argument
+from replay.analysis.summary import verdict_line
 from replay.cli.render import fmt_margin, style, table
 from replay.format.reader import Recording
 from replay.textsafe import escape
@@ -39,7 +40,10 @@ def info_data(rec: Recording, part: str | None = None) -> dict[str, Any]:
 def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     """The text of ``replay info``: one line per fact, the first divergence, then the next command."""
     s = result.to_json() if isinstance(result, api.InfoResult) else result
-    lines = _header(s)
+    verdict = verdict_line(s)
+    colour = "green" if verdict.startswith("no divergence") else None if verdict.startswith("one rank") else "red"
+    lines = [style(escape(verdict), fg=colour, bold=colour == "red")]
+    lines += _header(s)
     lines.append(_rank_table(s["ranks"]))
     lines += _stream_lines(s)
     lines += _rank_problems(s)

@@ -9,6 +9,7 @@ import click
 
 from replay import api
 from replay.cli.common import emit_json, json_option, open_run, part_option, report_unreadable, run_argument
+from replay.analysis.summary import verdict_line
 from replay.textsafe import escape
 
 EPILOG = """\b
@@ -51,19 +52,5 @@ def report(run: Path | None, root: str, output: Path | None, part: str | None, a
 
 
 def report_verdict(summary: dict[str, Any]) -> str:
-    """What the page says first: the first divergence across ranks (and of tokens), or that
-    there is none, or that one rank has nothing to compare with."""
-    d, t = summary.get("first_divergence"), summary.get("first_token_divergence")
-    ranks = summary.get("ranks") or []
-    left_out = " (among the ranks that can be read)" if summary.get("unreadable_ranks") else ""
-    if d is None:
-        if len(ranks) < 2:
-            return f"one rank{left_out}: nothing to compare across ranks; report written"
-        return f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step; report written"
-    text = (f"first divergence at step {d['step']}{left_out}: {d['field']} differs on rank(s) "
-            f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d.get('majority') or []))})")
-    if t is not None:
-        text += f"; first token divergence at step {t['step']} ({t['field']})"
-    else:
-        text += "; no token divergence"
-    return text + "; report written"
+    """What the page says first: the verdict ``replay info`` leads with, and that the page is written."""
+    return verdict_line(summary) + "; report written"
