@@ -171,3 +171,28 @@ def test_a_step_that_torch_compile_did_not_compile_is_never_reported_compiled(mo
     fn, _ = function_step(also, StepKind.COMPILED, spec, "recorded")
     with pytest.raises(RerunError, match="without compiling it"):
         fn(torch.ones(2))
+
+
+def test_recorded_collectives_are_torchs_own_again_after_the_rerun(tmp_path):
+    """A module imported during a one-rank re-run binds the stand-ins (``from c10d import
+    scatter``); once the re-run is over, calling them must reach torch.distributed itself, not
+    the recording (a DTensor built later in the same process crashed on 'no more collectives')."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from replay.errors import RerunError
+    from replay.format.reader import Recording
+    from replay.rerun.collectives import RecordedCollectives
+    from tests.factories import make_recording
+
+    path = make_recording(tmp_path, ranks=2, steps=2)
+    with Recording(path) as rec:
+        rc = RecordedCollectives(rec["run-000"][0], rank=0, world_size=2)
+        with rc.installed():
+            kept = c10d.broadcast  # what a module imported now would hold
+            with pytest.raises(RerunError):
+                kept(torch.zeros(2), src=0)  # inside: answered from the recording (which has none)
+        assert not dist.is_initialized()
+        with pytest.raises(Exception) as e:
+            kept(torch.zeros(2), src=0)  # after: torch's own, which has no process group here
+        assert not isinstance(e.value, RerunError), e.value

@@ -74,6 +74,7 @@ class RecordedCollectives:
     _queue: list[np.void] = field(default_factory=list)
     _step: int = -1
     _index: int = 0
+    _installed: bool = False  # between installed()'s patching and its restoring
     _active: bool = False  # inside a step (functional collectives outside one pass through)
 
     def check_replayable(self, first: int, last: int) -> None:
@@ -144,6 +145,10 @@ class RecordedCollectives:
         sig = inspect.signature(orig)
 
         def stand_in(*args: Any, **kwargs: Any) -> Any:
+            if not self._installed:
+                # A module imported while the stand-ins were in place keeps them (``from c10d
+                # import scatter``): once the re-run is over, they are torch's own again.
+                return orig(*args, **kwargs)
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             a = bound.arguments
@@ -169,7 +174,7 @@ class RecordedCollectives:
         op = FUNCTIONAL_PREFIX + name
 
         def functional_stand_in(*args: Any, **kwargs: Any) -> Any:
-            if not self._active:
+            if not self._active or not self._installed:
                 # Outside any step (the factory sharding a model, a graph warm-up): the fake
                 # process group answers, as the recording kept nothing of it.
                 return orig(*args, **kwargs)
@@ -233,9 +238,11 @@ class RecordedCollectives:
             if callable(orig):
                 saved.append((funcol, name, orig))
                 setattr(funcol, name, self._make_functional(name, orig))
+        self._installed = True
         try:
             yield self
         finally:
+            self._installed = False
             for owner, name, fn in reversed(saved):
                 setattr(owner, name, fn)
             if fake and dist.is_initialized():
