@@ -13,7 +13,7 @@ from replay.record.settings import RecordSettings, load_pyproject_settings
 
 def test_round_trip_through_the_environment_keeps_every_field() -> None:
     s = RecordSettings(steps=["pkg.engine:Engine.step"], state="state_tensors", keyframe_every=4, ring=0,
-                       collectives="full", probes=["pkg.layers:attn"], outputs=["logits", "tokens"])
+                       collectives="full", probes=["pkg.layers:attn"], output_names=["logits", "tokens"])
     assert RecordSettings.from_env(s.to_env()) == s
 
 
