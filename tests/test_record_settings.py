@@ -30,8 +30,8 @@ def test_command_line_overrides_pyproject_and_lists_add_up() -> None:
     assert m.state == "s" and m.keyframe_every == 50  # None / empty: not given
 
 
-@pytest.mark.parametrize("bad", [{"steps": ["no_colon"]}, {"probes": ["x"]}, {"keyframe_every": -1}, {"ring": -2}],
-                         ids=["step", "probe", "keyframe", "ring"])
+@pytest.mark.parametrize("bad", [{"steps": ["no_colon"]}, {"probes": ["x"]}, {"keyframe_every": -1}, {"ring": -2}, {"profile": "mpt"}],
+                         ids=["step", "probe", "keyframe", "ring", "profile"])
 def test_bad_values_are_refused_where_they_enter(bad: dict) -> None:
     with pytest.raises(ValueError):
         RecordSettings(**bad)

@@ -185,6 +185,10 @@ class RecordConfig:
                 raise ValueError(f"{name} = {value!r} is not one of: {', '.join(map(str, choices))}")
         if self.max_bytes is not None and self.max_bytes < 1:
             raise ValueError(f"max_bytes = {self.max_bytes!r} must be a positive integer")
+        from replay.record.profiles import PROFILES  # (profiles.py imports this module)
+
+        if self.profile not in ("auto", "none", *PROFILES):
+            raise ValueError(f"profile = {self.profile!r} is not one of: {', '.join(PROFILES)}, auto, none")
 
     @property
     def record_ring_bytes(self) -> int:

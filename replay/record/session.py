@@ -107,8 +107,7 @@ class Session(GraphEvents):
             self._arm(t, self._wrap_replay)
         for t in s.probes:
             self._arm(t, lambda fn, tt: self._wrap_probe(fn, tt, ()))
-        if s.profile not in ("none", "auto") and s.profile not in PROFILES:
-            raise ValueError(f"unknown profile {s.profile!r} (profiles: {', '.join(PROFILES)}, auto, none)")
+        # (RecordConfig has checked the name)
         profiles = list(PROFILES.values()) if s.profile == "auto" else [PROFILES[s.profile]] if s.profile in PROFILES else []
         for p in profiles:
             when_imported(p.trigger, lambda _m, p=p: self._activate(p))
