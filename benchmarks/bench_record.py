@@ -179,7 +179,7 @@ def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) ->
             d = Path(tmp) / f"r{r}"
             d.mkdir()
             # (a) the recorder, full logits every step, default ring
-            rec = Recorder(RecorderConfig(out=d / "rec", outputs="full", rng=False))
+            rec = Recorder(RecorderConfig(out=d / "rec", outputs="full", rng=False, ring=0))  # no logits ring: the journal path alone
             _sync(device)
             t0 = time.perf_counter()
             for s in range(steps):

@@ -102,16 +102,11 @@ def main() -> int:
             inner.append(time.perf_counter() - t0)
 
     Engine.decode_step = timed_plain
-    from replay.record import session as session_mod
-    from replay.record.config import RecorderConfig
-
     extra = {}
     if args.lag is not None:
         extra["drain_lag_s"] = args.lag
-    if extra:
-        session_mod.RecorderConfig = lambda **kw: RecorderConfig(**kw, **extra)  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as tmp:
-        session = Session(Path(tmp), RecordSettings(durability=args.durability, record_ring_mib=0 if args.no_ring else 64))
+        session = Session(Path(tmp), RecordSettings(durability=args.durability, record_ring_mib=0 if args.no_ring else 64, **extra))
         session.install()
         recorded = Engine.decode_step
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from replay.bisect.layers import LayersBisection
     from replay.bisect.steps import StepsBisection
     from replay.format.seal import SealResult
-    from replay.record.settings import RecordSettings
+    from replay.record.config import RecordConfig
     from replay.record.wrapper import RecordResult
     from replay.report.data import Report
     from replay.rerun.runner import StepRerun
@@ -334,7 +334,7 @@ class RecordOutcome:
                 "still_live": self.result.still_live, "info": self.info.to_json() if self.info else None}
 
 
-def record_run(cmd: list[str], settings: RecordSettings, *, out: Path | None = None, root: Path = Path("recordings"),
+def record_run(cmd: list[str], settings: RecordConfig, *, out: Path | None = None, root: Path = Path("recordings"),
            name: str | None = None, node_rank: int | None = None, grace_s: float = 30.0) -> RecordOutcome:
     """Run ``cmd`` and record every rank of every Python process it starts; then summarise."""
     from replay.errors import ReplayError, UsageError

@@ -13,7 +13,7 @@ from replay.record.settings import RecordSettings, load_pyproject_settings
 
 def test_round_trip_through_the_environment_keeps_every_field() -> None:
     s = RecordSettings(steps=["pkg.engine:Engine.step"], state="state_tensors", keyframe_every=4, ring=0,
-                       collectives="full", probes=["pkg.layers:attn"], outputs=["logits", "tokens"])
+                       collectives="full", probes=["pkg.layers:attn"], output_names=["logits", "tokens"])
     assert RecordSettings.from_env(s.to_env()) == s
 
 
@@ -30,8 +30,8 @@ def test_command_line_overrides_pyproject_and_lists_add_up() -> None:
     assert m.state == "s" and m.keyframe_every == 50  # None / empty: not given
 
 
-@pytest.mark.parametrize("bad", [{"steps": ["no_colon"]}, {"probes": ["x"]}, {"keyframe_every": -1}, {"ring": -2}],
-                         ids=["step", "probe", "keyframe", "ring"])
+@pytest.mark.parametrize("bad", [{"steps": ["no_colon"]}, {"probes": ["x"]}, {"keyframe_every": -1}, {"ring": -2}, {"profile": "mpt"}],
+                         ids=["step", "probe", "keyframe", "ring", "profile"])
 def test_bad_values_are_refused_where_they_enter(bad: dict) -> None:
     with pytest.raises(ValueError):
         RecordSettings(**bad)
@@ -91,3 +91,61 @@ def test_record_ring_settings_from_pyproject_reach_the_recorder(tmp_path: Path) 
         assert rec.ring_stats()["policy"] == "drop"
     finally:
         session.shutdown()
+
+
+# -- one RecordConfig from the command line, [tool.replay] and the environment to the recorder --
+
+
+def test_replay_record_and_the_direct_recorder_share_one_set_of_defaults(tmp_path: Path) -> None:
+    from dataclasses import fields
+
+    from replay import RecorderConfig
+    from replay.record.config import RecordConfig
+
+    direct, default = RecorderConfig(out=tmp_path), RecordConfig()
+    assert RecordSettings is RecordConfig  # the former name
+    for f in fields(RecordConfig):
+        assert getattr(direct, f.name) == getattr(default, f.name), f.name
+    assert (default.keyframe_every, default.ring, default.record_ring_bytes) == (50, 16, 64 << 20)
+
+
+def test_every_field_reaches_the_recorder_unchanged(tmp_path: Path) -> None:
+    """[tool.replay] may set any field, the recorder's knobs too; the session's recorder gets them all."""
+    from dataclasses import fields
+
+    from replay.record.config import RecordConfig
+    from replay.record.session import Session
+
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.replay]\noutputs = "full"\nqueue-depth = 7\ndrain-lag-s = 0.5\nrng = false\nkeyframe-every = 3\n'
+        'record-ring-mib = 0\ntoken-outputs = ["toks"]\nsteps = ["m:f"]\n')
+    s = RecordSettings.from_env(RecordSettings(**load_pyproject_settings(tmp_path)).merged(ring=2).to_env())
+    assert (s.outputs, s.queue_depth, s.drain_lag_s, s.rng, s.ring, s.token_outputs) == ("full", 7, 0.5, False, 2, ("toks",))
+    session = Session(tmp_path / "rec", s)
+    try:
+        rec = session.ensure_recorder()
+        assert rec is not None and rec.config.rank == 0 and rec.config.out == tmp_path / "rec"
+        assert {f.name: getattr(rec.config, f.name) for f in fields(RecordConfig)} == \
+               {f.name: getattr(s, f.name) for f in fields(RecordConfig)}
+    finally:
+        session.shutdown()
+
+
+def test_pyproject_outputs_as_a_list_are_output_names(tmp_path: Path) -> None:
+    from replay.record.profiles import StepSpec
+
+    (tmp_path / "pyproject.toml").write_text('[tool.replay]\noutputs = ["logits", "tokens"]\nstate = "kv"\n')
+    s = RecordSettings(**load_pyproject_settings(tmp_path))
+    assert (s.output_names, s.outputs) == (["logits", "tokens"], "digest")
+    spec = StepSpec.from_config("m:f", s, kind="function")
+    assert (spec.step, spec.state, spec.outputs, spec.kind) == ("m:f", "kv", ("logits", "tokens"), "function")
+
+
+@pytest.mark.parametrize("bad", [{"outputs": "some"}, {"queue_depth": 0}, {"rank": 2}, {"part": "../x"}, {"rng": 1},
+                                 {"drain_lag_s": -1.0}, {"token_outputs": [1]}],
+                         ids=["outputs", "queue", "rank", "part", "rng", "lag", "tokens"])
+def test_the_direct_recorder_config_is_checked_the_same_way(tmp_path: Path, bad: dict) -> None:
+    from replay import RecorderConfig
+
+    with pytest.raises(ValueError):
+        RecorderConfig(out=tmp_path, **bad)

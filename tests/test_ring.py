@@ -21,7 +21,8 @@ from replay.digest import digest
 from replay.format import seal_part
 from replay.format.journal import FrameKind, read_journal
 
-RING = 1 << 20  # the smallest ring: a few dozen steps of these sizes wrap it
+RING_MIB = 1  # the smallest ring: a few dozen steps of these sizes wrap it
+RING = RING_MIB << 20
 
 
 def _inputs(s: int) -> dict[str, torch.Tensor]:
@@ -49,7 +50,7 @@ def _stall_drain_from(step: int) -> None:
 def _child(out: str, steps: int, stall_from: int, wfd: int) -> None:
     _stall_drain_from(stall_from)
     state = {"kv": torch.zeros(32)}
-    rec = Recorder(RecorderConfig(out=out, keyframe_every=5, ring=2, record_ring_bytes=RING), state_fn=lambda: state)
+    rec = Recorder(RecorderConfig(out=out, keyframe_every=5, ring=2, record_ring_mib=RING_MIB), state_fn=lambda: state)
     for s in range(steps):
         rec.begin_step()
         rec.record_inputs(**_inputs(s))
@@ -123,7 +124,7 @@ def gate(monkeypatch):
 
 
 def _record_big_steps(out: Path, policy: str, steps: int = 40) -> Recorder:
-    rec = Recorder(RecorderConfig(out=out, rng=False, record_ring_bytes=RING, ring_full=policy, inputs="full"))
+    rec = Recorder(RecorderConfig(out=out, rng=False, record_ring_mib=RING_MIB, ring_full=policy, inputs="full"))
     for s in range(steps):
         rec.begin_step()
         rec.record_inputs(x=torch.full((64, 1024), float(s)))  # 256 KiB a step: 4 fill the ring
@@ -175,7 +176,7 @@ def test_full_ring_drop_records_the_gap(tmp_path, gate):
 
 
 def test_clean_close_removes_the_ring(tmp_path):
-    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_bytes=RING))
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_mib=RING_MIB))
     ring = rec.ring_stats()
     assert ring["enabled"] and ring["bytes"] == RING
     path = rec._rr.path
@@ -190,7 +191,7 @@ def test_clean_close_removes_the_ring(tmp_path):
 def test_salvage_never_touches_a_file_the_pointer_names_outside_its_pattern(tmp_path):
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
-    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_bytes=0))  # no ring: a plain journal
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_mib=0))  # no ring: a plain journal
     rec.begin_step()
     rec.end_step()
     part = tmp_path / "r" / "run-000"
@@ -218,7 +219,7 @@ def _record_rich(out: str, steps: int, kill: bool) -> None:
     """Every kind of record: collectives in and outside a step, graphs, replays, tuner, args."""
     if kill:
         _stall_drain_from(0)
-    rec = Recorder(RecorderConfig(out=out, record_ring_bytes=RING, collectives="full", ring=2))
+    rec = Recorder(RecorderConfig(out=out, record_ring_mib=RING_MIB, collectives="full", ring=2))
     rec.record_graph("bucket=4", padded_size=4, kernels=[{"name": "mm", "grid": [1, 1, 1], "block": [32, 1, 1]}], source="toy")
     rec.record_collective("broadcast", group="g", group_size=2, inputs=(torch.arange(4),), outputs=(torch.arange(4),))
     for s in range(steps):
@@ -275,7 +276,7 @@ def _rng_ids(t) -> list[int]:  # noqa: ANN001
 def test_live_ring_steps_are_readable_while_the_drain_is_behind(tmp_path, gate):
     from replay.format.ring_salvage import live_ring_steps
 
-    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_bytes=RING))
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_mib=RING_MIB))
     for s in range(3):
         rec.begin_step()
         rec.record_inputs(x=torch.ones(3) * s)
@@ -288,7 +289,7 @@ def test_live_ring_steps_are_readable_while_the_drain_is_behind(tmp_path, gate):
 
 
 def test_drain_waits_until_the_journal_holds_every_step(tmp_path):
-    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_bytes=RING))
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_mib=RING_MIB))
     for s in range(5):
         rec.begin_step()
         rec.record_inputs(x=torch.ones(3) * s)

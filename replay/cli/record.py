@@ -13,7 +13,8 @@ from replay.cli.info import render_info
 from replay.errors import ReplayError, UsageError
 from replay.format.reader import Recording
 from replay.record.discovery import read_reports, summary_lines
-from replay.record.settings import RecordSettings, load_pyproject_settings
+from replay.record.config import RecordConfig
+from replay.record.settings import load_pyproject_settings
 from replay.textsafe import escape
 from replay.record.wrapper import record_command, recording_dir_for
 
@@ -74,7 +75,7 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
     _set_permissions(permissions)
     settings = _settings(
         steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
-        modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), outputs=list(outputs),
+        modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), output_names=list(outputs),
         keyframe_every=keyframe_every, ring=ring, collectives=collectives, durability=durability,
         record_ring_mib=record_ring_mib, ring_full=ring_full, max_bytes=max_bytes, check_lockstep=check_lockstep,
         stop_on_divergence=stop_on_divergence,
@@ -108,14 +109,14 @@ def _set_permissions(permissions: str | None) -> None:
     os.environ[_perms.ENV_PERMISSIONS] = mode.value
 
 
-def _settings(**given: object) -> RecordSettings:
+def _settings(**given: object) -> RecordConfig:
     """[tool.replay] of the nearest pyproject.toml, then the command line; one line on a bad value."""
     try:
         table = load_pyproject_settings(Path.cwd())
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        base = RecordSettings(**table)
+        base = RecordConfig(**table)
     except (TypeError, ValueError) as e:
         raise UsageError(f"[tool.replay] of the nearest pyproject.toml: {e}") from None
     try:

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from replay.record.config import RecordConfig
+
 __all__ = ["StepSpec", "Profile", "PROFILES"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StepSpec:
-    """One step callable and how to reach the rest of its target from the step's object."""
+    """One step callable and how to reach the rest of its target from the step's object.
+
+    Separate from ``RecordConfig``: a profile names several steps, each with its own state,
+    factory, ...; a step named on the command line or in ``[tool.replay]`` takes them from the
+    config (``from_config``)."""
 
     step: str
     state: str | None = None
@@ -27,6 +33,12 @@ class StepSpec:
     profile: str | None = None
     kind: str = ""
     """``function``, ``method``, ``module_forward`` or ``compiled``: set when the step is wrapped."""
+
+    @classmethod
+    def from_config(cls, step: str, config: RecordConfig, *, kind: str = "") -> StepSpec:
+        """The step ``step`` with what ``config`` says about the target (``--state``, ...)."""
+        return cls(step=step, state=config.state, config=config.config, factory=config.factory, tuner=config.tuner,
+                   run_info=config.run_info, modules=config.modules, outputs=tuple(config.output_names), kind=kind)
 
     def to_json(self) -> dict:
         return {

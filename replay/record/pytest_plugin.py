@@ -30,10 +30,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("replay_record", default=False):
         return
     from replay.format.manifest import write_manifest
-    from replay.record.settings import ENV_DIR, ENV_SETTINGS, RecordSettings, load_pyproject_settings
+    from replay.record.config import RecordConfig
+    from replay.record.settings import ENV_DIR, ENV_SETTINGS, load_pyproject_settings
     from replay.record.wrapper import child_environment, recording_dir_for
 
-    settings = RecordSettings(**load_pyproject_settings(Path.cwd()))
+    settings = RecordConfig(**load_pyproject_settings(Path.cwd()))
     opt = config.getoption("replay_out")
     if opt:
         out = Path(opt)

@@ -24,7 +24,7 @@ import torch
 
 from replay import numerics
 from replay.log import get_logger
-from replay.record.config import RecorderConfig
+from replay.record.config import RecordConfig, RecorderConfig
 from replay.record.calls import (
     NotJSON,
     access,
@@ -42,7 +42,6 @@ from replay.record.profiles import PROFILES, Profile, StepSpec
 from replay.record.graph_events import GraphEvents
 from replay.record.parts import PartStreams, Stream, allocate_part, new_stream_name
 from replay.record.recorder import Recorder
-from replay.record.settings import RecordSettings
 
 __all__ = ["Session", "allocate_part"]
 
@@ -59,7 +58,7 @@ def normalize_step(target: str) -> str:
 class Session(GraphEvents):
     """The recording state of one process (a singleton per process; see ``bootstrap``)."""
 
-    def __init__(self, out: Path, settings: RecordSettings) -> None:
+    def __init__(self, out: Path, settings: RecordConfig) -> None:
         self.out = out
         self.settings = settings
         self.recorder: Recorder | None = None
@@ -96,19 +95,7 @@ class Session(GraphEvents):
 
     def install(self) -> None:
         s = self.settings
-        cli_specs = [
-            StepSpec(
-                step=t,
-                state=s.state,
-                config=s.config,
-                factory=s.factory,
-                tuner=s.tuner,
-                run_info=s.run_info,
-                modules=s.modules,
-                outputs=tuple(s.outputs),
-            )
-            for t in s.steps
-        ]
+        cli_specs = [StepSpec.from_config(t, s) for t in s.steps]
         for spec in cli_specs:
             self._arm_step(spec)
         # A function of the script run as __main__ is never imported by its name: it is
@@ -120,8 +107,7 @@ class Session(GraphEvents):
             self._arm(t, self._wrap_replay)
         for t in s.probes:
             self._arm(t, lambda fn, tt: self._wrap_probe(fn, tt, ()))
-        if s.profile not in ("none", "auto") and s.profile not in PROFILES:
-            raise ValueError(f"unknown profile {s.profile!r} (profiles: {', '.join(PROFILES)}, auto, none)")
+        # (RecordConfig has checked the name)
         profiles = list(PROFILES.values()) if s.profile == "auto" else [PROFILES[s.profile]] if s.profile in PROFILES else []
         for p in profiles:
             when_imported(p.trigger, lambda _m, p=p: self._activate(p))
@@ -195,21 +181,7 @@ class Session(GraphEvents):
 
     def _new_recorder(self, part: str) -> Recorder | None:
         rank, world = self._rank_world()
-        s = self.settings
-        cfg = RecorderConfig(
-            out=self.out,
-            part=part,
-            rank=rank,
-            world_size=world,
-            durability=s.durability,
-            keyframe_every=s.keyframe_every,
-            ring=s.ring,
-            inputs=s.inputs,
-            collectives=s.collectives,
-            max_bytes=s.max_bytes,
-            record_ring_bytes=s.record_ring_mib << 20,
-            ring_full=s.ring_full,
-        )
+        cfg = RecorderConfig.for_rank(self.settings, out=self.out, part=part, rank=rank, world_size=world)
         self.part = part
         self._streams = PartStreams()
         self._numerics = {}
@@ -364,9 +336,7 @@ class Session(GraphEvents):
         return forward_boundary
 
     def _spec_from_settings(self, step: str, kind: str) -> StepSpec:
-        s = self.settings
-        return StepSpec(step=step, state=s.state, config=s.config, factory=s.factory, tuner=s.tuner, run_info=s.run_info,
-                        modules=s.modules, outputs=tuple(s.outputs), kind=kind)
+        return StepSpec.from_config(step, self.settings, kind=kind)
 
     def _named_spec(self, target: str) -> StepSpec | None:
         for t in self.settings.steps:
@@ -638,7 +608,7 @@ class Session(GraphEvents):
             rec.flush_ring(f"step raised {e.__class__.__name__}")
             raise
         try:
-            outs = name_outputs(out, spec.outputs or tuple(self.settings.outputs))
+            outs = name_outputs(out, spec.outputs or tuple(self.settings.output_names))
             rec.record_outputs(**outs)
             self._set_run(rec, spec, obj)
             if self._tuner_dirty:
