@@ -23,6 +23,7 @@ _EXPORTS = {
     "FORMAT_VERSION": "replay.format.schema",
     "Recorder": "replay.record.recorder",
     "RecorderConfig": "replay.record.config",
+    "RecordConfig": "replay.record.config",
     "Recording": "replay.format.reader",
     "Part": "replay.format.reader",
     "open_recording": "replay.format.reader",
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
     from replay.errors import ReplayError
     from replay.format.reader import Part, Recording, open_recording
     from replay.format.schema import FORMAT_VERSION
-    from replay.record.config import RecorderConfig
+    from replay.record.config import RecordConfig, RecorderConfig
     from replay.record.recorder import Recorder
     from replay.rerun.runner import rerun_step
 
