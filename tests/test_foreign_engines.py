@@ -262,7 +262,7 @@ def test_report_of_one_rank_makes_no_verdict_across_ranks(runs: dict[str, Any], 
 def test_tensor_parallel_compiled_under_torchrun_runs_and_is_recorded(tmp_path: Path) -> None:
     engine = ENGINES / "tinyllm"
     args = ["--tokens", "5", "--compile", "--compile-backend", "eager"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "generate.py", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "generate.py", *args]  # a free port each: the plain run goes at the same time
     plain = _start(cmd, engine)
     r = _replay("record", "--out", tmp_path / "rec", "--", *cmd, cwd=engine)
     p_out, _ = plain.communicate(timeout=600)

@@ -193,7 +193,7 @@ def test_inductor_compiled_step_runs_unchanged_and_is_recorded(tmp_path: Path) -
 
 
 def test_tensor_parallel_under_torchrun(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29641", "generate.py", "--tokens", "4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "generate.py", "--tokens", "4"]
     plain = subprocess.run(cmd, cwd=ENGINE, env=_env(), capture_output=True, text=True, timeout=300)
     r = _record(tmp_path / "rec", cmd=cmd)
     assert r.returncode == plain.returncode == 0, r.stderr

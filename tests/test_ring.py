@@ -166,7 +166,7 @@ def test_full_ring_drop_records_the_gap(tmp_path, gate):
     assert len(notes) == 37
     # `replay info` shows the ring's figures from the end marker (issue 15).
     from replay import api
-    from replay.cli.info import render_info
+    from replay.cli.info_text import render_info
 
     with open_recording(tmp_path / "r") as recording:
         result = api.info(recording)

@@ -9,7 +9,7 @@ import click
 
 from replay import api
 from replay.cli.common import default_root, emit_json
-from replay.cli.info import render_info
+from replay.cli.info_text import render_info
 from replay.errors import ReplayError, UsageError
 from replay.format.reader import Recording
 from replay.record.discovery import read_reports, summary_lines

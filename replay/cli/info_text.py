@@ -1,0 +1,154 @@
+"""The text of ``replay info``, shared by ``replay info`` and ``replay record`` (which prints the
+same summary when the command ends): one verdict line first, then one line per fact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replay import api
+from replay.analysis.summary import verdict_line
+from replay.cli.render import fmt_margin, style, table
+from replay.textsafe import escape
+
+__all__ = ["render_info"]
+
+
+def render_info(result: api.InfoResult | dict[str, Any]) -> str:
+    """The text of ``replay info``: one line per fact, the first divergence, then the next command."""
+    s = result.to_json() if isinstance(result, api.InfoResult) else result
+    verdict = verdict_line(s)
+    colour = "green" if verdict.startswith("no divergence") else None if verdict.startswith("one rank") else "red"
+    lines = [style(escape(verdict), fg=colour, bold=colour == "red")]
+    lines += _header(s)
+    lines.append(_rank_table(s["ranks"]))
+    lines += _stream_lines(s)
+    lines += _rank_problems(s)
+    lines += _divergence_lines(s)
+    lines += _difference_lines(s)
+    target = s["first_token_divergence"] or s["first_divergence"]
+    # No --mode: `replay step` picks the modes this recording and this machine can run.
+    if target is not None:
+        lines.append(f"next: replay step --rank {target['ranks'][0]} --step {target['step']}")
+    elif len(s["ranks"]) == 1 and s["ranks"][0].get("steps"):
+        r = s["ranks"][0]
+        lines.append(f"next: replay step --rank {r['rank']} --step {int(r['steps']) - 1}   (re-run a step against its recording)")
+    return "\n".join(lines)
+
+
+def _header(s: dict[str, Any]) -> list[str]:
+    lines = [f"recording   {escape(s['recording'])}"]
+    if s.get("command"):
+        # The manifest is data from disk: render whatever is there, never fail on its type.
+        c = s["command"]
+        cmd = " ".join(map(str, c)) if isinstance(c, list) else str(c)
+        lines.append(f"command     {escape(cmd)}")
+    if len(s["parts"]) > 1:
+        marks = [f"{escape(p['name'])}{' (diverged)' if p['diverged'] else ''}{' (cannot be read)' if p.get('problem') else ''}"
+                 for p in s["parts"]]
+        lines.append(f"parts       {', '.join(marks)}; showing {escape(s['part'])}")
+    lines.append(f"world size  {s['world_size']}")
+    return lines
+
+
+def _rank_table(ranks: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in ranks:
+        state = "live" if r["live"] else ("yes" if r["complete"] else style("no", fg="yellow"))
+        where = escape(r["host"]) + (f" (node {r['node_rank']})" if r.get("node_rank") is not None else "")
+        rows.append([r["rank"], r["steps"], state, r["graphs_captured"], r["graph_steps"], r["eager_steps"], r["raised_steps"], where])
+    return table(["rank", "steps", "complete", "graphs", "graph steps", "eager steps", "raised", "host"], rows)
+
+
+def _stream_lines(s: dict[str, Any]) -> list[str]:
+    """Several models in one loop: a step sequence per stream (step numbers count all streams)."""
+    streams = s.get("streams") or []
+    if not streams:
+        return []
+    compared = len(s["ranks"]) > 1
+    rows = []
+    for x in streams:
+        row = [escape(x["stream"]), x["steps"], x["first_step"], x["last_step"]]
+        if compared:
+            d = x.get("first_divergence")
+            row.append(f"step {d['step']} (its step {d.get('stream_step', '?')}): {escape(d['field'])} on rank(s) {_ranks(d['ranks'])}"
+                       if d else "none across ranks")
+        rows.append(row)
+    head = ["stream", "steps", "first step", "last step"] + (["first divergence"] if compared else [])
+    return [f"streams     {len(streams)} models in one loop, one step sequence each (step numbers count all, in program order)",
+            table(head, rows)]
+
+
+def _where(d: dict[str, Any]) -> str:
+    """``step 9`` or ``step 9 (stream target, its step 3)``."""
+    if d.get("stream") is None:
+        return f"step {d['step']}"
+    return f"step {d['step']} (stream {escape(str(d['stream']))}, its step {d.get('stream_step', '?')})"
+
+
+def _rank_problems(s: dict[str, Any]) -> list[str]:
+    lines = [style(f"  rank {m}: no file", fg="red") for m in s["missing_ranks"]]
+    lines += [style(f"  rank {u['rank']}: left out, {escape(u['problem'])}", fg="red") for u in s["unreadable_ranks"]]
+    for r in s["ranks"]:
+        if r["problem"]:
+            lines.append(style(f"  rank {r['rank']}: {escape(r['problem'])}", fg="yellow"))
+        if r["last_error"]:
+            lines.append(f"  rank {r['rank']} raised: {escape(r['last_error'])}")
+        lines += _record_ring_line(r)
+    return lines
+
+
+def _record_ring_line(r: dict[str, Any]) -> list[str]:
+    """issue 15: the record ring of a rank that waited for room or dropped steps (quiet otherwise)."""
+    g = r.get("record_ring")
+    if not isinstance(g, dict) or not (g.get("full_waits") or g.get("dropped_steps")):
+        return []
+    text = (f"  rank {r['rank']}: record ring ({int(g['bytes']) >> 20} MiB, policy {escape(str(g['policy']))}) "
+            f"full {g['full_waits']} times, {float(g['full_wait_s']):.3f} s waited, {g['dropped_steps']} steps dropped")
+    return [style(text, fg="yellow" if g.get("dropped_steps") else None)]
+
+
+def _ranks(xs: list[int]) -> str:
+    return ", ".join(map(str, xs))
+
+
+def _divergence_lines(s: dict[str, Any]) -> list[str]:
+    d, t = s["first_divergence"], s["first_token_divergence"]
+    if d is None and len(s["ranks"]) < 2:
+        # One rank: nothing was compared across ranks, so no verdict about them.
+        lines = ["one rank can be read: nothing to compare across ranks" if s["unreadable_ranks"]
+                 else "one rank: nothing to compare across ranks"]
+    elif d is None:
+        read = "every rank that can be read" if s["unreadable_ranks"] else "every rank"
+        lines = [style(f"no divergence: {read} recorded the same bits at every common step", fg="green")]
+    else:
+        lines = [style(f"first divergence        {_where(d)}: {escape(d['field'])} differs on rank(s) "
+                       f"{_ranks(d['ranks'])} (majority: {_ranks(d['majority'])})", fg="red", bold=True)]
+    if t is not None:
+        lines.append(style(f"first token divergence  {_where(t)}: {escape(t['field'])} differs on rank(s) "
+                           f"{_ranks(t['ranks'])}", fg="red", bold=True))
+        margins = s.get("margin_at_token_divergence", {})
+        if margins:
+            lines.append("  top-1/top-2 margin there: " + ", ".join(f"r{r} {fmt_margin(m)}" for r, m in margins.items()))
+    elif d is not None:
+        lines.append("no token divergence: the ranks differ in bits but sampled the same tokens")
+    return lines
+
+
+def _difference_lines(s: dict[str, Any]) -> list[str]:
+    lines = []
+    for td in s.get("tuner_differences", []):
+        lines.append(f"tuner choice differs     {escape(td['op'])}: "
+                     + ", ".join(f"r{r} {escape(c or 'default')}" for r, c in td["choices"].items()))
+    for kd in s.get("kernel_differences", []):
+        lines.append(f"graph kernels differ     {escape(kd['key'])}: {_kernel_difference(kd)}")
+    return lines
+
+
+def _kernel_difference(kd: dict[str, Any]) -> str:
+    only = "; ".join(f"rank {r} only: {escape(', '.join(v[:4]))}{' ...' if len(v) > 4 else ''}" for r, v in kd["only_on"].items())
+    groups: dict[str, list[str]] = {}
+    for r, k in kd.get("at_first_difference", {}).items():
+        groups.setdefault(str(k), []).append(r)
+    where = f"first difference at kernel #{kd.get('first_difference')}: " + "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {','.join(rs)} {escape(k)}" for k, rs in groups.items())
+    return where + (f" ({only})" if only else "")
