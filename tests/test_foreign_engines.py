@@ -25,12 +25,6 @@ import pytest
 ENGINES = Path(__file__).resolve().parent / "engines"
 ROOT = Path(__file__).resolve().parent.parent
 
-R1 = ("rerun/runner.py rebuilds step inputs one level deep: nested past_key_values (recorded with their "
-      "__structure__) reach the model as a dict (KeyError: 0); needs record.calls.rebuild_inputs (qa-for-rerun R1)")
-R2 = ("rerun/relaunch.py looks for the frame `TinyLM` (step_kind compiled) instead of `TinyLM.forward` for a "
-      "torch.compile(module) step and takes the class body: 'no state named memory' (qa-for-rerun R2)")
-R3 = "bisect steps --against-rerun needs --factory on a recording with no factory (qa-for-rerun R3)"
-
 # name: (engine, program arguments, its exit code)
 VARIANTS: dict[str, tuple[str, tuple[str, ...], int]] = {
     "gptgen": ("gptgen", ("--tokens", "8"), 0),
@@ -206,9 +200,9 @@ def _step(runs: dict[str, Any], name: str, step: int) -> tuple[int, dict[str, An
 @pytest.mark.e2e
 @pytest.mark.parametrize("name, step", [
     ("gptgen", 5),
-    pytest.param("hfloop", 4, marks=pytest.mark.xfail(reason=R1, strict=False)),
+    ("hfloop", 4),
     ("specwrap", 9),
-    pytest.param("specwrap_compiled", 9, marks=pytest.mark.xfail(reason=R2, strict=False)),
+    ("specwrap_compiled", 9),
 ])
 def test_a_step_reruns_bit_for_bit_from_another_directory(runs: dict[str, Any], name: str, step: int) -> None:
     code, data, err = _step(runs, name, step)
@@ -231,7 +225,6 @@ def test_a_step_never_rerun_as_equal_when_the_cache_is_not_rebuilt(runs: dict[st
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(reason=R3, strict=False)
 def test_bisect_steps_against_the_rerun_finds_nothing_on_an_unchanged_engine(runs: dict[str, Any]) -> None:
     p = _replay("bisect", "steps", runs["gptgen"]["rec"], "--against-rerun", "--rank", 0, cwd=runs["cwd"])
     assert p.returncode == 0, p.stderr[-3000:]
