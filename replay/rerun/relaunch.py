@@ -71,6 +71,8 @@ def needs_relaunch(target: dict[str, Any] | None, args: dict[str, Any] | None = 
     kind = target.get("step_kind")
     if kind in ("method", "module_forward"):
         return True
+    if kind == "compiled" and isinstance(target.get("weights"), dict) and target["weights"]:
+        return True  # a compiled module (``torch.compile(model)``): its object is an nn.Module the program builds
     qual = str(target.get("step", "")).partition(":")[2]
     if kind is None and "." in qual:
         return True
