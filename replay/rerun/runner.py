@@ -288,6 +288,8 @@ class Replayer:
         self.options = opts
         self.target: Target | None = None
         self.collectives = None if (self.world == 1 or live_collectives) else RecordedCollectives(self.rf, self.target_rank, self.world)
+        if self.collectives is not None:
+            self.collectives.recorded_compiled = self.spec.kind is StepKind.COMPILED
         self._driver: _StepDriver | None = None
         self._ctx: contextlib.ExitStack | None = None
         self.departed: StepDeparture | None = None
