@@ -203,6 +203,8 @@ def _step(runs: dict[str, Any], name: str, step: int) -> tuple[int, dict[str, An
     ("hfloop", 4),
     ("specwrap", 9),
     ("specwrap_compiled", 9),
+    ("hfloop_compile_forward", 3),
+    ("hfloop_compile_method", 3),
 ])
 def test_a_step_reruns_bit_for_bit_from_another_directory(runs: dict[str, Any], name: str, step: int) -> None:
     code, data, err = _step(runs, name, step)
@@ -211,6 +213,10 @@ def test_a_step_reruns_bit_for_bit_from_another_directory(runs: dict[str, Any], 
     eager = data["modes"]["eager"]
     assert eager["error"] is None and eager["departed"] is None, eager
     assert eager["vs_recording"] and all(v["verdict"] == "bitwise equal" for v in eager["vs_recording"].values())
+    if _target(runs[name]["rec"])["step_kind"] == "compiled":
+        # Compiled again inside the re-launched program (a compiled module: its forward).
+        compiled = data["modes"]["compiled"]
+        assert compiled["error"] is None and compiled["ran_as"].startswith("torch.compile("), compiled
 
 
 @pytest.mark.e2e
@@ -226,8 +232,10 @@ def test_a_step_never_rerun_as_equal_when_the_cache_is_not_rebuilt(runs: dict[st
 
 @pytest.mark.e2e
 def test_bisect_steps_against_the_rerun_finds_nothing_on_an_unchanged_engine(runs: dict[str, Any]) -> None:
-    p = _replay("bisect", "steps", runs["gptgen"]["rec"], "--against-rerun", "--rank", 0, cwd=runs["cwd"])
+    p = _replay("bisect", "steps", runs["gptgen"]["rec"], "--against-rerun", "--rank", 0, "--no-save", cwd=runs["cwd"])
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "rank 0 re-run eager: no departure from the recording found" in p.stdout, p.stdout
+    assert "re-run inside the re-launched program (no factory)" in p.stdout and "(from not found)" not in p.stderr
 
 
 @pytest.mark.e2e
