@@ -426,18 +426,19 @@ def step_ranks(part: Part, ranks: list[int], step: int, options: RerunOptions | 
 # -- bisections -----------------------------------------------------------------------------
 
 
-def bisect_steps(part: Part, *, ranks: list[int] | None = None) -> StepsBisection:
-    """The first step where ``ranks`` (default: all, by majority) disagree, from the recorded digests."""
+def bisect_steps(part: Part, *, ranks: list[int] | None = None, stream: str | None = None) -> StepsBisection:
+    """The first step where ``ranks`` (default: all, by majority) disagree, from the recorded
+    digests; ``stream``: that model's steps only (several models in one loop)."""
     from replay.bisect.steps import bisect_steps as _bisect
 
-    return _bisect(part, ranks=ranks, recording=_recording_of(part))
+    return _bisect(part, ranks=ranks, recording=_recording_of(part), stream=stream)
 
 
 def bisect_steps_rerun(part: Part, rank: int | None = None, options: RerunOptions | None = None, *,
-                       exhaustive: bool = False, announce: Announce = _quiet,
+                       exhaustive: bool = False, stream: str | None = None, announce: Announce = _quiet,
                        progress: Progress = _no_progress) -> StepsBisection:
     """The first step of ``rank`` (default: the odd rank at the first divergence) whose re-run
-    departs from the recording."""
+    departs from the recording; ``stream``: that model's steps only."""
     from replay.bisect.steps import bisect_steps_rerun as _bisect
 
     o = options or RerunOptions()
@@ -446,7 +447,7 @@ def bisect_steps_rerun(part: Part, rank: int | None = None, options: RerunOption
         rank = chosen.rank
         announce(chosen.why or "")
     return _bisect(part, rank, mode=o.modes[0], device=o.device_for(part), factory=o.factory, options=dict(o.toggles),
-                   exhaustive=exhaustive, recording=_recording_of(part), announce=announce, progress=progress)
+                   exhaustive=exhaustive, recording=_recording_of(part), stream=stream, announce=announce, progress=progress)
 
 
 def bisect_layers(part: Part, between: str, *, step: int | None = None, rank: int | None = None,

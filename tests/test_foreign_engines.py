@@ -25,12 +25,6 @@ import pytest
 ENGINES = Path(__file__).resolve().parent / "engines"
 ROOT = Path(__file__).resolve().parent.parent
 
-R1 = ("rerun/runner.py rebuilds step inputs one level deep: nested past_key_values (recorded with their "
-      "__structure__) reach the model as a dict (KeyError: 0); needs record.calls.rebuild_inputs (qa-for-rerun R1)")
-R2 = ("rerun/relaunch.py looks for the frame `TinyLM` (step_kind compiled) instead of `TinyLM.forward` for a "
-      "torch.compile(module) step and takes the class body: 'no state named memory' (qa-for-rerun R2)")
-R3 = "bisect steps --against-rerun needs --factory on a recording with no factory (qa-for-rerun R3)"
-
 # name: (engine, program arguments, its exit code)
 VARIANTS: dict[str, tuple[str, tuple[str, ...], int]] = {
     "gptgen": ("gptgen", ("--tokens", "8"), 0),
@@ -206,9 +200,11 @@ def _step(runs: dict[str, Any], name: str, step: int) -> tuple[int, dict[str, An
 @pytest.mark.e2e
 @pytest.mark.parametrize("name, step", [
     ("gptgen", 5),
-    pytest.param("hfloop", 4, marks=pytest.mark.xfail(reason=R1, strict=False)),
+    ("hfloop", 4),
     ("specwrap", 9),
-    pytest.param("specwrap_compiled", 9, marks=pytest.mark.xfail(reason=R2, strict=False)),
+    ("specwrap_compiled", 9),
+    ("hfloop_compile_forward", 3),
+    ("hfloop_compile_method", 3),
 ])
 def test_a_step_reruns_bit_for_bit_from_another_directory(runs: dict[str, Any], name: str, step: int) -> None:
     code, data, err = _step(runs, name, step)
@@ -217,6 +213,10 @@ def test_a_step_reruns_bit_for_bit_from_another_directory(runs: dict[str, Any], 
     eager = data["modes"]["eager"]
     assert eager["error"] is None and eager["departed"] is None, eager
     assert eager["vs_recording"] and all(v["verdict"] == "bitwise equal" for v in eager["vs_recording"].values())
+    if _target(runs[name]["rec"])["step_kind"] == "compiled":
+        # Compiled again inside the re-launched program (a compiled module: its forward).
+        compiled = data["modes"]["compiled"]
+        assert compiled["error"] is None and compiled["ran_as"].startswith("torch.compile("), compiled
 
 
 @pytest.mark.e2e
@@ -231,10 +231,11 @@ def test_a_step_never_rerun_as_equal_when_the_cache_is_not_rebuilt(runs: dict[st
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(reason=R3, strict=False)
 def test_bisect_steps_against_the_rerun_finds_nothing_on_an_unchanged_engine(runs: dict[str, Any]) -> None:
-    p = _replay("bisect", "steps", runs["gptgen"]["rec"], "--against-rerun", "--rank", 0, cwd=runs["cwd"])
+    p = _replay("bisect", "steps", runs["gptgen"]["rec"], "--against-rerun", "--rank", 0, "--no-save", cwd=runs["cwd"])
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "rank 0 re-run eager: no departure from the recording found" in p.stdout, p.stdout
+    assert "re-run inside the re-launched program (no factory)" in p.stdout and "(from not found)" not in p.stderr
 
 
 @pytest.mark.e2e
@@ -278,3 +279,7 @@ def test_tensor_parallel_compiled_under_torchrun_runs_and_is_recorded(tmp_path: 
     assert data["first_divergence"] is None  # two ranks compared: TP ranks share their outputs
     t = _target(tmp_path / "rec")
     assert t["compile"] == {"backend": "eager", "dynamic": None, "fullgraph": True, "mode": None}
+    # One rank re-run alone cannot be fed the collectives the graph ran: it says why (qa-for-rerun R4).
+    step = _replay("step", tmp_path / "rec", "--rank", 1, "--step", 2, "--no-save", cwd=tmp_path)
+    assert step.returncode != 0 and "Traceback" not in step.stderr
+    assert "ran compiled on 2 ranks, and collectives inside a compiled graph are not recorded" in step.stderr, step.stderr[-2000:]

@@ -64,16 +64,29 @@ class StepsBisection:
     exhaustive: bool = False
     notes: list[str] = _field(default_factory=list)
     uncompared: list[int] = _field(default_factory=list)  # re-run steps with no recorded output to compare with
+    # Several models in one loop: the stream of the step found and that step's index in its
+    # stream (step 5 may be the draft's step 3); ``only_stream``: the one stream bisected (--stream).
+    stream: str | None = None
+    stream_step: int | None = None
+    only_stream: str | None = None
+    token_stream: str | None = None
+    token_stream_step: int | None = None
+
+    def _at(self, step: int, stream: str | None, own: int | None, detail: str = "") -> str:
+        """"step 5 (stream draft, its step 3; DETAIL)", as ``replay info`` names a step of a stream."""
+        inside = ([f"stream {stream}, its step {own}"] if stream is not None else []) + ([detail] if detail else [])
+        return f"step {step}" + (f" ({'; '.join(inside)})" if inside else "")
 
     def verdict(self) -> str:
         if self.how == StepsHow.RANKS:
-            who = "ranks " + ", ".join(map(str, self.ranks))
+            who = (f"stream {self.only_stream}: " if self.only_stream else "") + "ranks " + ", ".join(map(str, self.ranks))
             if self.first is None:
                 return f"{who} agree at every common step"
-            line = f"{who} first disagree at step {self.first} ({self.field}: rank{'s' if len(self.odd) > 1 else ''} " \
-                   f"{', '.join(map(str, self.odd))} against {', '.join(map(str, self.majority))})"
+            odd = f"{self.field}: rank{'s' if len(self.odd) > 1 else ''} {', '.join(map(str, self.odd))} against " \
+                  f"{', '.join(map(str, self.majority))}"
+            line = f"{who} first disagree at {self._at(self.first, self.stream, self.stream_step, odd)}"
             if self.first_token is not None and self.first_token != self.first:
-                line += f"; tokens first differ at step {self.first_token}"
+                line += f"; tokens first differ at {self._at(self.first_token, self.token_stream, self.token_stream_step)}"
             elif self.first_token is None:
                 line += "; the tokens never differ"
             return line
@@ -84,7 +97,7 @@ class StepsBisection:
         if self.first is None:
             scope = "any" if self.exhaustive else "the last"
             return f"rank {r} re-run {self.mode}: no departure from the recording found ({scope} interval re-ran as recorded)"
-        return (f"rank {r} re-run {self.mode} first departs from the recording at step {self.first} ({self.field}), "
+        return (f"rank {r} re-run {self.mode} first departs from the recording at {self._at(self.first, self.stream, self.stream_step, str(self.field))}, "
                 f"found with {len(self.probes)} interval re-runs ({self.steps_rerun} of {self.steps_total} steps)")
 
     def to_json(self) -> dict[str, Any]:
@@ -108,27 +121,75 @@ class StepsBisection:
             "exhaustive": self.exhaustive,
             "notes": self.notes,
             "uncompared": self.uncompared,
+            "stream": self.stream,
+            "stream_step": self.stream_step,
+            "only_stream": self.only_stream,
+            "token_stream": self.token_stream,
+            "token_stream_step": self.token_stream_step,
         }
 
 
-def bisect_steps(part: Part, *, ranks: list[int] | None = None, recording: str = "") -> StepsBisection:
-    """The first step where ``ranks`` (default: all, by majority) disagree, from recorded digests."""
+def bisect_steps(part: Part, *, ranks: list[int] | None = None, recording: str = "", stream: str | None = None) -> StepsBisection:
+    """The first step where ``ranks`` (default: all, by majority) disagree, from recorded digests.
+
+    Several models in one loop (draft and target): the step found is named with its stream and
+    its index in that stream, and each stream's own first divergence is noted; ``stream``
+    bisects that stream's steps only."""
     chosen = sorted(set(ranks)) if ranks else list(part)
     for r in chosen:
         part[r]
     if len(chosen) < 2:
         raise UsageError(f"comparing ranks needs two or more (this part has {len(part)}: {', '.join(map(str, part))}); "
                          "to compare the recording with re-runs use --against-rerun")
-    d = first_divergence(part, ranks=chosen)
-    t = first_divergence(part, ranks=chosen, prefix="tokens.")
-    res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RANKS, ranks=chosen, first=None)
+    labels = _StreamLabels(part[chosen[0]])
+    mine = labels.steps_of(stream) if stream is not None else None
+    d = first_divergence(part, ranks=chosen, steps=mine)
+    t = first_divergence(part, ranks=chosen, prefix="tokens.", steps=mine)
+    res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RANKS, ranks=chosen, first=None, only_stream=stream)
     if d is not None:
         res.first, res.field, res.odd, res.majority = d.step, d.field, d.ranks, d.majority
+        res.stream, res.stream_step = labels.label(d.step)
     if t is not None:
         res.first_token, res.token_field = t.step, t.field
+        res.token_stream, res.token_stream_step = labels.label(t.step)
     if d is not None and len(chosen) == 2:
         res.notes.append("two ranks cannot outvote each other: the one named odd is the higher rank")
+    if stream is None:
+        res.notes += [labels.own_divergence(part, chosen, name) for name in labels.names]
     return res
+
+
+class _StreamLabels:
+    """Which stream each step of a rank belongs to (``analysis.streams.step_streams``), as
+    ``replay info`` names them: "step 5 (stream draft, its step 3)"."""
+
+    def __init__(self, rf: Any) -> None:
+        from replay.analysis.streams import step_streams
+
+        self.rank = rf.rank
+        self.steps, self.index, self.names = step_streams(rf)
+
+    def steps_of(self, stream: str) -> Any:
+        if stream not in self.names:
+            have = ", ".join(self.names) if self.names else "none: it recorded one model"
+            raise UsageError(f"rank {self.rank} has no stream {stream!r} (streams: {have})")
+        return self.steps[self.index == self.names.index(stream)]
+
+    def label(self, step: int) -> tuple[str | None, int | None]:
+        """(the stream of ``step``, its index among that stream's steps); (None, None) for one model."""
+        at = (self.steps == step).nonzero()[0]
+        if not self.names or not at.size:
+            return None, None
+        i = int(self.index[at[0]])
+        return self.names[i], int(((self.index == i) & (self.steps < step)).sum())
+
+    def own_divergence(self, part: Part, ranks: list[int], stream: str) -> str:
+        """One stream's own first divergence, bisected on its steps alone."""
+        d = first_divergence(part, ranks=ranks, steps=self.steps_of(stream))
+        if d is None:
+            return f"stream {stream}: its ranks agree at every common step"
+        _, own = self.label(d.step)
+        return f"stream {stream}: first disagrees at step {d.step} (its step {own}, {d.field})"
 
 
 def intervals(rp: Replayer, first: int, last: int) -> list[Interval]:
@@ -153,33 +214,38 @@ def bisect_steps_rerun(
     last: int | None = None,
     exhaustive: bool = False,
     recording: str = "",
+    stream: str | None = None,
     announce: Callable[[str], None] = lambda s: None,
     progress: Callable[..., Iterable[Any]] = lambda it, label="": it,
 ) -> StepsBisection:
     """The first step of ``rank`` whose re-run (in ``mode``) departs from the recording.
 
     Several models in one loop (draft and target) are bisected stream by stream, each on its own
-    steps, and the earliest departure is the answer. A recording with no factory is re-run inside
-    the re-launched program (one launch per stream, scanning from the first step's keyframe)."""
+    steps, and the earliest departure is the answer (``stream``: that stream alone). A recording
+    with no factory is re-run inside the re-launched program (one launch per stream, scanning
+    from the first step's keyframe)."""
     rf = part[rank]
     lo, hi = _step_range(rf, rank, first, last)
     res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RERUN, ranks=[rank], first=None, mode=mode,
                          steps_total=hi - lo + 1, exhaustive=exhaustive)
     names = streams_of(rf)
-    for stream in (names if len(names) > 1 else [None]):
-        own = [s for s in range(lo, hi + 1) if stream is None or stream_of(rf, s) == stream]
+    if stream is not None and stream not in names:
+        raise UsageError(f"rank {rank} has no stream {stream!r} (streams: {', '.join(names) or 'none: it recorded one model'})")
+    res.only_stream = stream
+    for name in ([stream] if stream is not None else names if len(names) > 1 else [None]):
+        own = [s for s in range(lo, hi + 1) if name is None or stream_of(rf, s) == name]
         if not own:
             continue
-        args = _StreamBisect(part, rank, own[0], own[-1], stream, mode, device, factory, dict(options or {}), exhaustive,
+        args = _StreamBisect(part, rank, own[0], own[-1], name, mode, device, factory, dict(options or {}), exhaustive,
                              recording)
-        if uses_relaunch(part, rank, own[-1], factory, stream):
+        if uses_relaunch(part, rank, own[-1], factory, name):
             hit = _relaunched_scan(args, res, announce)
         else:
             hit = _bisect_stream(args, res, announce, progress)
         if hit is not None and (res.first is None or (hit.departed is not None and hit.departed < res.first)):
             res.first, res.field = hit.departed, hit.field
-            if stream is not None:
-                res.notes.append(f"stream {stream} departs first")
+    if res.first is not None and len(names) > 1:
+        res.stream, res.stream_step = _StreamLabels(rf).label(res.first)
     _refuse_if_nothing_compared(res, rank)
     return res
 

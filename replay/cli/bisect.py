@@ -119,6 +119,9 @@ def _admit(p: Part, *, factory: str | None, trust: bool, say: Callable[[str], No
     from replay.trust import admit_part
 
     imports = admit_part(p, factory=factory, trust=trust, recording=p.path.parent)
+    # Not importable from here: a recording with no factory is re-run inside the re-launched
+    # program, which imports its own code from where it ran.
+    imports = [i.replace(" (from not found)", " (imported by the re-launched program)") for i in imports]
     if imports:
         say(f"importing {', '.join(imports[:3])}{' and more' if len(imports) > 3 else ''} (named by the recording)")
 
@@ -135,10 +138,11 @@ def _admit(p: Part, *, factory: str | None, trust: bool, say: Callable[[str], No
 @click.option("--exhaustive", is_flag=True, help="With --against-rerun: re-run every keyframe interval in order, not a binary search.")
 @click.option("--rank", type=int, default=None, help="With --against-rerun: the rank to re-run (default: the odd one at the first divergence).")
 @click.option("--mode", type=click.Choice(["eager", "cudagraph"]), default="eager", show_default=True, help="With --against-rerun: how to re-run.")
+@click.option("--stream", default=None, metavar="NAME", help="Several models in one loop: bisect this one's steps only (replay info lists them).")
 @_rerun_options
 def steps(run: Path | None, root: str, part: str | None, ranks_text: str | None, against_rerun: bool, exhaustive: bool,
-          rank: int | None, mode: str, device: str | None, factory: str | None, sets: tuple[str, ...], no_save: bool,
-          trust: bool, as_json: bool) -> int:
+          rank: int | None, mode: str, stream: str | None, device: str | None, factory: str | None, sets: tuple[str, ...],
+          no_save: bool, trust: bool, as_json: bool) -> int:
     """The first step where the ranks disagree, or where a re-run departs from the recording."""
     if ranks_text and against_rerun:
         raise UsageError("--ranks compares recorded ranks, --against-rerun compares one rank with re-runs: pick one")
@@ -147,9 +151,10 @@ def steps(run: Path | None, root: str, part: str | None, ranks_text: str | None,
     with rec:
         if against_rerun:
             _admit(p, factory=factory, trust=trust, say=_say(as_json))
-            result = api.bisect_steps_rerun(p, rank, options, exhaustive=exhaustive, announce=_say(as_json), progress=progress)
+            result = api.bisect_steps_rerun(p, rank, options, exhaustive=exhaustive, stream=stream, announce=_say(as_json),
+                                            progress=progress)
         else:
-            result = api.bisect_steps(p, ranks=parse_ranks(ranks_text) if ranks_text else None)
+            result = api.bisect_steps(p, ranks=parse_ranks(ranks_text) if ranks_text else None, stream=stream)
     return _finish(rec.path, result, save=not no_save, as_json=as_json)
 
 

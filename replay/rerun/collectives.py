@@ -76,6 +76,8 @@ class RecordedCollectives:
     _index: int = 0
     _installed: bool = False  # between installed()'s patching and its restoring
     _active: bool = False  # inside a step (functional collectives outside one pass through)
+    # The step ran under torch.compile when recorded: collectives inside its graph were not seen.
+    recorded_compiled: bool = False
 
     def check_replayable(self, first: int, last: int) -> None:
         """Fail before anything is built if a collective in steps first..last lacks its output."""
@@ -111,6 +113,13 @@ class RecordedCollectives:
 
     def _next(self, op: str, inputs: list[torch.Tensor]) -> np.void:
         t = self.rank_file.full()
+        if not self._queue and self._index == 0 and self.recorded_compiled:
+            raise RerunError(
+                f"step {self._step}: the re-run called {op}, but the recording holds no collective for this step: it ran "
+                f"compiled on {self.world_size} ranks, and collectives inside a compiled graph are not recorded, so "
+                f"rank {self.rank} cannot be re-run with recorded answers (all ranks together, with --ranks and "
+                "--factory, run their collectives live)"
+            )
         if not self._queue:
             raise RerunError(
                 f"step {self._step}: the re-run called {op} (collective #{self._index}) but the recording has no more "

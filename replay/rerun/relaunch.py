@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["ENV_RERUN", "RelaunchSpec", "needs_relaunch", "recorded_args", "relaunch_step", "start_in_program"]
 
 ENV_RERUN = "REPLAY_RERUN"
+_CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function's frame (a class body's has it off)
 _RECORD_ENV_PREFIX = "REPLAY_RECORD_"
 _TIMEOUT_S = float(os.environ.get("REPLAY_RERUN_TIMEOUT", "900"))
 
@@ -70,6 +71,8 @@ def needs_relaunch(target: dict[str, Any] | None, args: dict[str, Any] | None = 
     kind = target.get("step_kind")
     if kind in ("method", "module_forward"):
         return True
+    if kind == "compiled" and isinstance(target.get("weights"), dict) and target["weights"]:
+        return True  # a compiled module (``torch.compile(model)``): its object is an nn.Module the program builds
     qual = str(target.get("step", "")).partition(":")[2]
     if kind is None and "." in qual:
         return True
@@ -223,6 +226,11 @@ class _Takeover:
         self.modules = mains if module in mains else {module}
         self.qualname = f"{qual}.forward" if self.kind is StepKind.MODULE_FORWARD else qual
         self.name = self.qualname.rsplit(".", 1)[-1]
+        # A compiled step naming a class (``torch.compile(model)``, ``model.compile()``,
+        # ``model.forward = torch.compile(model.forward)``): its instances' forward is the step.
+        self.class_name = qual if self.kind is StepKind.COMPILED and "." not in qual else None
+        self.module_step = False  # the step was taken at a compiled module's forward
+        self._forwards: list[Any] = []  # modules whose forward is ours until the first call
         self.compile_kwargs: dict[str, Any] = {}
         self.done = False
         self._real_compile: Any = None
@@ -248,6 +256,10 @@ class _Takeover:
                 # The re-run's own compilation (--mode compiled/cudagraph) must really compile:
                 # handing it the Python function back would run eager under a compiled name.
                 return real(model, **kwargs)
+            module = me._step_module(model)
+            if module is not None:
+                me.compile_kwargs = {k: v for k, v in kwargs.items() if isinstance(v, (str, bool, int, type(None)))}
+                return me.take_forward(module, model)
             code = getattr(model, "__code__", None)
             if code is not None and getattr(code, "co_qualname", code.co_name) == me.qualname:
                 me.compile_kwargs = {k: v for k, v in kwargs.items() if isinstance(v, (str, bool, int, type(None)))}
@@ -282,10 +294,54 @@ class _Takeover:
 
         return step_first_call
 
+    def _step_module(self, model: Any) -> Any:
+        """The nn.Module of the recorded class that ``torch.compile`` is given (the module, or
+        its bound ``forward``/``_call_impl``), or None."""
+        if self.class_name is None:
+            return None
+        import torch
+
+        module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+        if not isinstance(module, torch.nn.Module):
+            return None
+        klass = type(module)
+        if klass.__qualname__ != self.class_name or klass.__module__ not in self.modules:
+            return None
+        return module
+
+    def take_forward(self, module: Any, model: Any) -> Any:
+        """What the program gets back from compiling a module of the step's class: the module
+        (or its bound method) uncompiled, its ``forward`` replaced until the step's first call,
+        which is taken over there, in an ordinary call (the re-run compiles it itself)."""
+        import inspect
+
+        forward = type(module).forward
+        sig = inspect.signature(forward)
+        me = self
+
+        def forward_first_call(*args: Any, **kwargs: Any) -> Any:
+            if me.done:
+                return forward(module, *args, **kwargs)
+            bound = sig.bind(module, *args, **kwargs)
+            bound.apply_defaults()
+            live = dict(bound.arguments)
+            if not me._is_stream(live):
+                return forward(module, *args, **kwargs)  # another model of the class (the draft)
+            me.module_step = True
+            me._claim()
+            me._take(lambda: me._rerun(forward, live))
+            return None  # not reached: _take stops the program
+
+        module.forward = forward_first_call  # an instance attribute: the class is left alone
+        self._forwards.append(module)
+        return forward_first_call if getattr(model, "__name__", "") == "forward" and model is not module else model
+
     def _claim(self) -> None:
         """The first call is ours: no more hooks; the re-run's torch.compile is torch's own."""
         self.done = True
         sys.setprofile(None)
+        for module in self._forwards:
+            module.__dict__.pop("forward", None)  # the modules as the program built them
         if self._real_compile is not None:
             import torch
 
@@ -297,6 +353,8 @@ class _Takeover:
         code = frame.f_code
         if code.co_name != self.name or getattr(code, "co_qualname", code.co_name) != self.qualname:
             return
+        if not code.co_flags & _CO_OPTIMIZED:
+            return  # a class body of that name (a compiled step naming a class), not a call
         if frame.f_globals.get("__name__") not in self.modules:
             return
         if not self._is_stream(frame.f_locals):
@@ -357,7 +415,7 @@ class _Takeover:
         params = list(inspect.signature(fn).parameters)
         kind = spec.kind or (StepKind.METHOD if "." in self.qualname else StepKind.FUNCTION)
         obj: Any = None
-        if kind in (StepKind.METHOD, StepKind.MODULE_FORWARD) and params:
+        if (self.module_step or kind in (StepKind.METHOD, StepKind.MODULE_FORWARD)) and params:
             obj = live.get(params[0])
             live.pop(params[0], None)
         else:
@@ -370,7 +428,10 @@ class _Takeover:
             kind = StepKind.COMPILED
 
         def make_target(rp: Any) -> Target:
-            if kind in (StepKind.METHOD, StepKind.MODULE_FORWARD):
+            if self.module_step:
+                # A compiled module's forward: compiled again (bound) in --mode compiled.
+                step_fn, ran_as = function_step(fn.__get__(obj, type(obj)), StepKind.COMPILED, spec, rp._compiled())  # noqa: SLF001
+            elif kind in (StepKind.METHOD, StepKind.MODULE_FORWARD):
                 step_fn, ran_as = fn.__get__(obj, type(obj)), ""
             else:
                 step_fn, ran_as = function_step(fn, kind, spec, rp._compiled())  # noqa: SLF001

@@ -27,6 +27,7 @@ from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
 from replay.core.outputs import name_outputs
 from replay.core.rng import restore_rng
+from replay.core.structure import STRUCTURE_ARG, rebuild_inputs
 from replay.core.weights import weight_digests
 from replay.rerun.collectives import RecordedCollectives
 from replay import numerics
@@ -59,19 +60,31 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     return t.to(device) if device != "cpu" else t
 
 
-def _step_args(rf: RankFile, step: int, obj: Any = None, live: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A step's recorded JSON arguments, with the objects it was called with put back: the
-    target itself, the target's attribute of the recorded name (its KV cache), or the live value
-    the re-launched program passed (``live``)."""
-    row = rf.step(step).row
-    sid = int(row["args"])
+def _raw_args(rf: RankFile, step: int) -> dict[str, Any]:
+    """A step's recorded JSON arguments as recorded, reserved ones (``__structure__``) included."""
+    sid = int(rf.step(step).row["args"])
     if sid < 0:
         return {}
     try:
         args = json.loads(rf.tables.string(sid))
     except ValueError:
         return {}
-    args = strip_reserved(args) if isinstance(args, dict) else {}
+    return args if isinstance(args, dict) else {}
+
+
+def _step_inputs(rf: RankFile, step: int, device: str) -> dict[str, Any]:
+    """A step's recorded tensor inputs as the step takes them: nested containers (an HF
+    ``past_key_values`` tuple of tuples) rebuilt with their recorded shape."""
+    inputs = {k: _to_device(v, device) for k, v in rf.step(step).inputs.items()}
+    structures = _raw_args(rf, step).get(STRUCTURE_ARG)
+    return rebuild_inputs(inputs, structures if isinstance(structures, dict) else None)
+
+
+def _step_args(rf: RankFile, step: int, obj: Any = None, live: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A step's recorded JSON arguments, with the objects it was called with put back: the
+    target itself, the target's attribute of the recorded name (its KV cache), or the live value
+    the re-launched program passed (``live``)."""
+    args = strip_reserved(_raw_args(rf, step))
     live = live or {}
     for k, v in args.items():
         if not isinstance(v, dict):
@@ -130,7 +143,7 @@ class _StepDriver:
 
     def _call(self, step: int) -> dict[str, torch.Tensor]:
         view = self.rf.step(step)
-        inputs = {k: _to_device(v, self.device) for k, v in view.inputs.items()}
+        inputs = _step_inputs(self.rf, step, self.device)
         args = _step_args(self.rf, step, self.target.obj, self.target.live_args)
         rng = view.tensors(TensorKind.RNG)
         if rng:
@@ -144,31 +157,26 @@ class _StepDriver:
             # Compared inside the context: what the step really ran under, setting by setting.
             self.context_differences = numerics.differences(recorded, numerics.capture()) if recorded else []
             self.context_differences += [f"{n}: could not be set here" for n in failed]
-            out = fn(**_unflatten(inputs), **args)
+            out = fn(**inputs, **args)
         if self.collectives is not None:
             self.collectives.end_step()
-        outs = name_outputs(out, tuple(self.outputs_names))
+        outs = _named_outputs(out, tuple(self.outputs_names), _recorded_fields(self.rf, step))
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         return {k: local_tensor(v).detach().to("cpu", copy=True) for k, v in outs.items()}
 
 
-def _unflatten(inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Inverse of the recorder's flattening of list/dict arguments (``name.0``, ``name.key``)."""
-    out: dict[str, Any] = {}
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    for k, v in inputs.items():
-        if "." in k:
-            base, _, sub = k.partition(".")
-            groups.setdefault(base, {})[sub] = v
-        else:
-            out[k] = v
-    for base, items in groups.items():
-        if all(s.isdigit() for s in items):
-            out[base] = [items[s] for s in sorted(items, key=int)]
-        else:
-            out[base] = items
-    return out
+def _named_outputs(out: Any, names: tuple[str, ...], recorded: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The step's outputs named as the recording named them. A recording made before tuples'
+    logits were named ``logits`` has them as ``output.out{i}``: positional names then, so that
+    an older recording still re-runs instead of reporting its logits as not returned."""
+    outs = name_outputs(out, names)
+    if names or "logits" not in outs or not isinstance(out, (list, tuple)) or "output.logits" in recorded:
+        return outs
+    positional = tuple(f"out{i}" for i in range(len(out)))
+    if not any(f"output.{n}" in recorded for n in positional):
+        return outs
+    return name_outputs(out, positional)
 
 
 def _departure(outs: dict[str, torch.Tensor], recorded: dict[str, int]) -> str | None:
@@ -280,6 +288,8 @@ class Replayer:
         self.options = opts
         self.target: Target | None = None
         self.collectives = None if (self.world == 1 or live_collectives) else RecordedCollectives(self.rf, self.target_rank, self.world)
+        if self.collectives is not None:
+            self.collectives.recorded_compiled = self.spec.kind is StepKind.COMPILED
         self._driver: _StepDriver | None = None
         self._ctx: contextlib.ExitStack | None = None
         self.departed: StepDeparture | None = None

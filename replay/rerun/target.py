@@ -327,6 +327,7 @@ def _compiled_for_sure(fn_compiled: Callable[..., Any], base: Any, shown: str) -
     checked = [code is None]
 
     def step_compiled(*args: Any, **kwargs: Any) -> Any:
+        frames = _dynamo_frames() if not checked[0] else 0
         out = fn_compiled(*args, **kwargs)
         if not checked[0]:
             checked[0] = True
@@ -334,12 +335,24 @@ def _compiled_for_sure(fn_compiled: Callable[..., Any], base: Any, shown: str) -
                 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
             except ImportError:  # another torch: nothing to check with
                 return out
-            if not _debug_get_cache_entry_list(code):
+            # Dynamo may leave the step's own frame to Python (a graph break it cannot resume
+            # from, as with ``dynamic=True`` on an HF-style forward) and compile the frames it
+            # calls: that is how torch.compile runs this step, in the recording too.
+            if not _debug_get_cache_entry_list(code) and _dynamo_frames() <= frames:
                 raise RerunError(f"torch.compile({shown}) ran {getattr(base, '__qualname__', 'the step')} without "
                                  "compiling it (Dynamo did not run here): the step was not re-run compiled")
         return out
 
     return step_compiled
+
+
+def _dynamo_frames() -> int:
+    """How many frames Dynamo has looked at in this process (its own counter)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["frames"]["total"])
 
 
 def _kind_of(resolved: Any, name: str) -> StepKind:
