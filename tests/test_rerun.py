@@ -196,3 +196,36 @@ def test_recorded_collectives_are_torchs_own_again_after_the_rerun(tmp_path):
         with pytest.raises(Exception) as e:
             kept(torch.zeros(2), src=0)  # after: torch's own, which has no process group here
         assert not isinstance(e.value, RerunError), e.value
+
+
+def _mode_run(mode, verdicts, error=None, recorded_error=None):
+    from replay.analysis.compare import Comparison, Verdict
+    from replay.rerun.result import ModeRun
+
+    vs = {name: Comparison("rerun", "recorded", Verdict.BITWISE_EQUAL if same else Verdict.DIFFERENT) for name, same in verdicts.items()}
+    return ModeRun(mode=mode, outputs={}, digests={k: 1 for k in verdicts}, vs_recording=vs, error=error, recorded_error=recorded_error)
+
+
+@pytest.mark.parametrize("modes, expected", [
+    ({"eager": {"logits": True}}, "reproduced: rank 1 step 7 re-ran bit for bit in eager"),
+    ({"eager": {"logits": True}, "cudagraph": {"logits": False}},
+     "not reproduced: rank 1 step 7 in cudagraph: logits is different from the recording; eager reproduces it bit for bit"),
+    ({"eager": {}}, "not compared: rank 1 step 7: eager: no output of step 7 could be compared"),
+], ids=["reproduced", "one-mode-differs", "nothing-compared"])
+def test_the_step_headline_claims_only_what_was_compared(modes, expected):
+    from replay.rerun.result import StepRerun
+
+    r = StepRerun(recording="r", part="run-000", rank=1, step=7, keyframe=0, device="cpu", factory=None,
+                  modes={m: _mode_run(m, v) for m, v in modes.items()})
+    assert r.headline().startswith(expected), r.headline()
+
+
+def test_the_step_headline_of_a_step_that_raised_is_not_compared():
+    from replay.rerun.result import StepRerun
+
+    raised = _mode_run("eager", {"logits": True}, error="RuntimeError: boom")
+    r = StepRerun(recording="r", part="run-000", rank=0, step=3, keyframe=0, device="cpu", factory=None, modes={"eager": raised})
+    assert r.headline().startswith("not compared: rank 0 step 3: eager: step 3 raised RuntimeError: boom in the re-run")
+    same = _mode_run("eager", {"logits": True}, error="RankDriftError: x", recorded_error="RankDriftError: x")
+    r.modes = {"eager": same}
+    assert r.headline().endswith("it raised RankDriftError as it did when recorded")

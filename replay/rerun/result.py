@@ -175,7 +175,9 @@ class StepRerun:
         differ = [m for m in self.modes.values() if m.mode not in same]
         if not differ:
             n = sum(len(m.vs_recording) for m in self.modes.values())
-            return f"reproduced: {where} re-ran bit for bit in {', '.join(same)} ({n} output(s) bitwise equal to the recording)"
+            raised = sorted({m.error.split(":")[0] for m in self.modes.values() if m.error})
+            also = f"; it raised {', '.join(raised)} as it did when recorded" if raised else ""
+            return f"reproduced: {where} re-ran bit for bit in {', '.join(same)} ({n} output(s) bitwise equal to the recording){also}"
         first = differ[0]
         bad = [(k, c) for k, c in first.vs_recording.items() if not c.equal]
         name, c = bad[0]
