@@ -279,7 +279,7 @@ def test_tensor_parallel_compiled_under_torchrun_runs_and_is_recorded(tmp_path: 
     assert data["first_divergence"] is None  # two ranks compared: TP ranks share their outputs
     t = _target(tmp_path / "rec")
     assert t["compile"] == {"backend": "eager", "dynamic": None, "fullgraph": True, "mode": None}
-    # One rank re-run alone cannot be fed the collectives the graph ran: it says why (qa-for-rerun R4).
+    # One rank re-run alone cannot be fed the collectives the graph ran: it says why.
     step = _replay("step", tmp_path / "rec", "--rank", 1, "--step", 2, "--no-save", cwd=tmp_path)
     assert step.returncode != 0 and "Traceback" not in step.stderr
     assert "ran compiled on 2 ranks, and collectives inside a compiled graph are not recorded" in step.stderr, step.stderr[-2000:]

@@ -1,5 +1,5 @@
 """A tensor-parallel step recorded under torch.compile: its collectives ran inside the compiled
-graph, so the recording holds none for it (qa-for-rerun R4). A one-rank re-run that calls one
+graph, so the recording holds none for it. A one-rank re-run that calls one
 says so, rather than blaming the rebuilt target's code path."""
 
 from __future__ import annotations
