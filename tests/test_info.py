@@ -301,3 +301,15 @@ def test_the_stream_argument_is_spelled_as_the_recorder_writes_it():
     from replay.analysis import streams
 
     assert streams.STREAM_ARG == numerics.STREAM_ARG
+
+
+def test_ranks_that_share_no_step_are_never_no_divergence():
+    """Two ranks of which one recorded no step: nothing was compared, so no 'no divergence'."""
+    from replay.analysis.summary import verdict_line
+
+    ranks = [{"rank": 0, "steps": 5}, {"rank": 1, "steps": 0}]
+    s = {"first_divergence": None, "first_token_divergence": None, "ranks": ranks, "unreadable_ranks": []}
+    assert verdict_line(s).startswith("nothing compared")
+    assert "no divergence" not in verdict_line(s)
+    s = {**s, "ranks": [{"rank": 0, "steps": 5}, {"rank": 1, "steps": 5}]}
+    assert verdict_line(s).startswith("no divergence: 2 ranks")

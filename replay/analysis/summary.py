@@ -236,6 +236,9 @@ def verdict_line(summary: dict[str, Any]) -> str:
     if d is None:
         if len(ranks) < 2:
             return f"one rank{left_out}: nothing to compare across ranks"
+        if any(not int(r.get("steps") or 0) for r in ranks):
+            # A rank with no step shares none with the others: nothing was compared.
+            return f"nothing compared{left_out}: a rank recorded no step, so the ranks share no step to compare"
         return f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step"
     text = (f"first divergence at {_at(d)}{left_out}: {d['field']} differs on rank(s) "
             f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d.get('majority') or []))})")

@@ -17,7 +17,7 @@ def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     """The text of ``replay info``: one line per fact, the first divergence, then the next command."""
     s = result.to_json() if isinstance(result, api.InfoResult) else result
     verdict = verdict_line(s)
-    colour = "green" if verdict.startswith("no divergence") else None if verdict.startswith("one rank") else "red"
+    colour = "green" if verdict.startswith("no divergence") else None if verdict.startswith(("one rank", "nothing compared")) else "red"
     lines = [style(escape(verdict), fg=colour, bold=colour == "red")]
     lines += _header(s)
     lines.append(_rank_table(s["ranks"]))
@@ -117,6 +117,8 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
         # One rank: nothing was compared across ranks, so no verdict about them.
         lines = ["one rank can be read: nothing to compare across ranks" if s["unreadable_ranks"]
                  else "one rank: nothing to compare across ranks"]
+    elif d is None and any(not int(r.get("steps") or 0) for r in s["ranks"]):
+        lines = ["nothing compared: a rank recorded no step, so the ranks share no step to compare"]
     elif d is None:
         read = "every rank that can be read" if s["unreadable_ranks"] else "every rank"
         lines = [style(f"no divergence: {read} recorded the same bits at every common step", fg="green")]
