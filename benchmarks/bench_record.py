@@ -81,8 +81,31 @@ def _metadata(plain: Callable, path: Path) -> Callable:
     return step
 
 
+def _ab_variants(session: Any, recorded: Callable) -> dict[str, Callable]:
+    """The default recorder with one of its parts switched off, for side-by-side comparison."""
+    from replay.record.session import Session
+
+    def toggled(attr: str, owner: str) -> Callable:
+        def step(engine: Any, *inputs: Any) -> Any:
+            target = Session if owner == "session" else session.recorder._staging
+            old = getattr(target, attr)
+            setattr(target, attr, False)
+            try:
+                return recorded(engine, *inputs)
+            finally:
+                setattr(target, attr, old)
+
+        return step
+
+    return {
+        "replay, bookkeeping before the call (no early path)": toggled("early_path", "session"),
+        "replay, side work without a graph": toggled("static_snapshots", "staging"),
+        "replay, record work on the program's stream": toggled("defer", "staging"),
+    }
+
+
 def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps: int, *, batch: int,
-             baselines: bool, ring: bool = True, label: str = "") -> list[dict]:
+             baselines: bool, ring: bool = True, label: str = "", ab: bool = False) -> list[dict]:
     from replay.record.session import Session
     from replay.record.settings import RecordSettings
     from replay.workloads.mtp.engine import Engine
@@ -106,6 +129,8 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
             recorded = Engine.decode_step
             assert recorded is not plain, "the profile did not patch the engine"
             variants: dict[str, Callable] = {"replay" if ring else "replay, no ring": recorded}
+            if ab and ring:
+                variants.update(_ab_variants(session, recorded))
             if baselines:
                 (Path(tmp) / "save").mkdir()
                 variants["torch.save"] = _dumper(plain, Path(tmp) / "save")
@@ -247,26 +272,30 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=16, help="MB of logits per step for the writer test")
     ap.add_argument("--writer-steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ab", action="store_true", help="also the default recorder with parts switched off (CUDA rows)")
+    ap.add_argument("--only", default=None, help="comma-separated row groups: graphs,eager,large,noring,cpu,writer")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     rows: list[dict] = []
     configs: list[tuple[str, str, bool, int, dict]] = []
+    only = set(args.only.split(",")) if args.only else {"graphs", "eager", "large", "noring", "cpu", "writer"}
     if args.device.startswith("cuda"):
         configs += [
-            ("cuda", "small", True, 8, {"baselines": True}),
-            ("cuda", "small", False, 8, {"baselines": True}),
-            ("cuda", "small", True, args.large_batch, {"baselines": False, "label": f"small-b{args.large_batch}"}),
-            ("cuda", "small", True, 8, {"baselines": False, "ring": False}),
+            ("graphs", "cuda", "small", True, 8, {"baselines": True, "ab": args.ab}),
+            ("eager", "cuda", "small", False, 8, {"baselines": True, "ab": args.ab}),
+            ("large", "cuda", "small", True, args.large_batch, {"baselines": False, "label": f"small-b{args.large_batch}"}),
+            ("noring", "cuda", "small", True, 8, {"baselines": False, "ring": False}),
         ]
     if not args.device.startswith("cuda") or not args.no_cpu:
-        configs.append(("cpu", "tiny", True, 4, {"baselines": True, "blocks": args.cpu_blocks}))
+        configs.append(("cpu", "cpu", "tiny", True, 4, {"baselines": True, "blocks": args.cpu_blocks}))
+    configs = [c[1:] for c in configs if c[0] in only]
     for dev, preset, cg, batch, kw in configs:
         blocks = kw.pop("blocks", args.blocks)
         t0 = time.perf_counter()
         rows += overhead(dev, preset, cg, blocks, args.block_steps, batch=batch, **kw)
         print(f"# {dev} {preset} b{batch} graphs={cg} {kw}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    w = writer_throughput(args.device, args.mb, args.writer_steps, args.rounds)
+    w = writer_throughput(args.device, args.mb, args.writer_steps, args.rounds) if "writer" in only else None
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "torch": torch.__version__,
            "cpu_cores": os.cpu_count(), "overhead": rows, "writer": w,
            "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
@@ -289,6 +318,8 @@ def render(out: dict) -> str:
                      f"{r['recorded_ms']:.3f} ms | {r['overhead_pct']:+.1f}% | {r['overhead_us']:+.0f} µs | "
                      f"{r['spread_pct'][0]:+.1f}% .. {r['spread_pct'][1]:+.1f}% |")
     w = out["writer"]
+    if w is None:
+        return "\n".join(lines)
     lines += ["", "| writer path | GB/s | vs numpy.tofile |", "|---|---|---|",
               f"| recorder, full logits every step ({w['bytes_per_step'] >> 20} MiB/step, {w['device']} tensors) | {w['recorder_gbs']} | {w['recorder_vs_raw_pct']}% |",
               f"| journal writer alone (payload + frame) | {w['journal_gbs']} | {w['journal_vs_raw_pct']}% |",

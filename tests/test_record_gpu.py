@@ -47,6 +47,44 @@ def test_recorder_on_cuda_tensors_matches_cpu_bits(tmp_path):
         assert torch.equal(view.tensors(__import__("replay.format", fromlist=["TensorKind"]).TensorKind.OUTPUT)["logits"], x)
 
 
+def test_the_record_is_of_the_step_end_even_when_the_program_then_overwrites_its_outputs(tmp_path):
+    """The record's device work runs on a side stream after the step: what it digests, stores
+    and takes the margin of must be the outputs as the step returned them, not what the program
+    wrote into the same buffers afterwards; and the program's own stream is current again."""
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", ring=4, outputs="full"))
+    logits = torch.empty(8, 3, 4096, device="cuda")  # one static buffer, like a graph's output
+    ids = torch.empty(8, dtype=torch.int64, device="cuda")
+    program_stream = torch.cuda.Stream()
+    sent = []
+    with torch.cuda.stream(program_stream):
+        for s in range(8):
+            ids.copy_(torch.randint(0, 100, (8,), device="cuda"))
+            rec.begin_step()
+            rec.record_inputs(input_ids=ids)
+            logits.normal_()
+            torch.cuda._sleep(2_000_000)  # a long step: the record's copies would race the writes below
+            rec.record_outputs(logits=logits, tokens=logits.argmax(-1))
+            rec.end_step()
+            assert torch.cuda.current_stream() == program_stream
+            sent.append((ids.cpu(), logits.cpu()))
+            ids.fill_(-1)  # the program reuses its buffers at once
+            logits.fill_(float("nan"))
+    captured = rec._staging.plans.captured
+    rec.close()
+    assert rec.error is None, rec.error
+    assert captured >= 1, "the side work of the later steps ran as a captured graph"
+    rf = open_recording(tmp_path / "r")["run-000"][0]
+    from replay.format import TensorKind
+
+    for s, (i, x) in enumerate(sent):
+        view = rf.step(s)
+        assert torch.equal(view.inputs["input_ids"], i)
+        assert dict(view.fields())["output.logits"] == digest(x)
+        assert torch.equal(view.tensors(TensorKind.OUTPUT)["logits"], x)
+        top = x.topk(2, dim=-1).values
+        assert float(view.margin) == pytest.approx(float((top[..., 0] - top[..., 1]).min()))
+
+
 @pytest.fixture(scope="module")
 def graphed_recording(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "rec"
@@ -198,3 +236,46 @@ def test_sigkill_of_a_cuda_rank_keeps_every_completed_step_through_the_ring(tmp_
         assert torch.equal(view.tensors(TensorKind.TOKENS)["tokens"], logits.argmax(-1))
     kf_step, kf = rf.keyframe(steps - 1)
     assert torch.equal(kf["kv"], torch.full((256,), float(kf_step)))
+
+
+_INPLACE_ENGINE = '''
+import sys
+import torch
+
+
+class Engine:
+    def __init__(self):
+        torch.manual_seed(0)
+        self.w = torch.randn(64, 300, device="cuda")
+        self.pos = 0
+
+    def step(self, ids, scale):
+        logits = (self.w[ids.remainder(64)] * scale).float()
+        ids.add_(7)  # the step changes its own argument in place
+        self.pos += 1
+        return {"logits": logits, "tokens": logits.argmax(-1)}
+
+
+engine = Engine()
+ids = torch.arange(8, device="cuda")
+for s in range(int(sys.argv[1])):
+    out = engine.step(ids, 0.5)
+    out["tokens"].tolist()
+'''
+
+
+def test_arguments_are_recorded_as_they_were_before_a_step_that_changes_them(tmp_path):
+    """From its second step on, a CUDA step's bookkeeping runs after the call (the early path):
+    its arguments must still be recorded as they were before the step, not after it."""
+    (tmp_path / "inplace_engine.py").write_text(_INPLACE_ENGINE)
+    out = tmp_path / "rec"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    p = subprocess.run([sys.executable, "-m", "replay", "record", "--out", str(out), "--quiet", "--step",
+                        "inplace_engine:Engine.step", "--", sys.executable, str(tmp_path / "inplace_engine.py"), "6"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rf = open_recording(out)["run-000"][0]
+    assert rf.full().steps.size == 6
+    for s in range(6):
+        view = rf.step(s)
+        assert torch.equal(view.inputs["ids"], torch.arange(8) + 7 * s), s

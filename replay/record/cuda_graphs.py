@@ -207,6 +207,10 @@ def install(session: Any, module: Any) -> None:
 
     cls.capture_begin, cls.capture_end, cls.replay = capture_begin, capture_end, replay
     cls.__replay_patched__ = True
+    # For the recorder's own graphs (``side_plan``): the unpatched methods, and whether a graph
+    # made here must be instantiated after capture (the patched constructor keeps graphs).
+    cls.__replay_orig__ = (orig_begin, orig_end, orig_replay)
+    cls.__replay_keeps__ = has_keep and wants_kernels
 
 
 class _CaptureWatch:

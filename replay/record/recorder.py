@@ -84,12 +84,16 @@ class _Step:
     replays: list[int] = field(default_factory=list)
     run: dict[str, Any] | None = None
     margin_dev: torch.Tensor | None = None
+    margin_logits: torch.Tensor | None = None  # a snapshot of the logits: the margin is computed on the side stream
     margin_src: Any = None  # a host tensor, or (uint8 numpy view, dtype, shape) in the ring
     logits_key: tuple | None = None
     accepted: int | None = None
     accepted_entry: Entry | None = None
+    accepted_nbytes: int = 0
     args: dict[str, Any] = field(default_factory=dict)
     rjob: RingJob | None = None  # the step's allocations in the record ring
+    rjob_opened: bool = False  # opened when first needed (CPU tensors), else at the step's end
+    rng: dict[str, torch.Tensor] | None = None  # generator states at the step's start
     fin: dict[str, Any] = field(default_factory=dict)  # what salvage computes from the bytes
 
 
@@ -276,14 +280,24 @@ class Recorder:
     def _entries(self, st: _Step | None, items: list[tuple[str, TensorKind, torch.Tensor, bool]],
                  rjob: RingJob | None = None) -> list[Entry]:
         if st is not None:
-            return self._staging.entries(st.rjob, st.device, items)
+            # The step's room in the ring is opened once it is needed now: for CPU tensors (the
+            # program may change them once the call returns); CUDA tensors are only snapshotted.
+            if not st.rjob_opened and (not self._staging.defer or any(t.device.type != "cuda" for _, _, t, _ in items)):
+                self._step_ring(st)
+            return self._staging.entries(st.rjob, st.device, items, step=True)
         return self._staging.entries(rjob, None, items)
 
     def _stage_device(self, st: _Step | None, job: Job, rjob: RingJob | None = None) -> None:
         if st is not None:
-            self._staging.stage(job, st.device, st.margin_dev, st.rjob)
+            self._staging.stage(job, st.device, st.margin_dev, st.rjob, step=True, logits=st.margin_logits)
         else:
             self._staging.stage(job, None, None, rjob)
+
+    def _step_ring(self, st: _Step) -> RingJob | None:
+        if not st.rjob_opened:
+            st.rjob_opened = True
+            st.rjob = self._staging.open_job()
+        return st.rjob
 
     def _side_job(self) -> RingJob | None:
         """Ring allocations for a job with tensors outside a step (keyframe, collective, logits
@@ -308,12 +322,25 @@ class Recorder:
             due = self._keyframe_due(st.index)
             if self.state_fn is not None and due:
                 self._keyframe(st.index, self.state_fn())
-            st.rjob = self._staging.open_job()
             if self.config.rng:
-                rng = _rng.capture_rng(host=due)
-                st.groups["rng"] = self._staging.entries(st.rjob, None, [(k, TensorKind.RNG, v, True) for k, v in rng.items()])
+                # Fresh tensors: they go into the step's record at its end, off the step's path.
+                st.rng = _rng.capture_rng(host=due)
             self._cur = st
             return st.index
+
+    def early_ok(self) -> bool:
+        """Whether a step may begin before its arguments are bound (``Session._early_step``):
+        CUDA record work on the side stream, no step open."""
+        return self._staging.defer and self._cur is None and not self._disabled and torch.cuda.is_initialized()
+
+    def snapshot_arguments(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of the open step's tensor arguments as they are now (one launch); give them
+        to ``adopt_snapshot`` before recording them as inputs."""
+        return self._staging.input_snapshots(tensors)
+
+    def adopt_snapshot(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` is the open step's own copy of an argument: recorded as it is, not copied again."""
+        return self._staging.adopt(t)
 
     @_failsafe()
     def record_inputs(self, **tensors: torch.Tensor) -> None:
@@ -341,9 +368,8 @@ class Recorder:
                 self._logits(st, t, e)
             if name == cfg.accepted:
                 if t.device.type == "cuda":
-                    st.accepted_entry = e
-                    if e.ring_at >= 0:
-                        st.fin["acc"] = [e.ring_at, e.dtype, list(e.shape), t.numel() * t.element_size()]
+                    st.accepted_entry = e  # its place in the ring (for salvage) is known at the step's end
+                    st.accepted_nbytes = t.numel() * t.element_size()
                 else:
                     st.accepted = int(t.detach().sum())
 
@@ -370,11 +396,14 @@ class Recorder:
         if st.logits_key == key:
             return  # the same logits seen twice in a step (a probe's argument, then the output)
         st.logits_key = key
-        if t.device.type == "cuda":
+        snap = None
+        if t.device.type == "cuda" and self._staging.defer:
+            snap = st.margin_logits = self._staging.snapshot(t)
+        elif t.device.type == "cuda":
             st.margin_dev = device_margin(t.detach())
         else:
             if entry is None or entry.packed is not None:
-                entry = self._staging.entries(st.rjob, None, [("margin", TensorKind.OUTPUT, t, False)])[0]
+                entry = self._staging.entries(self._step_ring(st), None, [("margin", TensorKind.OUTPUT, t, False)])[0]
             # The margin is computed by the drain, from the copy the entry made.
             st.margin_src = entry.host if entry.host is not None else (entry.npv, t.dtype, tuple(t.shape))
             if entry.ring_at >= 0:
@@ -387,7 +416,10 @@ class Recorder:
                 # The ring stays on the device (a device-to-device copy costs microseconds);
                 # it is copied out only when it is written: at exit, on a crash or a trigger.
                 ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=dtype, shape=shape, store=True)
-                ring_e.device_copy = t.detach().clone()
+                if snap is not None:
+                    self._staging.ring_copy(ring_e, snap)
+                else:
+                    ring_e.device_copy = t.detach().clone()
             else:
                 ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=dtype, shape=shape, host=host_copy, store=True)
             if self._ring and self._ring[-1][0] == st.index:
@@ -441,13 +473,27 @@ class Recorder:
             body["accepted"] = st.accepted
         if st.args:
             body["args"] = st.args
+        rjob = self._step_ring(st)
+        if st.rng:
+            st.groups = {"rng": self._staging.entries(rjob, None, [(k, TensorKind.RNG, v, True) for k, v in st.rng.items()]), **st.groups}
+        self._staging.place_pending(rjob)
+        acc = st.accepted_entry
+        if acc is not None and acc.ring_at >= 0:
+            st.fin["acc"] = [acc.ring_at, acc.dtype, list(acc.shape), st.accepted_nbytes]
         job = Job(kind=FrameKind.STEP, body=body, groups=dict(st.groups))
         coll_meta = self._stage_collectives(st, job)
-        accepted_entry = st.accepted_entry
         if st.rjob is not None and st.rjob.dropped:
+            self._staging.discard()
             self._drop(st, job)
             return
-        self._stage_device(st, job)
+        try:
+            self._stage_device(st, job)
+            self._submit_step(st, job, coll_meta)
+        finally:
+            self._staging.leave_side(job)  # the program's stream is current again, whatever happened
+
+    def _submit_step(self, st: _Step, job: Job, coll_meta: list[dict[str, Any]]) -> None:
+        accepted_entry = st.accepted_entry
         margin_src = st.margin_src
 
         def finish(j: Job) -> None:
@@ -465,10 +511,12 @@ class Recorder:
         if st.rjob is not None:
             job.fin = st.fin
             self._submit_ring(job, st.rjob)
+            self._staging.leave_side(job)
             deferred, self._deferred = self._deferred, []
             for d in deferred:
                 self._submit_ring(d, self._staging.open_job())
         else:
+            self._staging.leave_side(job)
             self._submit(job, wait=self.config.durability == "step")
 
     def _drop(self, st: _Step, job: Job) -> None:
@@ -660,8 +708,9 @@ class Recorder:
         """Write the full logits of the last ``ring`` steps now; returns how many were written."""
         if not self.config.ring or not self._ring:
             return 0
-        items = list(self._ring)
+        items = [(step, e) for step, e in self._ring if e.device_copy is not None or e.host is not None]
         self._ring.clear()
+        self._staging.wait_for_side()  # the ring's device copies are made on the side stream
         for step, e in items:
             rjob = self._side_job()
             if e.device_copy is not None:

@@ -16,7 +16,7 @@ import sys
 import threading
 import weakref
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +49,16 @@ log = get_logger("replay.record")
 
 
 
+@dataclass(slots=True)
+class _Early:
+    """A step begun on the early path: its recorder, object, snapshots (by id of the argument)."""
+
+    rec: Recorder
+    obj: Any
+    snaps: dict[int, torch.Tensor]
+    numerics: str
+
+
 def normalize_step(target: str) -> str:
     """``__main__:f`` -> ``generate:f`` for ``python generate.py``: one name for one callable."""
     mod, sep, qual = target.partition(":")
@@ -57,6 +67,8 @@ def normalize_step(target: str) -> str:
 
 class Session(GraphEvents):
     """The recording state of one process (a singleton per process; see ``bootstrap``)."""
+
+    early_path = True  # a benchmark compares it off (``bench_record.py --ab``)
 
     def __init__(self, out: Path, settings: RecordConfig) -> None:
         self.out = out
@@ -590,6 +602,13 @@ class Session(GraphEvents):
 
     def _run_step(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple, kwargs: dict) -> Any:
         try:
+            early = self._early_step(spec, is_method, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - never into the program
+            self._recorder_failed(e)
+            return fn(*args, **kwargs)
+        if early is not None:
+            return self._run_early(spec, fn, sig, is_method, args, kwargs, early)
+        try:
             bound = sig.bind(*args, **kwargs)
         except TypeError:
             return fn(*args, **kwargs)  # let the program see its own error
@@ -600,13 +619,21 @@ class Session(GraphEvents):
             return fn(*args, **kwargs)
         if rec is None:
             return fn(*args, **kwargs)
+        return self._call_and_record(spec, fn, args, kwargs, rec, obj)
+
+    def _call_and_record(self, spec: StepSpec, fn: Callable[..., Any], args: tuple, kwargs: dict, rec: Recorder, obj: Any,
+                         after_call: Callable[[], None] | None = None) -> Any:
         self._step_replays = 0
         try:
             out = fn(*args, **kwargs)
         except BaseException as e:
+            if after_call is not None:
+                self._safely(after_call)
             rec.end_step(error=e)
             rec.flush_ring(f"step raised {e.__class__.__name__}")
             raise
+        if after_call is not None and not self._safely(after_call):
+            return out
         try:
             outs = name_outputs(out, spec.outputs or tuple(self.settings.output_names))
             rec.record_outputs(**outs)
@@ -620,6 +647,67 @@ class Session(GraphEvents):
         if self.lockstep is not None:
             self.lockstep.check(rec, outs)  # may raise LockstepDivergence on purpose
         return out
+
+    def _safely(self, fn: Callable[[], None]) -> bool:
+        try:
+            fn()
+            return True
+        except Exception as e:  # noqa: BLE001 - never into the program
+            self._recorder_failed(e)
+            return False
+
+    # -- the early path: the step's bookkeeping after its call ----------------------------------
+
+    def _early_step(self, spec: StepSpec, is_method: bool, args: tuple, kwargs: dict) -> _Early | None:
+        """A CUDA step of a known stream, in a numerics context already written, with tensors
+        only at the top level of its arguments: begin the step and snapshot its tensor arguments
+        (one device copy each, queued before the step's own work), and leave the rest of the
+        bookkeeping (binding, naming, the record's entries) until the call has been queued, so
+        that the device does not wait for the host's recorder between steps. None: the full
+        path before the call."""
+        rec = self.recorder
+        if not self.early_path or rec is None or not rec.enabled or not rec.early_ok():
+            return None
+        obj = args[0] if is_method and args else None
+        if not is_method or self._find_stream(obj, spec.step) is None:
+            return None  # a function step's object comes from binding; a new stream: full path
+        values = [*args[1:], *kwargs.values()]
+        snaps: dict[int, torch.Tensor] = {}
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                if v.device.type != "cuda" or type(v) is not torch.Tensor:
+                    return None
+                snaps[id(v)] = v
+            elif isinstance(v, (list, tuple, dict)):
+                return None  # containers may hold tensors: the full path looks into them
+        if not snaps:
+            return None
+        digest, _ctx, _changed = numerics.current()
+        if digest not in self._numerics:
+            return None
+        self._ran[spec.step] += 1
+        index = rec.begin_step()
+        if index < 0:
+            return None
+        for k, copy in zip(list(snaps), rec.snapshot_arguments(list(snaps.values()))):
+            snaps[k] = copy
+        return _Early(rec=rec, obj=obj, snaps=snaps, numerics=digest)
+
+    def _run_early(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple,
+                   kwargs: dict, early: _Early) -> Any:
+        def after_call() -> None:
+            bound = sig.bind(*args, **kwargs)
+            tensors, scalars = split_arguments(bound, skip_first=is_method, owner=early.obj)
+            for copy in early.snaps.values():
+                early.rec.adopt_snapshot(copy)
+            early.rec.record_inputs(**{n: early.snaps.get(id(t), t) for n, t in tensors.items()})
+            scalars[numerics.NUMERICS_ARG] = early.numerics
+            stream = self._find_stream(early.obj, spec.step)
+            if len(self._streams.streams) > 1 and stream is not None:
+                scalars[numerics.STREAM_ARG] = stream.name
+            early.rec.record_args(**scalars)
+
+        return self._call_and_record(spec, fn, args, kwargs, early.rec, early.obj, after_call)
 
     def _before_step(self, spec: StepSpec, bound: inspect.BoundArguments, is_method: bool, args: tuple) -> tuple[Recorder | None, Any]:
         """Everything recorded before the call: the target (and its stream), inputs, arguments,

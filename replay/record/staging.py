@@ -6,8 +6,15 @@ register it), in pinned buffers of a pool and clones, the path the writer thread
 
 Small CUDA tensors are packed into one device buffer and copied to the host in one transfer;
 large ones are digested on the device and copied only when their bytes are kept; CPU tensors are
-copied now (the program may change them once the call returns). Everything is queued on the
-current stream; a job's event (and, in the ring, its commit word) says when the copies landed.
+copied now (the program may change them once the call returns). A job's event (and, in the ring,
+its commit word) says when the copies landed.
+
+A step's CUDA record work runs on a side stream (``Staging.defer``): on the program's stream the
+step queues only snapshots (one packing kernel for the small tensors of a call, one device copy
+of each large one), then the side stream, ordered after them by an event, digests, computes the
+margin, copies into the ring and writes the commit word. The program's own sync (the tokens it
+reads back) then waits for its step and the snapshots, not for the record, and the host queues
+the side work after the step's kernels, while the device runs them.
 """
 
 from __future__ import annotations
@@ -23,12 +30,16 @@ import torch
 from replay.digest import local_tensor
 from replay.format.schema import TensorKind, dtype_to_str
 from replay.record.ring import JOB_HEADER_BYTES, RingFull, ShmRing
+from replay.record.side_plan import SidePlans
 from replay.record.writer import Entry, Job, PinnedPool
 
 __all__ = ["Staging", "RingJob", "SMALL_BYTES", "job_meta"]
 
 # CUDA tensors up to this size are packed and copied to the host in one transfer per call.
 SMALL_BYTES = 64 << 10
+# At most this many snapshot buffers are kept (shapes of the steps' large tensors, per place in
+# a step); beyond, snapshots are fresh copies and the side work runs without a graph.
+MAX_STATIC = 64
 # Each job's first allocation: its header and room for a small meta (a note, a graph frame, the
 # note that a step was dropped), so that such a job never needs a second allocation.
 JOB_RESERVE = 256
@@ -75,6 +86,10 @@ class _Commit:
 
 
 class Staging:
+    # Defaults of each recorder's staging (class attributes so that a benchmark can compare).
+    DEFER = True  # a step's CUDA record work on the side stream
+    STATIC_SNAPSHOTS = True  # snapshots in kept buffers, so the side work can be a graph
+
     def __init__(self, ring: ShmRing | None = None, *, block: bool = True, timeout: float = 30.0) -> None:
         self.pool = PinnedPool()
         self.ring = ring
@@ -85,6 +100,21 @@ class Staging:
         self._device_digests: dict[Any, torch.Tensor] = {}
         self._commits: dict[Any, _Commit] = {}
         self._checked_cuda = False
+        # The side stream (``defer``): the open step's device work waiting for it, the snapshots
+        # it reads, and one snapshot per tensor of the step (the logits are digested, kept for
+        # the logits ring and give the margin: one copy serves all three).
+        self.defer = self.DEFER
+        self._side: dict[Any, Any] = {}
+        self._later: list[Any] = []
+        self._snaps: dict[tuple, torch.Tensor] = {}
+        self._pending: list[tuple[Any, torch.Tensor | None, int]] = []  # snapshots not yet given ring room
+        self.static_snapshots = self.STATIC_SNAPSHOTS
+        self._static: dict[tuple, torch.Tensor] = {}  # snapshot buffers kept from step to step
+        self._input_static: dict[tuple, list[torch.Tensor]] = {}  # per argument signature
+        self._static_ids: set[int] = set()  # ids of the kept buffers (never freed while kept)
+        self._side_done: dict[Any, Any] = {}  # per device: the event after the last step's side work
+        self._ring_copies: list[tuple[Entry, torch.Tensor]] = []
+        self.plans = SidePlans()
 
     # -- ring ------------------------------------------------------------------------------
 
@@ -134,10 +164,12 @@ class Staging:
     # -- tensors ---------------------------------------------------------------------------
 
     def entries(self, job: RingJob | None, device: list[torch.Tensor] | None,
-                items: list[tuple[str, TensorKind, torch.Tensor, bool]]) -> list[Entry]:
+                items: list[tuple[str, TensorKind, torch.Tensor, bool]], *, step: bool = False) -> list[Entry]:
         """Capture several tensors now, with as few device operations and ring allocations as
         possible: one allocation for the CPU tensors of the call, one transfer for its small CUDA
-        tensors."""
+        tensors. ``step``: tensors of an open step, whose device work may go to the side stream
+        (``stage`` runs it)."""
+        later = step and self.defer
         out: list[Entry] = []
         small: list[tuple[Entry, torch.Tensor]] = []
         small_bytes = 0
@@ -156,16 +188,150 @@ class Staging:
                 small.append((e, t))
                 small_bytes += nbytes
                 continue
+            if later:
+                t = self.snapshot(t)
             if device is not None:
                 e.digest_slot = len(device)
                 device.append(t)
-            if store or device is None:
+            if later and (store or device is None):
+                self._pending.append(((e, t), None, nbytes))
+            elif store or device is None:
                 self.copy_out(job, e, t, nbytes)
         if cpu:
             self._copy_cpu(job, cpu, cpu_bytes)
-        if small:
+        if small and later:
+            # Only the packing now, on the program's stream; the room in the ring and the copy
+            # into it come at the step's end (``place_pending``), after the step was queued.
+            flat = [t.reshape(-1).view(torch.uint8) for _, t in small]
+            packed = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+            self._pending.append((small, packed, small_bytes))
+        elif small:
             self._copy_small(job, small, small_bytes)
         return out
+
+    # -- the side stream -------------------------------------------------------------------
+
+    def snapshot(self, t: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``t`` as it is now in the program's stream, one per tensor a step.
+
+        The copy goes into a buffer kept for that place in the step (its n-th snapshot, of that
+        shape and dtype), so that the side stream's work reads the same addresses every step and
+        can be replayed as a graph (``replay.record.side_plan``); the program's stream first waits
+        for the side stream's last reads of those buffers (queued on the device, not the host)."""
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        snap = self._snaps.get(key)
+        if snap is not None:
+            return snap
+        skey = (len(self._snaps), key[1], t.dtype, t.device)
+        buf = self._static.get(skey)
+        if buf is None and self.static_snapshots and len(self._static) < MAX_STATIC:
+            buf = self._static[skey] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            self._static_ids.add(id(buf))
+        if buf is None:
+            snap = t.detach().clone()
+        else:
+            self._wait_side(t.device)
+            snap = buf.copy_(t.detach())
+        self._snaps[key] = snap
+        return snap
+
+    def input_snapshots(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of a step's tensor arguments, before the step's work, in one launch: into
+        buffers kept for that signature (shapes, dtypes), with ``torch._foreach_copy_``."""
+        # Per stream too: the packing that reads them is queued on the program's stream.
+        key = (torch.cuda.current_stream(tensors[0].device), *((t.shape, t.dtype, t.device) for t in tensors))
+        dsts = self._input_static.get(key)
+        if dsts is None:
+            if len(self._input_static) >= MAX_STATIC:
+                return [t.detach().clone() for t in tensors]
+            dsts = self._input_static[key] = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+            self._static_ids.update(id(d) for d in dsts)
+        if any(t.numel() * t.element_size() > SMALL_BYTES for t in tensors):
+            self._wait_side(tensors[0].device)  # large ones are read by the side stream
+        torch._foreach_copy_(dsts, [t.detach() for t in tensors])
+        return dsts
+
+    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy the step made itself (of an argument, before the step's work): its snapshot."""
+        self._snaps[(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)] = t
+        return t
+
+    def is_static(self, t: torch.Tensor) -> bool:
+        return id(t) in self._static_ids
+
+    def _wait_side(self, dev: torch.device) -> None:
+        done = self._side_done.get(dev)
+        if done is not None:
+            torch.cuda.current_stream(dev).wait_event(done)
+            self._side_done.pop(dev)  # once a step: later snapshots are ordered after this wait
+
+    def wait_for_side(self) -> None:
+        """The program's stream waits for everything queued on the side streams (before the
+        host or the program's stream reads what the side stream wrote: the logits ring)."""
+        for dev, side in self._side.items():
+            torch.cuda.current_stream(dev).wait_stream(side)
+
+    def ring_copy(self, e: Entry, snap: torch.Tensor) -> None:
+        """The logits ring's own copy of a step's logits (a static snapshot is overwritten by
+        the next step): made on the side stream."""
+        if self.is_static(snap):
+            self._ring_copies.append((e, snap))
+        else:
+            e.device_copy = snap
+
+    def _defer(self, keep: torch.Tensor, op: Any) -> None:
+        self._later.append((keep, op))
+
+    def place_pending(self, job: RingJob | None) -> None:
+        """The step's end: room in the ring (or pinned buffers) for the snapshots taken during
+        the step; their copies into it are queued by ``stage``, on the side stream."""
+        pending, self._pending = self._pending, []
+        for what, packed, nbytes in pending:
+            if packed is None:
+                e, snap = what
+                self.copy_out(job, e, snap, nbytes, later=True)
+                continue
+            host, at = self._host_for(job, torch.uint8, (nbytes,), nbytes)
+            self._defer(packed, (host, packed))
+            if job is not None:
+                job.cuda = packed.device
+            off = 0
+            for e, t in what:
+                n = t.numel() * t.element_size()
+                e.packed = (host, off, n)
+                if at >= 0:
+                    e.ring_at = at + off
+                off += n
+            if at < 0:
+                what[0][0].release = self._last_buf
+
+    def discard(self) -> None:
+        """Forget the open step's device work (the step is not recorded)."""
+        self._later = []
+        self._snaps = {}
+        self._pending = []
+        self._ring_copies = []
+
+    def _side_stream(self, dev: torch.device) -> Any:
+        s = self._side.get(dev)
+        if s is None:
+            s = self._side[dev] = torch.cuda.Stream(dev)
+        return s
+
+    def _enter_side(self, dev: torch.device, later: list[Any], snaps: dict[tuple, torch.Tensor]) -> Any:
+        """Order the side stream after what the program's stream has queued so far, hand it the
+        snapshots (the allocator must not reuse them before it has read them), and make it the
+        current stream; returns the stream context to leave."""
+        side = self._side_stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        for keep, _ in later:
+            keep.record_stream(side)
+        for snap in snaps.values():
+            if not self.is_static(snap):
+                snap.record_stream(side)
+        ctx = torch.cuda.stream(side)
+        ctx.__enter__()
+        return ctx, dev
 
     def _copy_cpu(self, job: RingJob | None, cpu: list[tuple[Entry, torch.Tensor, int, int]], total: int) -> None:
         """CPU tensors into one room of the ring (the program may change them once the call
@@ -216,9 +382,12 @@ class Staging:
         host, self._last_buf = self.pool.get(dtype, shape)
         return host, -1
 
-    def copy_out(self, job: RingJob | None, e: Entry, t: torch.Tensor, nbytes: int) -> None:
+    def copy_out(self, job: RingJob | None, e: Entry, t: torch.Tensor, nbytes: int, *, later: bool = False) -> None:
         host, at = self._host_for(job, t.dtype, tuple(t.shape), nbytes)
-        host.copy_(t, non_blocking=self.cuda_async)
+        if later:
+            self._defer(t, (host, t))
+        else:
+            host.copy_(t, non_blocking=self.cuda_async)
         e.host = host
         if at >= 0:
             e.ring_at = at
@@ -227,11 +396,75 @@ class Staging:
         if job is not None:
             job.cuda = t.device
 
-    def stage(self, job: Job, device: list[torch.Tensor] | None, margin: torch.Tensor | None, rjob: RingJob | None = None) -> None:
-        """Queue the device work of a job: digests, scalars, and the event the writer waits on."""
+    def stage(self, job: Job, device: list[torch.Tensor] | None, margin: torch.Tensor | None, rjob: RingJob | None = None,
+              *, step: bool = False, logits: torch.Tensor | None = None) -> None:
+        """Queue the device work of a job: digests, scalars, and the event the writer waits on.
+        ``margin``: the job's top-2 margin, or ``logits`` to compute it from. A step's
+        (``step``) deferred work goes to the side stream, which stays current until
+        ``seal_job`` has queued the commit."""
+        later, snaps = (self._later, self._snaps) if step else ([], {})
+        if step:
+            self._later, self._snaps = [], {}
+        dev = _cuda_device(later, device, logits) if (later or snaps) else None
+        job.side = self._enter_side(dev, later, snaps) if dev is not None else None
+        try:
+            for _keep, (host, src) in later:
+                host.copy_(src, non_blocking=self.cuda_async)
+            if step:
+                copies, self._ring_copies = self._ring_copies, []
+                for e, snap in copies:
+                    e.device_copy = snap.clone()
+            if job.side is not None and (device or logits is not None):
+                self._stage_tail(job, device or [], logits, rjob, static=all(self.is_static(t) for t in [*(device or []), *([logits] if logits is not None else [])]))
+                device, margin = None, None
+            elif logits is not None:
+                from replay.record.margin import device_margin
+
+                margin = device_margin(logits)
+            self._stage(job, device, margin, rjob)
+        except BaseException:
+            self.leave_side(job)
+            raise
+        if rjob is None:
+            self.leave_side(job)
+
+    def leave_side(self, job: Job) -> None:
+        """Make the program's stream current again; the next step's snapshots wait (on the
+        device) for what the side stream has queued up to here."""
+        side, job.side = job.side, None
+        if side is None:
+            return
+        ctx, dev = side
+        done = job.event
+        if done is None:
+            done = torch.cuda.Event()
+            done.record()
+        self._side_done[dev] = done
+        ctx.__exit__(None, None, None)
+
+    def _stage_tail(self, job: Job, device: list[torch.Tensor], logits: torch.Tensor | None, rjob: RingJob | None, *,
+                    static: bool) -> None:
+        """The digests and margin of a step's snapshots, by its plan (one graph launch once the
+        signature is captured), and one copy of them to the host."""
+        tail = self.plans.run(device, logits, static=static)
+        n = len(device)
+        host, at = self._host_for(rjob, torch.int64, (n + 1,), 8 * (n + 1))
+        host.copy_(tail, non_blocking=self.cuda_async)
+        if at < 0:
+            job.releases.append(self._last_buf)
+        elif rjob is not None:
+            rjob.cuda = tail.device
+        if n:
+            job.digests_host, job.digests_at = host[:n], at
+        if logits is not None:
+            job.margin_host = host[n:].view(torch.float32)[:1]
+            job.margin_at = at + 8 * n if at >= 0 else -1
+        job.cuda_work = True
+
+    def _stage(self, job: Job, device: list[torch.Tensor] | None, margin: torch.Tensor | None, rjob: RingJob | None) -> None:
         for entries in job.groups.values():
             job.releases.extend(e.release for e in entries if e.release is not None)
-        cuda_work = bool(job.releases)
+        cuda_work = bool(job.releases) or job.cuda_work
         if device:
             from replay.digest import digest_into
 
@@ -285,6 +518,7 @@ class Staging:
             try:
                 at = ring.alloc(len(raw), block=self.block, timeout=self.timeout)
             except RingFull:
+                self.leave_side(job)
                 return False
             meta_pos = ring.head - ((len(raw) + 63) & ~63)
         ring.data[at : at + len(raw)] = memoryview(raw)
@@ -307,7 +541,16 @@ class Staging:
             job.event.record()
         job.ring_end = ring.head
         job.seq = seq
+        self.leave_side(job)
         return True
+
+
+def _cuda_device(later: list[Any], device: list[torch.Tensor] | None, margin: torch.Tensor | None) -> torch.device | None:
+    """The CUDA device of a job's device work, if any."""
+    for t in [k for k, _ in later] + list(device or ()) + ([margin] if margin is not None else []):
+        if t.device.type == "cuda":
+            return t.device
+    return None
 
 
 def job_meta(job: Job, rjob: RingJob) -> dict[str, Any]:

@@ -70,6 +70,7 @@ class Job:
     cuda_work: bool = False
     fin: dict[str, Any] = field(default_factory=dict)  # for salvage: margin, accepted, collectives
     t_hand: float | None = None  # when the drain first saw it (the lag of ring steps)
+    side: Any = None  # the side stream's context while a step's device work is being queued
 
 
 class PinnedPool:
