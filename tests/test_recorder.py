@@ -191,3 +191,23 @@ def test_the_sync_free_margin_equals_topk(rows) -> None:
         top = t.float().topk(2, dim=-1).values
         want, got = float((top[..., 0] - top[..., 1]).min()), float(_device_margin(t))
         assert want == got or (math.isnan(want) and math.isnan(got)), (t, want, got)
+
+
+def test_side_plans_give_the_digests_and_margin_and_fall_back_when_a_capture_fails():
+    """The side stream's plan (digests, then the margin's float32 bits, in one tail): equal to
+    the reference digest and topk margin on every sighting; a capture that cannot be made (no
+    CUDA here) turns plans off and the eager work goes on giving the same tail."""
+    from replay.digest import digest, from_int64
+    from replay.record.side_plan import CAPTURE_AFTER, SidePlans
+
+    plans = SidePlans()
+    logits = torch.randn(4, 3, 50)
+    hidden = torch.randn(2, 1000)
+    for step in range(CAPTURE_AFTER + 2):
+        logits.normal_()
+        hidden.normal_()
+        tail = plans.run([logits, hidden], logits, static=True)
+        assert [from_int64(int(v)) for v in tail[:2]] == [digest(logits), digest(hidden)], step
+        top = logits.topk(2, dim=-1).values
+        assert float(tail[2:].view(torch.float32)[0]) == float((top[..., 0] - top[..., 1]).min())
+    assert plans.captured == 0 and not plans.enabled and plans.failure, "no CUDA graph on the CPU: plans off, with the reason"

@@ -83,8 +83,8 @@ class SidePlans:
         cls = torch.cuda.CUDAGraph
         # The recorder's own graphs are not the program's: the class's unpatched methods.
         begin, end = getattr(cls, "__replay_orig__", (cls.capture_begin, cls.capture_end, cls.replay))[:2]
-        g = cls()
         try:
+            g = cls()
             # thread_local: the program's threads may use CUDA while this stream captures.
             begin(g, capture_error_mode="thread_local")
             try:
