@@ -685,10 +685,9 @@ class Session(GraphEvents):
         digest, _ctx, _changed = numerics.current()
         if digest not in self._numerics:
             return None
-        self._ran[spec.step] += 1
-        index = rec.begin_step()
-        if index < 0:
+        if rec.begin_step() < 0:
             return None
+        self._ran[spec.step] += 1
         for k, copy in zip(list(snaps), rec.snapshot_arguments(list(snaps.values()))):
             snaps[k] = copy
         return _Early(rec=rec, obj=obj, snaps=snaps, numerics=digest)
