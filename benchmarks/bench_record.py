@@ -268,6 +268,7 @@ def main() -> int:
     ap.add_argument("--block-steps", type=int, default=20)
     ap.add_argument("--large-batch", type=int, default=128, help="batch of the larger configuration (small preset, graphs)")
     ap.add_argument("--cpu-blocks", type=int, default=10, help="blocks of the CPU tiny rows (noisy: more pairs)")
+    ap.add_argument("--eager-blocks", type=int, default=None, help="blocks of the eager CUDA rows (default: --blocks; a host-bound step is noisy on a shared host)")
     ap.add_argument("--no-cpu", action="store_true", help="on a CUDA machine, skip the CPU tiny rows")
     ap.add_argument("--mb", type=int, default=16, help="MB of logits per step for the writer test")
     ap.add_argument("--writer-steps", type=int, default=32)
@@ -283,7 +284,7 @@ def main() -> int:
     if args.device.startswith("cuda"):
         configs += [
             ("graphs", "cuda", "small", True, 8, {"baselines": True, "ab": args.ab}),
-            ("eager", "cuda", "small", False, 8, {"baselines": True, "ab": args.ab}),
+            ("eager", "cuda", "small", False, 8, {"baselines": True, "ab": args.ab, "blocks": args.eager_blocks or args.blocks}),
             ("large", "cuda", "small", True, args.large_batch, {"baselines": False, "label": f"small-b{args.large_batch}"}),
             ("noring", "cuda", "small", True, 8, {"baselines": False, "ring": False}),
         ]
