@@ -661,7 +661,7 @@ class Session(GraphEvents):
     def _early_step(self, spec: StepSpec, is_method: bool, args: tuple, kwargs: dict) -> _Early | None:
         """A CUDA step of a known stream, in a numerics context already written, with tensors
         only at the top level of its arguments: begin the step and snapshot its tensor arguments
-        (one device copy each, queued before the step's own work), and leave the rest of the
+        (one ``_foreach_copy_``, queued before the step's own work), and leave the rest of the
         bookkeeping (binding, naming, the record's entries) until the call has been queued, so
         that the device does not wait for the host's recorder between steps. None: the full
         path before the call."""
