@@ -211,3 +211,19 @@ def test_side_plans_give_the_digests_and_margin_and_fall_back_when_a_capture_fai
         top = logits.topk(2, dim=-1).values
         assert float(tail[2:].view(torch.float32)[0]) == float((top[..., 0] - top[..., 1]).min())
     assert plans.captured == 0 and not plans.enabled and plans.failure, "no CUDA graph on the CPU: plans off, with the reason"
+
+
+def test_side_plans_capture_nothing_past_their_memory_cap(monkeypatch):
+    """A captured plan keeps device memory for as long as it lives: past the cap a signature's
+    work stays eager (here no capture is even tried, so plans stay on), and its results right."""
+    from replay.digest import digest, from_int64
+    from replay.record import side_plan
+
+    monkeypatch.setattr(side_plan, "MAX_PLAN_BYTES", 1000)
+    plans = side_plan.SidePlans()
+    logits = torch.randn(4, 3, 50)  # 2400 bytes: twice that is over the cap
+    for _ in range(side_plan.CAPTURE_AFTER + 2):
+        logits.normal_()
+        tail = plans.run([logits], logits, static=True)
+        assert from_int64(int(tail[0])) == digest(logits)
+    assert plans.enabled and plans.failure is None and plans.captured == 0 and plans.held_bytes == 0

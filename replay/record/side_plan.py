@@ -26,6 +26,10 @@ __all__ = ["SidePlans", "CAPTURE_AFTER", "MAX_PLANS"]
 
 CAPTURE_AFTER = 3
 MAX_PLANS = 16
+# A captured graph keeps its temporaries (the margin's masked copy of the logits among them) for
+# as long as it lives: captured plans hold at most this much device memory together, counted as
+# twice their inputs' bytes; beyond, a signature's work runs eagerly.
+MAX_PLAN_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
@@ -55,6 +59,7 @@ class SidePlans:
         self.plans: dict[tuple, _Plan] = {}
         self.enabled = True
         self.captured = 0
+        self.held_bytes = 0  # the captured plans' estimated device memory
         self.failure: str | None = None  # why plans were turned off
 
     def run(self, digests: list[torch.Tensor], logits: torch.Tensor | None, *, static: bool) -> torch.Tensor:
@@ -71,13 +76,21 @@ class SidePlans:
             plan.graph.replay()
             return plan.tail
         plan.seen += 1
-        if key is not None and plan.seen >= CAPTURE_AFTER and key in self.plans:
+        if key is not None and plan.seen == CAPTURE_AFTER and key in self.plans and self._fits(digests, logits):
             self._capture(plan, digests, logits)
             if plan.graph is not None:
                 plan.graph.replay()
                 return plan.tail
         _work(plan.tail, digests, logits)
         return plan.tail
+
+    def _fits(self, digests: list[torch.Tensor], logits: torch.Tensor | None) -> bool:
+        """Room for one more captured plan (counted if so)."""
+        need = 2 * sum(t.numel() * t.element_size() for t in [*digests, *([logits] if logits is not None else [])])
+        if self.held_bytes + need > MAX_PLAN_BYTES:
+            return False
+        self.held_bytes += need
+        return True
 
     def _capture(self, plan: _Plan, digests: list[torch.Tensor], logits: torch.Tensor | None) -> None:
         cls = torch.cuda.CUDAGraph

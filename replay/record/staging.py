@@ -38,8 +38,11 @@ __all__ = ["Staging", "RingJob", "SMALL_BYTES", "job_meta"]
 # CUDA tensors up to this size are packed and copied to the host in one transfer per call.
 SMALL_BYTES = 64 << 10
 # At most this many snapshot buffers are kept (shapes of the steps' large tensors, per place in
-# a step); beyond, snapshots are fresh copies and the side work runs without a graph.
+# a step), holding at most this many bytes of device memory together (the program's memory is
+# not ours to take: a large vocabulary's logits times many batch shapes would be gigabytes);
+# beyond, snapshots are fresh copies and the side work runs without a graph.
 MAX_STATIC = 64
+MAX_STATIC_BYTES = 256 << 20
 # Each job's first allocation: its header and room for a small meta (a note, a graph frame, the
 # note that a step was dropped), so that such a job never needs a second allocation.
 JOB_RESERVE = 256
@@ -112,6 +115,7 @@ class Staging:
         self._static: dict[tuple, torch.Tensor] = {}  # snapshot buffers kept from step to step
         self._input_static: dict[tuple, list[torch.Tensor]] = {}  # per argument signature
         self._static_ids: set[int] = set()  # ids of the kept buffers (never freed while kept)
+        self._static_bytes = 0
         self._side_done: dict[Any, Any] = {}  # per device: the event after the last step's side work
         self._ring_copies: list[tuple[Entry, torch.Tensor]] = []
         self.plans = SidePlans()
@@ -224,7 +228,7 @@ class Staging:
             return snap
         skey = (len(self._snaps), key[1], t.dtype, t.device)
         buf = self._static.get(skey)
-        if buf is None and self.static_snapshots and len(self._static) < MAX_STATIC:
+        if buf is None and self.static_snapshots and self._may_keep(t.numel() * t.element_size()):
             buf = self._static[skey] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
             self._static_ids.add(id(buf))
         if buf is None:
@@ -242,7 +246,7 @@ class Staging:
         key = (torch.cuda.current_stream(tensors[0].device), *((t.shape, t.dtype, t.device) for t in tensors))
         dsts = self._input_static.get(key)
         if dsts is None:
-            if len(self._input_static) >= MAX_STATIC:
+            if not self._may_keep(sum(t.numel() * t.element_size() for t in tensors)):
                 return [t.detach().clone() for t in tensors]
             dsts = self._input_static[key] = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
             self._static_ids.update(id(d) for d in dsts)
@@ -250,6 +254,13 @@ class Staging:
             self._wait_side(tensors[0].device)  # large ones are read by the side stream
         torch._foreach_copy_(dsts, [t.detach() for t in tensors])
         return dsts
+
+    def _may_keep(self, nbytes: int) -> bool:
+        """Room for one more kept buffer (or set of buffers) of ``nbytes``; counts it if so."""
+        if len(self._static) + len(self._input_static) >= MAX_STATIC or self._static_bytes + nbytes > MAX_STATIC_BYTES:
+            return False
+        self._static_bytes += nbytes
+        return True
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:
         """A copy the step made itself (of an argument, before the step's work): its snapshot."""
