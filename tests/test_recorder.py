@@ -76,6 +76,28 @@ def test_keyframes_and_logits_ring(tmp_path):
         assert margins[s] == pytest.approx(float((top[:, 0] - top[:, 1]).min()))
 
 
+def test_the_logits_ring_holds_fewer_steps_when_the_logits_are_large(tmp_path, monkeypatch):
+    """The ring's copies stay in memory the program may need (the device's, for CUDA logits):
+    past its byte bound it keeps fewer steps than ``ring``, the latest, and says so once."""
+    from replay.record import recorder as recorder_mod
+
+    monkeypatch.setattr(recorder_mod, "LOGITS_RING_BYTES", 300)  # two steps of 2x16 float32
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", ring=5))
+    logits = []
+    for _ in range(6):
+        rec.begin_step()
+        logits.append(torch.randn(2, 16))
+        rec.record_outputs(logits=logits[-1])
+        rec.end_step()
+    rec.close()
+    assert rec.error is None, rec.error
+    rf = open_recording(tmp_path / "r")["run-000"][0]
+    t = rf.full()
+    rows = t.tensors[t.tensors["kind"] == TensorKind.LOGITS]
+    assert sorted(int(s) for s in rows["step"]) == [4, 5]
+    assert len([e for e in rf.tables.events if "logits ring keeps 2 of 5 steps" in e]) == 1, rf.tables.events
+
+
 def test_collectives_and_graphs_tables(tmp_path):
     rec = Recorder(RecorderConfig(out=tmp_path / "r", collectives="full"))
     gid = rec.record_graph("bs4", padded_size=4, kernels=[{"name": "gemm", "grid": [1, 2, 3], "block": [128, 1, 1]}])

@@ -78,8 +78,8 @@ class RecordConfig:
     (a GPU KV cache) is snapshotted less often, every ceil(state bytes / budget) steps."""
 
     ring: int = 16
-    """Keep the full logits of the last N steps; written at exit, when a step raises, and at a
-    lockstep trigger. 0: none."""
+    """Keep the full logits of the last N steps (512 MiB at most: fewer steps when the logits are
+    large); written at exit, when a step raises, and at a lockstep trigger. 0: none."""
 
     inputs: Literal["digest", "full"] = "full"
     """Step inputs: exact bits (``full``, what a re-run feeds) or digests only."""

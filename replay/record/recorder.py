@@ -51,6 +51,9 @@ from replay.record.writer import Entry, Job, Writer, entry_tensor
 
 __all__ = ["Recorder"]
 
+# The logits ring's copies stay on the device (CUDA logits): at most this many bytes of them.
+LOGITS_RING_BYTES = 512 << 20
+
 log = get_logger("replay.record")
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -117,6 +120,7 @@ class Recorder:
         self._collective_counter = 0
         self._keyframe_at: int | None = None  # the step the next keyframe is due at
         self._ring: collections.deque[tuple[int, Entry]] = collections.deque(maxlen=max(config.ring, 1))
+        self._ring_capped = False  # the logits ring was cut below ``ring`` steps (noted once)
         self._staging = Staging()
         self._pool = self._staging.pool
         self._rr: ShmRing | None = None  # the record ring (``_ring`` is the logits ring)
@@ -425,6 +429,20 @@ class Recorder:
             if self._ring and self._ring[-1][0] == st.index:
                 self._ring.pop()
             self._ring.append((st.index, ring_e))
+            self._bound_logits_ring(t.numel() * t.element_size())
+
+    def _bound_logits_ring(self, nbytes: int) -> None:
+        """The logits ring holds at most ``LOGITS_RING_BYTES`` (on the device for CUDA logits:
+        memory the program may need); fewer steps than ``ring`` when the logits are large."""
+        keep = max(1, LOGITS_RING_BYTES // max(nbytes, 1))
+        if keep >= len(self._ring):
+            return
+        while len(self._ring) > keep:
+            self._ring.popleft()
+        if not self._ring_capped:
+            self._ring_capped = True
+            self.note(f"the logits ring keeps {keep} of {self.config.ring} steps: a step's logits are "
+                      f"{nbytes / 2**20:.1f} MiB and the ring holds at most {LOGITS_RING_BYTES >> 20} MiB")
 
     @_failsafe()
     def record_probe(self, name: str, **tensors: torch.Tensor) -> None:
