@@ -249,3 +249,25 @@ def test_side_plans_capture_nothing_past_their_memory_cap(monkeypatch):
         tail = plans.run([logits], logits, static=True)
         assert from_int64(int(tail[0])) == digest(logits)
     assert plans.enabled and plans.failure is None and plans.captured == 0 and plans.held_bytes == 0
+
+
+def test_kept_buffers_serve_steps_in_and_out_of_inference_mode(tmp_path):
+    """Buffers the recorder keeps from step to step (the side plan's tail, the record ring's
+    tensor view) are made as normal tensors even when the first step runs under
+    ``torch.inference_mode()``: a later step outside it writes them in place."""
+    from replay.record.ring import ShmRing
+    from replay.record.side_plan import SidePlans
+
+    plans = SidePlans()
+    x = torch.randn(4, 50)
+    with torch.inference_mode():
+        plans.run([x], x, static=True)
+    plans.run([x], x, static=True)  # raised "Inplace update to inference tensor" before
+    ring = ShmRing(str(tmp_path), 1 << 20, rank=0)
+    try:
+        with torch.inference_mode():
+            ring.torch_data()
+        ring.torch_data()[:8].copy_(torch.ones(8, dtype=torch.uint8))
+        assert int(ring.data[:8].sum()) == 8
+    finally:
+        ring.close(unlink=True)

@@ -106,7 +106,8 @@ class ShmRing:
         if self.data_tensor is None:
             import torch
 
-            self.data_tensor = torch.from_numpy(self.data)
+            with torch.inference_mode(False):  # written in place by steps in and out of inference mode
+                self.data_tensor = torch.from_numpy(self.data)
         return self.data_tensor
 
     def register_cuda(self) -> str | None:

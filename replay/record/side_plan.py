@@ -69,7 +69,8 @@ class SidePlans:
         plan = self.plans.get(key) if key is not None else None
         if plan is None:
             dev = (digests[0] if digests else logits).device  # type: ignore[union-attr]
-            plan = _Plan(tail=torch.zeros(len(digests) + 1, dtype=torch.int64, device=dev))
+            with torch.inference_mode(False):  # kept: written in place by steps in and out of inference mode
+                plan = _Plan(tail=torch.zeros(len(digests) + 1, dtype=torch.int64, device=dev))
             if key is not None and len(self.plans) < MAX_PLANS:
                 self.plans[key] = plan
         if plan.graph is not None:

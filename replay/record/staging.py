@@ -229,7 +229,8 @@ class Staging:
         skey = (len(self._snaps), key[1], t.dtype, t.device)
         buf = self._static.get(skey)
         if buf is None and self.static_snapshots and self._may_keep(t.numel() * t.element_size()):
-            buf = self._static[skey] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            with _normal_tensors():
+                buf = self._static[skey] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
             self._static_ids.add(id(buf))
         if buf is None:
             snap = t.detach().clone()
@@ -248,7 +249,8 @@ class Staging:
         if dsts is None:
             if not self._may_keep(sum(t.numel() * t.element_size() for t in tensors)):
                 return [t.detach().clone() for t in tensors]
-            dsts = self._input_static[key] = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+            with _normal_tensors():
+                dsts = self._input_static[key] = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
             self._static_ids.update(id(d) for d in dsts)
         if any(t.numel() * t.element_size() > SMALL_BYTES for t in tensors):
             self._wait_side(tensors[0].device)  # large ones are read by the side stream
@@ -483,7 +485,8 @@ class Staging:
             dev = device[0].device
             buf = self._device_digests.get(dev)
             if buf is None or buf.numel() < n:
-                buf = self._device_digests[dev] = torch.zeros(max(n, 64), dtype=torch.int64, device=dev)
+                with _normal_tensors():
+                    buf = self._device_digests[dev] = torch.zeros(max(n, 64), dtype=torch.int64, device=dev)
             for i, t in enumerate(device):
                 digest_into(t, buf, i)
             job.digests_host, at = self._pinned_or_ring(job, rjob, buf[:n])
@@ -541,7 +544,8 @@ class Staging:
         if dev_commit:
             c = self._commits.get(device)
             if c is None:
-                c = self._commits[device] = _Commit(counter=torch.zeros(1, dtype=torch.int64, device=device))
+                with _normal_tensors():
+                    c = self._commits[device] = _Commit(counter=torch.zeros(1, dtype=torch.int64, device=device))
             c.count += 1
             expected = c.count
         ring.write_job_header(rjob.header_at, kind, seq, meta_pos, len(raw), ring.head, zlib.crc32(raw), dev_commit, expected)
@@ -554,6 +558,13 @@ class Staging:
         job.seq = seq
         self.leave_side(job)
         return True
+
+
+def _normal_tensors() -> Any:
+    """Buffers the recorder keeps from step to step are made outside inference mode: one made
+    inside it could not be written in place by a later step run outside it (the same program may
+    run some steps under ``torch.inference_mode()`` and others not)."""
+    return torch.inference_mode(False)
 
 
 def _cuda_device(later: list[Any], device: list[torch.Tensor] | None, margin: torch.Tensor | None) -> torch.device | None:

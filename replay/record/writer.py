@@ -95,7 +95,8 @@ class PinnedPool:
             lst = self._free.get(size)
             buf = lst.pop() if lst else None
         if buf is None:
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            with torch.inference_mode(False):  # reused by steps in and out of inference mode
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return buf[:nbytes].view(dtype).view(shape), buf
 
     def release(self, buf: torch.Tensor) -> None:
