@@ -528,13 +528,11 @@ class Recorder:
             st.fin["coll"] = coll_meta
         if st.rjob is not None:
             job.fin = st.fin
-            self._submit_ring(job, st.rjob)
-            self._staging.leave_side(job)
+            self._submit_ring(job, st.rjob)  # sealing it queues the commit and leaves the side stream
             deferred, self._deferred = self._deferred, []
             for d in deferred:
                 self._submit_ring(d, self._staging.open_job())
         else:
-            self._staging.leave_side(job)
             self._submit(job, wait=self.config.durability == "step")
 
     def _drop(self, st: _Step, job: Job) -> None:

@@ -337,11 +337,9 @@ class Staging:
         current stream; returns the stream context to leave."""
         side = self._side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        for keep, _ in later:
-            keep.record_stream(side)
-        for snap in snaps.values():
-            if not self.is_static(snap):
-                snap.record_stream(side)
+        for t in [*(keep for keep, _ in later), *snaps.values()]:
+            if not self.is_static(t):  # kept buffers are never freed
+                t.record_stream(side)
         ctx = torch.cuda.stream(side)
         ctx.__enter__()
         return ctx, dev
@@ -428,7 +426,8 @@ class Staging:
                 for e, snap in copies:
                     e.device_copy = snap.clone()
             if job.side is not None and (device or logits is not None):
-                self._stage_tail(job, device or [], logits, rjob, static=all(self.is_static(t) for t in [*(device or []), *([logits] if logits is not None else [])]))
+                reads = [*(device or []), *([logits] if logits is not None else [])]
+                self._stage_tail(job, device or [], logits, rjob, static=all(map(self.is_static, reads)))
                 device, margin = None, None
             elif logits is not None:
                 from replay.record.margin import device_margin
