@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-defer", action="store_true", help="the record's device work on the program's stream")
+    ap.add_argument("--no-early", action="store_true", help="all bookkeeping before the call (no early path)")
+    ap.add_argument("--no-rng", action="store_true", help="no RNG state per step")
     ap.add_argument("--no-static", action="store_true", help="fresh snapshots: no graph of the side work")
     args = ap.parse_args()
     from replay.record.recorder import Recorder
@@ -64,31 +66,53 @@ def main() -> int:
         setattr(owner, name, wrapper)
 
     with tempfile.TemporaryDirectory() as tmp:
-        session = Session(Path(tmp), RecordSettings())
+        session = Session(Path(tmp), RecordSettings(**({"rng": False} if args.no_rng else {})))
+        Session.early_path = not args.no_early
         session.install()
         recorded = Engine.decode_step
         from replay.record.staging import Staging
 
-        for owner, name in ((Session, "_before_step"), (Recorder, "begin_step"), (Recorder, "record_inputs"),
+        for owner, name in ((Session, "_before_step"), (Session, "_early_step"), (Recorder, "begin_step"), (Recorder, "record_inputs"),
                             (Recorder, "record_args"), (Recorder, "record_outputs"), (Recorder, "end_step"),
                             (Session, "_set_run"), (Recorder, "record_probe"), (Recorder, "record_logits"),
                             (Staging, "stage"), (Staging, "place_pending"), (Recorder, "_submit_ring"),
                             (Staging, "seal_job")):
             timed(owner, name, f"{owner.__name__}.{name}")
+        # The parts of the early path (before the call) and of begin_step.
+        import replay.numerics as numerics_mod
+        import replay.record.rng as rng_mod
+
+        for owner, name, label in ((numerics_mod, "current", "numerics.current"), (rng_mod, "capture_rng", "capture_rng"),
+                                   (Recorder, "early_ok", "Recorder.early_ok"), (Session, "_find_stream", "Session._find_stream"),
+                                   (Staging, "input_snapshots", "Staging.input_snapshots"),
+                                   (torch, "_foreach_copy_", "torch._foreach_copy_")):
+            timed(owner, name, label)
         # The program's own call, as the wrapper sees it.
         inner = {"fn": plain}
 
-        def run(fn, n: int) -> list[float]:  # noqa: ANN001
+        # When the program's own step body starts (its first call, ``_forward``): the host time
+        # the recorder spends before the program's work is queued.
+        entered: list[float] = []
+        forward = engine._forward
+
+        def forward_entry(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            entered.append(time.perf_counter())
+            return forward(*a, **k)
+
+        engine._forward = forward_entry
+
+        def run(fn, n: int) -> list[tuple[float, float, float]]:  # noqa: ANN001
             times = []
             for _ in range(n):
                 inputs = engine.step_inputs()
                 sync()
+                entered.clear()
                 t0 = time.perf_counter()
                 out = fn(engine, *inputs)
                 t1 = time.perf_counter()
                 out.accepted.tolist()
                 t2 = time.perf_counter()
-                times.append((t1 - t0, t2 - t0))
+                times.append((t1 - t0, t2 - t0, entered[0] - t0 if entered else float("nan")))
                 engine.advance(out)
             return times
 
@@ -100,8 +124,8 @@ def main() -> int:
         n = args.steps
         med = lambda xs, i: statistics.median(x[i] for x in xs) * 1e6  # noqa: E731
         print(f"{args.preset} graphs={'on' if cfg['cudagraph'] else 'off'} steps={n}")
-        print(f"  plain:    host until return {med(tp, 0):8.1f} us   until sync {med(tp, 1):8.1f} us")
-        print(f"  recorded: host until return {med(tr, 0):8.1f} us   until sync {med(tr, 1):8.1f} us")
+        print(f"  plain:    until the body {med(tp, 2):7.1f} us   host until return {med(tp, 0):8.1f} us   until sync {med(tp, 1):8.1f} us")
+        print(f"  recorded: until the body {med(tr, 2):7.1f} us   host until return {med(tr, 0):8.1f} us   until sync {med(tr, 1):8.1f} us")
         for k, v in acc.items():
             print(f"  {k:28s} median {statistics.median(v) * 1e6:8.1f} us  mean {sum(v) / len(v) * 1e6:8.1f} us  calls/step {len(v) / n:.1f}")
         if cuda and args.profile:

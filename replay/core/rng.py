@@ -24,7 +24,7 @@ def capture_rng(*, host: bool = True) -> dict[str, torch.Tensor]:
     Python's and NumPy's global generators (reading those costs ~0.1 ms, so the recorder takes
     them at keyframes; torch's are cheap and taken every step)."""
     out = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # a flag; initialised implies available
         for i, gen in enumerate(torch.cuda.default_generators):
             # 16 bytes: seed and offset. Reading them does not synchronise the device.
             out[f"cuda:{i}"] = gen.get_state()

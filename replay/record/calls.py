@@ -231,7 +231,8 @@ def capturing() -> bool:
     """A CUDA graph is being captured, or a tracer is building a graph: not a step to record."""
     if tracing():
         return True
-    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    # is_initialized first: it is a flag, and no stream captures before CUDA is initialised.
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def call_key(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[str, tuple]:

@@ -101,7 +101,8 @@ class _Step:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    # is_initialized first: it is a flag, and no stream captures before CUDA is initialised.
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class Recorder:

@@ -56,7 +56,6 @@ class _Early:
     rec: Recorder
     obj: Any
     snaps: dict[int, torch.Tensor]
-    numerics: str
 
 
 def normalize_step(target: str) -> str:
@@ -659,38 +658,31 @@ class Session(GraphEvents):
     # -- the early path: the step's bookkeeping after its call ----------------------------------
 
     def _early_step(self, spec: StepSpec, is_method: bool, args: tuple, kwargs: dict) -> _Early | None:
-        """A CUDA step of a known stream, in a numerics context already written, with tensors
-        only at the top level of its arguments: begin the step and snapshot its tensor arguments
-        (one ``_foreach_copy_``, queued before the step's own work), and leave the rest of the
-        bookkeeping (binding, naming, the record's entries) until the call has been queued, so
-        that the device does not wait for the host's recorder between steps. None: the full
-        path before the call."""
+        """A CUDA step of a known stream with tensors only at the top level of its arguments:
+        begin the step and snapshot its tensor arguments (one ``_foreach_copy_``, queued before
+        the step's own work), and leave the rest of the bookkeeping (binding, naming, the
+        numerics context, the record's entries) until the call has been queued, so that the
+        device does not wait for the host's recorder between steps. None: the full path before
+        the call."""
         rec = self.recorder
         if not self.early_path or rec is None or not rec.enabled or not rec.early_ok():
             return None
         obj = args[0] if is_method and args else None
         if not is_method or self._find_stream(obj, spec.step) is None:
             return None  # a function step's object comes from binding; a new stream: full path
-        values = [*args[1:], *kwargs.values()]
-        snaps: dict[int, torch.Tensor] = {}
-        for v in values:
+        tensors: list[torch.Tensor] = []
+        for v in (*args[1:], *kwargs.values()):
             if isinstance(v, torch.Tensor):
-                if v.device.type != "cuda" or type(v) is not torch.Tensor:
+                if type(v) is not torch.Tensor or not v.is_cuda:
                     return None
-                snaps[id(v)] = v
+                tensors.append(v)
             elif isinstance(v, (list, tuple, dict)):
                 return None  # containers may hold tensors: the full path looks into them
-        if not snaps:
-            return None
-        digest, _ctx, _changed = numerics.current()
-        if digest not in self._numerics:
-            return None
-        if rec.begin_step() < 0:
+        if not tensors or rec.begin_step() < 0:
             return None
         self._ran[spec.step] += 1
-        for k, copy in zip(list(snaps), rec.snapshot_arguments(list(snaps.values()))):
-            snaps[k] = copy
-        return _Early(rec=rec, obj=obj, snaps=snaps, numerics=digest)
+        copies = rec.snapshot_arguments(tensors)
+        return _Early(rec=rec, obj=obj, snaps={id(t): c for t, c in zip(tensors, copies)})
 
     def _run_early(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple,
                    kwargs: dict, early: _Early) -> Any:
@@ -700,7 +692,9 @@ class Session(GraphEvents):
             for copy in early.snaps.values():
                 early.rec.adopt_snapshot(copy)
             early.rec.record_inputs(**{n: early.snaps.get(id(t), t) for n, t in tensors.items()})
-            scalars[numerics.NUMERICS_ARG] = early.numerics
+            # The context read after the call: the one the program set around it is still in
+            # force, and a setting the step itself changed and kept is what its kernels ran under.
+            scalars[numerics.NUMERICS_ARG] = self._numerics_digest(early.rec)
             stream = self._find_stream(early.obj, spec.step)
             if len(self._streams.streams) > 1 and stream is not None:
                 scalars[numerics.STREAM_ARG] = stream.name
@@ -728,13 +722,7 @@ class Session(GraphEvents):
         rec, stream = self._recorder_for(spec, obj, tensors, object_arg)
         if rec is None or not rec.enabled:
             return None, obj
-        digest, ctx, _changed = numerics.current()
-        if digest not in self._numerics:
-            # A context not seen in this part: written with the target info, before the step.
-            self._numerics[digest] = ctx
-            if self._first_numerics is None:
-                self._first_numerics = digest
-            rec.set_target(self._merged_info())
+        digest = self._numerics_digest(rec)
         rec.begin_step()
         rec.record_inputs(**tensors)
         scalars[numerics.NUMERICS_ARG] = digest
@@ -742,6 +730,17 @@ class Session(GraphEvents):
             scalars[numerics.STREAM_ARG] = stream.name
         rec.record_args(**scalars)
         return rec, obj
+
+    def _numerics_digest(self, rec: Recorder) -> str:
+        """The digest of the numerics context now; a context not seen in this part is written
+        with the target info first (before the step's own frame, which comes at its end)."""
+        digest, ctx, _changed = numerics.current()
+        if digest not in self._numerics:
+            self._numerics[digest] = ctx
+            if self._first_numerics is None:
+                self._first_numerics = digest
+            rec.set_target(self._merged_info())
+        return digest
 
     def _set_run(self, rec: Recorder, spec: StepSpec, obj: Any) -> None:
         info = None

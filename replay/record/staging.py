@@ -48,6 +48,16 @@ MAX_STATIC_BYTES = 256 << 20
 JOB_RESERVE = 256
 META_ROOM = JOB_RESERVE - JOB_HEADER_BYTES
 
+_current_stream_raw = getattr(torch._C, "_cuda_getCurrentStream", None)
+
+
+def _stream_id(t: torch.Tensor) -> Any:
+    """The current stream of ``t``'s device, as a hashable id, without making a Stream object."""
+    if _current_stream_raw is not None:
+        return _current_stream_raw(t.get_device())  # (stream id, device index, device type)
+    return torch.cuda.current_stream(t.device)
+
+
 
 @dataclass(slots=True)
 class RingJob:
@@ -113,7 +123,7 @@ class Staging:
         self._pending: list[tuple[Any, torch.Tensor | None, int]] = []  # snapshots not yet given ring room
         self.static_snapshots = self.STATIC_SNAPSHOTS
         self._static: dict[tuple, torch.Tensor] = {}  # snapshot buffers kept from step to step
-        self._input_static: dict[tuple, list[torch.Tensor]] = {}  # per argument signature
+        self._input_static: dict[tuple, tuple[list[torch.Tensor], bool]] = {}  # per argument signature: buffers, any large
         self._static_ids: set[int] = set()  # ids of the kept buffers (never freed while kept)
         self._static_bytes = 0
         self._side_done: dict[Any, Any] = {}  # per device: the event after the last step's side work
@@ -243,18 +253,25 @@ class Staging:
     def input_snapshots(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of a step's tensor arguments, before the step's work, in one launch: into
         buffers kept for that signature (shapes, dtypes), with ``torch._foreach_copy_``."""
+        # This runs before the program's step is queued, so every µs here delays the device: the
+        # key is built from the stream's id (no Stream object) and the shapes, and whether the
+        # side stream reads these buffers is kept with them.
         # Per stream too: the packing that reads them is queued on the program's stream.
-        key = (torch.cuda.current_stream(tensors[0].device), *((t.shape, t.dtype, t.device) for t in tensors))
-        dsts = self._input_static.get(key)
-        if dsts is None:
+        key = (_stream_id(tensors[0]), *((t.shape, t.dtype) for t in tensors))
+        kept = self._input_static.get(key)
+        if kept is None:
             if not self._may_keep(sum(t.numel() * t.element_size() for t in tensors)):
                 return [t.detach().clone() for t in tensors]
             with _normal_tensors():
-                dsts = self._input_static[key] = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+                dsts = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+            kept = self._input_static[key] = (dsts, any(t.numel() * t.element_size() > SMALL_BYTES for t in tensors))
             self._static_ids.update(id(d) for d in dsts)
-        if any(t.numel() * t.element_size() > SMALL_BYTES for t in tensors):
+        dsts, large = kept
+        if large:
             self._wait_side(tensors[0].device)  # large ones are read by the side stream
-        torch._foreach_copy_(dsts, [t.detach() for t in tensors])
+        if any(t.requires_grad for t in tensors):
+            tensors = [t.detach() for t in tensors]
+        torch._foreach_copy_(dsts, tensors)
         return dsts
 
     def _may_keep(self, nbytes: int) -> bool:
