@@ -279,3 +279,50 @@ def test_arguments_are_recorded_as_they_were_before_a_step_that_changes_them(tmp
     for s in range(6):
         view = rf.step(s)
         assert torch.equal(view.inputs["ids"], torch.arange(8) + 7 * s), s
+
+
+_CONTEXT_ENGINE = '''
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+class Engine:
+    def __init__(self):
+        self.q = torch.ones(1, 1, 4, 8, device="cuda")
+
+    def attend(self, ids):
+        return {"logits": torch.nn.functional.scaled_dot_product_attention(self.q, self.q, self.q).flatten() + ids.sum()}
+
+
+engine = Engine()
+ids = torch.arange(4, device="cuda")
+for s in range(6):
+    if s < 3:
+        engine.attend(ids)["logits"].tolist()
+    else:
+        with sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+            engine.attend(ids)["logits"].tolist()
+'''
+
+
+def test_a_context_set_around_later_cuda_steps_is_recorded_for_each_of_them(tmp_path):
+    """The early path (a stream's later CUDA steps) reads the numerics context after the call:
+    each step must still name the context the program set around it, a new one included."""
+    from replay import numerics
+
+    (tmp_path / "context_engine.py").write_text(_CONTEXT_ENGINE)
+    out = tmp_path / "rec"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    p = subprocess.run([sys.executable, "-m", "replay", "record", "--out", str(out), "--quiet", "--step",
+                        "context_engine:Engine.attend", "--", sys.executable, str(tmp_path / "context_engine.py")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rf = open_recording(out)["run-000"][0]
+    assert rf.full().steps.size == 6
+    ctx = [numerics.recorded_context(rf, s) for s in range(6)]
+    assert all(c is not None for c in ctx)
+    for s in range(3):
+        assert ctx[s]["sdpa.flash"] is True and ctx[s]["grad_enabled"] is True, s
+    for s in range(3, 6):
+        assert ctx[s]["sdpa.flash"] is False and ctx[s]["sdpa.math"] is True and ctx[s]["grad_enabled"] is False, s
+    assert len(rf.attrs["target"]["numerics"]["contexts"]) == 2
