@@ -30,6 +30,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--block-steps", type=int, default=25)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--more", action="store_true", help="also: the drain neither waits nor writes; gc off; blocking events")
+    ap.add_argument("--no-profile", action="store_true", help="no torch.profiler tables")
     args = ap.parse_args()
     from replay.record import writer as writer_mod
     from replay.record.session import Session
@@ -49,11 +51,12 @@ def main() -> int:
     plain = Engine.decode_step
     orig_write = writer_mod.Writer._write
     drain_on = [True]
+    drain_waits = [True]
 
     def write(self, job):  # noqa: ANN001, ANN202
         if drain_on[0]:
             return orig_write(self, job)
-        if job.event is not None:
+        if job.event is not None and drain_waits[0]:
             job.event.synchronize()
         return None
 
@@ -98,8 +101,39 @@ def main() -> int:
             finally:
                 sys.setswitchinterval(old)
 
+        def no_drain_wait(e, *a):  # noqa: ANN001, ANN202
+            # Timing only: the drain neither waits for the device nor writes (the ring's room is
+            # released before the device has filled it: the record is not kept).
+            drain_on[0] = drain_waits[0] = False
+            try:
+                return recorded(e, *a)
+            finally:
+                drain_on[0] = drain_waits[0] = True
+
+        def gc_off(e, *a):  # noqa: ANN001, ANN202
+            import gc
+
+            gc.disable()
+            try:
+                return recorded(e, *a)
+            finally:
+                gc.enable()
+
+        event_cls = torch.cuda.Event if cuda else None
+
+        def blocking_events(e, *a):  # noqa: ANN001, ANN202
+            torch.cuda.Event = lambda *x, **k: event_cls(*x, **{**k, "blocking": True})  # the drain sleeps in its waits
+            try:
+                return recorded(e, *a)
+            finally:
+                torch.cuda.Event = event_cls
+
         variants = {"recorded": recorded, "recorded, drain writes nothing": no_drain, "recorded, no margin/logits ring": no_margin,
                     "recorded, switch interval 0.2 ms": short_switch}
+        if args.more:
+            variants.update({"recorded, drain neither waits nor writes": no_drain_wait, "recorded, gc off": gc_off})
+            if cuda:
+                variants["recorded, blocking events"] = blocking_events
         run(plain, 5)
         for fn in variants.values():
             run(fn, 5)
@@ -114,7 +148,7 @@ def main() -> int:
         for k, ts in t_var.items():
             m = statistics.median(ts)
             print(f"  {k:34s} {m * 1e3:.3f} ms  {100 * (m - mp) / mp:+.1f}%  {1e6 * (m - mp):+.0f} us")
-        if not cuda:
+        if not cuda or args.no_profile:
             print(f"recorder error: {rec.error}")
             session.shutdown()
             session.disabled = True

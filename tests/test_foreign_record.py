@@ -357,6 +357,33 @@ def test_each_step_names_the_numerics_context_it_ran_under(tmp_path: Path) -> No
         assert _args(rf, 2)["pos"] == 2  # the step's own arguments are kept beside the digest
 
 
+KEPT_SETTING = """
+import torch
+
+def step(x):
+    torch.backends.cuda.matmul.allow_tf32 = True  # set by the step itself, and kept
+    return x + 1
+
+torch.backends.cuda.matmul.allow_tf32 = False
+for i in range(3):
+    step(torch.ones(2))
+print("ok")
+"""
+
+
+def test_a_setting_the_step_changes_and_keeps_is_recorded_for_that_step(tmp_path: Path) -> None:
+    """The context is read when the call returns: what the step's own kernels ran under."""
+    script = tmp_path / "kept.py"
+    script.write_text(KEPT_SETTING)
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script)], flags=("--step", "kept:step"))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        assert rf.n_steps == 3
+        assert all(numerics.recorded_context(rf, s)["backends.cuda.matmul.allow_tf32"] is True for s in range(3))
+        assert len(rf.attrs["target"]["numerics"]["contexts"]) == 1
+
+
 def test_a_failure_of_the_recorder_around_a_step_stops_recording_and_the_step_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                                   capfd: pytest.CaptureFixture[str]) -> None:
     import inspect

@@ -618,7 +618,11 @@ class Session(GraphEvents):
             return fn(*args, **kwargs)
         if rec is None:
             return fn(*args, **kwargs)
-        return self._call_and_record(spec, fn, args, kwargs, rec, obj)
+
+        def after_call() -> None:
+            rec.record_args(**{numerics.NUMERICS_ARG: self._numerics_digest(rec)})
+
+        return self._call_and_record(spec, fn, args, kwargs, rec, obj, after_call)
 
     def _call_and_record(self, spec: StepSpec, fn: Callable[..., Any], args: tuple, kwargs: dict, rec: Recorder, obj: Any,
                          after_call: Callable[[], None] | None = None) -> Any:
@@ -692,8 +696,6 @@ class Session(GraphEvents):
             for copy in early.snaps.values():
                 early.rec.adopt_snapshot(copy)
             early.rec.record_inputs(**{n: early.snaps.get(id(t), t) for n, t in tensors.items()})
-            # The context read after the call: the one the program set around it is still in
-            # force, and a setting the step itself changed and kept is what its kernels ran under.
             scalars[numerics.NUMERICS_ARG] = self._numerics_digest(early.rec)
             stream = self._find_stream(early.obj, spec.step)
             if len(self._streams.streams) > 1 and stream is not None:
@@ -703,8 +705,8 @@ class Session(GraphEvents):
         return self._call_and_record(spec, fn, args, kwargs, early.rec, early.obj, after_call)
 
     def _before_step(self, spec: StepSpec, bound: inspect.BoundArguments, is_method: bool, args: tuple) -> tuple[Recorder | None, Any]:
-        """Everything recorded before the call: the target (and its stream), inputs, arguments,
-        numerics context. (None, obj) when this step is not recorded."""
+        """Everything recorded before the call: the target (and its stream), inputs, arguments
+        (the numerics context comes after the call). (None, obj) when this step is not recorded."""
         self._ran[spec.step] += 1
         object_arg = None
         if is_method:
@@ -722,10 +724,8 @@ class Session(GraphEvents):
         rec, stream = self._recorder_for(spec, obj, tensors, object_arg)
         if rec is None or not rec.enabled:
             return None, obj
-        digest = self._numerics_digest(rec)
         rec.begin_step()
         rec.record_inputs(**tensors)
-        scalars[numerics.NUMERICS_ARG] = digest
         if len(self._streams.streams) > 1 and stream is not None:
             scalars[numerics.STREAM_ARG] = stream.name
         rec.record_args(**scalars)
@@ -733,7 +733,12 @@ class Session(GraphEvents):
 
     def _numerics_digest(self, rec: Recorder) -> str:
         """The digest of the numerics context now; a context not seen in this part is written
-        with the target info first (before the step's own frame, which comes at its end)."""
+        with the target info first (before the step's own frame, which comes at its end).
+
+        Read when the step's call has returned, not before: the context the program set around
+        the call is still in force then, a setting the step changed and kept is the one its
+        kernels ran under (torch sets the SDPA backends' priority at the first attention call),
+        and on the early path the read is off the time before the device gets the step."""
         digest, ctx, _changed = numerics.current()
         if digest not in self._numerics:
             self._numerics[digest] = ctx
