@@ -27,6 +27,7 @@ need be. A digest in an int64 tensor holds the same 64 bits in two's complement:
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable
 from types import ModuleType
 
@@ -188,38 +189,80 @@ def digest_numpy(buf: np.ndarray) -> int:
     return (total + n * _K_LEN) & _MASK64
 
 
+# A batch of ``digest_numpy_many`` holds at most this many words; each of its arrays at most
+# ``_FAST_CHUNK`` words, so that its three uint32 sums are exact as in ``_sum_words_fast``.
+_MANY_WORDS = 1 << 16
+
+
+class _ManyScratch(threading.local):
+    """Buffers of ``digest_numpy_many``, one set per thread, kept: the drain digests a step's
+    small tensors every step, and fresh temporaries of a few hundred KiB each call cost page
+    faults (the allocator returns them to the kernel) and more passes than the sums need."""
+
+    def __init__(self) -> None:
+        self.lanes = np.empty(2 * _MANY_WORDS, dtype=np.uint32)  # [x | y]: the two fmix32 lanes
+        self.scratch = np.empty(2 * _MANY_WORDS, dtype=np.uint32)
+
+
+_many_scratch = _ManyScratch()
+
+
 def digest_numpy_many(bufs: list[np.ndarray]) -> list[int]:
-    """Digests of many small arrays in one vectorised pass (a step's inputs and tokens).
+    """Digests of many small arrays in one vectorised pass (a step's inputs, tokens, logits).
 
     Equal to ``[digest_numpy(b) for b in bufs]``; the point is to pay numpy's per-call cost once
-    per step instead of once per tensor. Each array must hold fewer than 2**32 words."""
-    raws = [np.ascontiguousarray(b).reshape(-1).view(np.uint8) for b in bufs]
-    sizes = np.array([r.size for r in raws], dtype=np.int64)
-    nwords = (sizes + 3) // 4
-    if sizes.size == 0:
-        return []
-    if int(nwords.max()) >= (1 << 32):
-        return [digest_numpy(r) for r in raws]
-    starts = np.concatenate(([0], np.cumsum(nwords)[:-1]))
-    total = int(nwords.sum())
-    words = np.zeros(total, dtype=np.uint32)
-    as_bytes = words.view(np.uint8)
-    for r, st in zip(raws, starts):
-        as_bytes[st * 4 : st * 4 + r.size] = r
-    index = (np.arange(total, dtype=np.int64) - np.repeat(starts, nwords)).astype(np.uint32)
+    per step instead of once per tensor. Arrays of more than ``_FAST_CHUNK`` words go to
+    ``digest_numpy``; the others are mixed together in batches of at most ``_MANY_WORDS`` words,
+    each word keyed by its position in its own array, and summed per array with ``reduceat``."""
+    out = [0] * len(bufs)
+    batch: list[tuple[int, np.ndarray]] = []
+    words = 0
+    for i, b in enumerate(bufs):
+        raw = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
+        n = (raw.size + 3) // 4
+        if n > _FAST_CHUNK:
+            out[i] = digest_numpy(raw)
+            continue
+        if n == 0:
+            continue  # an empty array digests to 0
+        if words + n > _MANY_WORDS:
+            _digest_batch(batch, words, out)
+            batch, words = [], 0
+        batch.append((i, raw))
+        words += n
+    if batch:
+        _digest_batch(batch, words, out)
+    return out
+
+
+def _digest_batch(batch: list[tuple[int, np.ndarray]], total: int, out: list[int]) -> None:
+    """``out[i] = digest_numpy(raw)`` for each (i, raw) of ``batch`` (``total`` words in all)."""
+    sc = _many_scratch
+    koff = _key_offsets()
+    x, y = sc.lanes[:total], sc.lanes[total : 2 * total]
+    starts = []
+    at = 0
+    for _, raw in batch:
+        n_full = raw.size // 4
+        if n_full:
+            # x = w ^ (j * K_LO): j is the word's index in its own array (< 2**16: hi32(j) = 0).
+            np.bitwise_xor(koff[:n_full], raw[: n_full * 4].view("<u4"), out=x[at : at + n_full])
+        if raw.size % 4:
+            tail = np.zeros(4, dtype=np.uint8)
+            tail[: raw.size % 4] = raw[n_full * 4 :]
+            x[at + n_full] = koff[n_full] ^ tail.view("<u4")[0]
+        starts.append(at)
+        at += (raw.size + 3) // 4
     with np.errstate(over="ignore"):
-        x = (index * _K_POS_LO) ^ words
-        hi = x + _K_HI_LANE
-        scratch = np.empty_like(x)
-        _fmix32_inplace(x, scratch)
-        _fmix32_inplace(hi, scratch)
-        mixed = (hi.astype(np.uint64) << np.uint64(32)) | x.astype(np.uint64)
-        nonempty = nwords > 0
-        sums = np.zeros(sizes.size, dtype=np.uint64)
-        if total:
-            sums[nonempty] = np.add.reduceat(mixed, starts[nonempty])
-        out = sums + sizes.astype(np.uint64) * np.uint64(_K_LEN)
-    return [int(v) for v in out]
+        np.add(x, _K_HI_LANE, out=y)
+    _fmix32_inplace(sc.lanes[: 2 * total], sc.scratch[: 2 * total])  # x is lo, y is hi, scratch[:total] is lo >> 16
+    idx = np.array(starts, dtype=np.intp)
+    sum_hi = np.add.reduceat(y, idx, dtype=np.uint32).tolist()
+    sum_top = np.add.reduceat(sc.scratch[:total], idx, dtype=np.uint32).tolist()  # exact: < 2**16 * 2**16
+    sum_lo = np.add.reduceat(x, idx, dtype=np.uint32).tolist()
+    for k, (i, raw) in enumerate(batch):
+        low = (sum_lo[k] - (sum_top[k] << 16)) & 0xFFFFFFFF
+        out[i] = (low + (sum_top[k] << 16) + (sum_hi[k] << 32) + raw.size * _K_LEN) & _MASK64
 
 
 def digest_bytes(data: bytes | bytearray | memoryview) -> int:
