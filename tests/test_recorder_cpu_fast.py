@@ -1,5 +1,4 @@
-"""The recorder's CPU fast paths give the same values as the plain ones: batched digests, the
-ring's mapping, plans reused from step to step."""
+"""The recorder's CPU fast paths give the same values as the plain ones: batched digests."""
 
 from __future__ import annotations
 
