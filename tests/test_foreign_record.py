@@ -384,6 +384,75 @@ def test_a_setting_the_step_changes_and_keeps_is_recorded_for_that_step(tmp_path
         assert len(rf.attrs["target"]["numerics"]["contexts"]) == 1
 
 
+TERMINATED_IN_A_STEP = """
+import os, signal, time
+import torch
+
+def step(x):
+    if x[0].item() == 2:
+        os.kill(os.getpid(), signal.SIGTERM)  # the program is ended while inside this step
+        time.sleep(3)
+    return x + 1
+
+step(torch.zeros(2))
+step(torch.ones(2))
+with torch.no_grad():  # a context no earlier step ran under
+    step(torch.full((2,), 2.0))
+"""
+
+
+def test_a_step_still_running_when_the_program_is_terminated_names_its_context(tmp_path: Path) -> None:
+    """The context is read when a call returns; a step that never returns (SIGTERM inside it)
+    has it read when recording closes."""
+    script = tmp_path / "term.py"
+    script.write_text(TERMINATED_IN_A_STEP)
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script)], flags=("--step", "term:step"))
+    assert r.returncode != 0
+    with Recording(tmp_path / "rec") as rec:
+        rf = rec["run-000"][0]
+        assert rf.n_steps == 3
+        last = numerics.recorded_context(rf, 2)
+        assert last is not None and last["grad_enabled"] is False
+        assert numerics.recorded_context(rf, 0)["grad_enabled"] is True
+        assert len(rf.attrs["target"]["numerics"]["contexts"]) == 2
+
+
+PART_FROM_ANOTHER_THREAD = """
+import threading, time
+import torch
+
+def f(x):
+    time.sleep(0.8)
+    return x + 1
+
+def g(x):
+    if x[0].item() == 0:
+        time.sleep(1.2)
+    return x * 2
+
+f(torch.zeros(2))
+ta = threading.Thread(target=f, args=(torch.ones(2),))
+ta.start()
+time.sleep(0.2)
+for i in range(3):
+    g(torch.full((2,), float(i)))  # another step: a new part, begun while f's step runs
+ta.join()
+"""
+
+
+def test_a_part_begun_while_another_threads_step_runs_names_its_own_contexts(tmp_path: Path) -> None:
+    script = tmp_path / "thr.py"
+    script.write_text(PART_FROM_ANOTHER_THREAD)
+    r = _record(tmp_path / "rec", cmd=[sys.executable, str(script)], flags=("--step", "thr:f", "--step", "thr:g"))
+    assert r.returncode == 0, r.stderr
+    with Recording(tmp_path / "rec") as rec:
+        for part in ("run-000", "run-001"):
+            rf = rec[part][0]
+            assert rf.n_steps >= 2, part
+            assert len(rf.attrs["target"]["numerics"]["contexts"]) == 1, part
+            assert all(numerics.recorded_context(rf, s) is not None for s in range(rf.n_steps)), part
+
+
 def test_a_failure_of_the_recorder_around_a_step_stops_recording_and_the_step_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                                   capfd: pytest.CaptureFixture[str]) -> None:
     import inspect

@@ -333,6 +333,15 @@ class Recorder:
             self._cur = st
             return st.index
 
+    def step_open(self) -> bool:
+        """A step has begun and not ended."""
+        return self._cur is not None
+
+    def step_args(self) -> dict[str, Any]:
+        """The open step's recorded non-tensor arguments so far (empty: none open)."""
+        st = self._cur
+        return dict(st.args) if st is not None else {}
+
     def early_ok(self) -> bool:
         """Whether a step may begin before its arguments are bound (``Session._early_step``):
         CUDA record work on the side stream, no step open."""

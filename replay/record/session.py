@@ -247,6 +247,16 @@ class Session(GraphEvents):
 
     def close_recorder(self, status: str = "ok") -> None:
         with self._lock:
+            rec = self.recorder
+        if rec is not None:
+            # A step still running (SIGTERM inside it, another thread starting a new part) has
+            # not reached its after-call bookkeeping: its numerics context is read now.
+            try:
+                if rec.step_open() and numerics.NUMERICS_ARG not in rec.step_args():
+                    rec.record_args(**{numerics.NUMERICS_ARG: self._numerics_digest(rec)})
+            except Exception:  # noqa: BLE001 - closing goes on (and may be closing after a failure)
+                pass
+        with self._lock:
             rec, self.recorder = self.recorder, None
         if rec is not None:
             self._record_tuner(force=True, rec=rec)
@@ -691,7 +701,10 @@ class Session(GraphEvents):
     def _run_early(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple,
                    kwargs: dict, early: _Early) -> Any:
         def after_call() -> None:
-            bound = sig.bind(*args, **kwargs)
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:
+                return  # the program's own error (the call raised it too): the step ends as raised
             tensors, scalars = split_arguments(bound, skip_first=is_method, owner=early.obj)
             for copy in early.snaps.values():
                 early.rec.adopt_snapshot(copy)
@@ -740,7 +753,9 @@ class Session(GraphEvents):
         kernels ran under (torch sets the SDPA backends' priority at the first attention call),
         and on the early path the read is off the time before the device gets the step."""
         digest, ctx, _changed = numerics.current()
-        if digest not in self._numerics:
+        # Only the current part's contexts: a step of a part another thread has since closed
+        # must not mark the context as written for the new part.
+        if rec is self.recorder and digest not in self._numerics:
             self._numerics[digest] = ctx
             if self._first_numerics is None:
                 self._first_numerics = digest

@@ -254,10 +254,10 @@ class Staging:
         """Copies of a step's tensor arguments, before the step's work, in one launch: into
         buffers kept for that signature (shapes, dtypes), with ``torch._foreach_copy_``."""
         # This runs before the program's step is queued, so every µs here delays the device: the
-        # key is built from the stream's id (no Stream object) and the shapes, and whether the
+        # key is built from the stream's id (no Stream object), the shapes and devices, and whether the
         # side stream reads these buffers is kept with them.
         # Per stream too: the packing that reads them is queued on the program's stream.
-        key = (_stream_id(tensors[0]), *((t.shape, t.dtype) for t in tensors))
+        key = (_stream_id(tensors[0]), *((t.shape, t.dtype, t.get_device()) for t in tensors))
         kept = self._input_static.get(key)
         if kept is None:
             if not self._may_keep(sum(t.numel() * t.element_size() for t in tensors)):
