@@ -77,8 +77,9 @@ class ShmRing:
             # Take the pages now: on a full tmpfs a store into a sparse mapping is a SIGBUS in
             # the program, this is an ENOSPC here.
             os.posix_fallocate(fd, 0, HEADER_BYTES + capacity)
-            # MAP_POPULATE maps every page now (~30 ms for 64 MiB): else the host's copies fault on
-            # each page of the ring's first lap, which doubles what a step's CPU tensors cost.
+            # MAP_POPULATE maps every page now (about 80 ms for 64 MiB on the 2-core CI machine, once
+            # a rank): else the host's copies fault on each page of the ring's first lap, which
+            # doubles what a step's CPU tensors cost.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mm = mmap.mmap(fd, HEADER_BYTES + capacity, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
