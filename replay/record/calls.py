@@ -13,7 +13,7 @@ from replay.core.outputs import name_outputs  # noqa: F401 - the vocabulary move
 from replay.core.state import module_state  # noqa: F401
 from replay.core.structure import STRUCTURE_ARG, flatten_tensors, rebuild_inputs  # noqa: F401 - shared with rerun
 
-__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "tracing"]
+__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
 
 _SCALARS = (int, float, bool, str, type(None))
 
@@ -227,12 +227,15 @@ def _fx_tracer() -> Any:
 _fx_tracing = _fx_tracer()
 
 
-def capturing() -> bool:
-    """A CUDA graph is being captured, or a tracer is building a graph: not a step to record."""
-    if tracing():
-        return True
+def cuda_capturing() -> bool:
+    """The current CUDA stream is capturing a graph (the recorder must queue nothing on it)."""
     # is_initialized first: it is a flag, and no stream captures before CUDA is initialised.
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def capturing() -> bool:
+    """A CUDA graph is being captured, or a tracer is building a graph: not a step to record."""
+    return tracing() or cuda_capturing()
 
 
 def call_key(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[str, tuple]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from replay.core.collectives import COLLECTIVES, FUNCTIONAL, FUNCTIONAL_PREFIX, CollectiveSpec
+from replay.record.calls import cuda_capturing
 
 __all__ = ["install", "install_functional", "COLLECTIVES", "CollectiveSpec", "FUNCTIONAL", "FUNCTIONAL_PREFIX"]
 
@@ -34,10 +35,6 @@ def _stacked(ts: Any) -> torch.Tensor | None:
     return torch.stack([t.detach() for t in ts])
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
 def _group_name(dist: Any, group: Any) -> tuple[str, int]:
     try:
         size = dist.get_world_size(group)
@@ -56,7 +53,7 @@ def _wrap(session: Any, dist: Any, name: str, fn: Callable[..., Any], spec: Coll
         if torch.compiler.is_compiling():
             return fn(*args, **kwargs)  # traced: the recorder stays out of Dynamo's way
         rec = session.recorder
-        if rec is None or session.disabled or _capturing() or getattr(session._local, "in_collective", False):
+        if rec is None or session.disabled or cuda_capturing() or getattr(session._local, "in_collective", False):
             return fn(*args, **kwargs)
         try:
             bound = sig.bind(*args, **kwargs)
@@ -131,7 +128,7 @@ def _wrap_functional(session: Any, funcol: Any, dist: Any, name: str, fn: Callab
         if torch.compiler.is_compiling() or (tracing is not None and tracing()):
             return fn(*args, **kwargs)
         rec = session.recorder
-        if rec is None or session.disabled or _capturing() or getattr(session._local, "in_collective", False):
+        if rec is None or session.disabled or cuda_capturing() or getattr(session._local, "in_collective", False):
             return fn(*args, **kwargs)
         session._local.in_collective = True
         try:

@@ -42,6 +42,7 @@ from replay.format.ring_salvage import assemble_collectives as _assemble_collect
 from replay.format.seal import seal_rank
 from replay.log import get_logger
 from replay.record import rng as _rng
+from replay.record.calls import cuda_capturing
 from replay.record.config import RecorderConfig
 from replay.record.margin import device_margin, host_margin
 from replay.record.ring import ShmRing, ring_pointer
@@ -98,11 +99,6 @@ class _Step:
     rjob_opened: bool = False  # opened when first needed (CPU tensors), else at the step's end
     rng: dict[str, torch.Tensor] | None = None  # generator states at the step's start
     fin: dict[str, Any] = field(default_factory=dict)  # what salvage computes from the bytes
-
-
-def _capturing() -> bool:
-    # is_initialized first: it is a flag, and no stream captures before CUDA is initialised.
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class Recorder:
@@ -317,7 +313,7 @@ class Recorder:
     @_failsafe(default=-1)
     def begin_step(self) -> int:
         """Start a step; returns its index. Takes the keyframe and RNG state due at its start."""
-        if _capturing():
+        if cuda_capturing():
             return -1
         with self._lock:
             if self._cur is not None:
@@ -333,14 +329,10 @@ class Recorder:
             self._cur = st
             return st.index
 
-    def step_open(self) -> bool:
-        """A step has begun and not ended."""
-        return self._cur is not None
-
-    def step_args(self) -> dict[str, Any]:
-        """The open step's recorded non-tensor arguments so far (empty: none open)."""
+    def open_step_args(self) -> dict[str, Any] | None:
+        """The open step's non-tensor arguments recorded so far (a copy); None: no step open."""
         st = self._cur
-        return dict(st.args) if st is not None else {}
+        return dict(st.args) if st is not None else None
 
     def early_ok(self) -> bool:
         """Whether a step may begin before its arguments are bound (``Session._early_step``):
@@ -669,7 +661,7 @@ class Recorder:
         compare: bool = True,
     ) -> None:
         """Record one collective call after it completed (``compare``: all ranks get equal bits)."""
-        if _capturing():
+        if cuda_capturing():
             return
         st = self._cur
         ordinal = self._collective_counter

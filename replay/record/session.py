@@ -252,7 +252,8 @@ class Session(GraphEvents):
             # A step still running (SIGTERM inside it, another thread starting a new part) has
             # not reached its after-call bookkeeping: its numerics context is read now.
             try:
-                if rec.step_open() and numerics.NUMERICS_ARG not in rec.step_args():
+                args = rec.open_step_args()
+                if args is not None and numerics.NUMERICS_ARG not in args:
                     rec.record_args(**{numerics.NUMERICS_ARG: self._numerics_digest(rec)})
             except Exception:  # noqa: BLE001 - closing goes on (and may be closing after a failure)
                 pass
@@ -746,7 +747,7 @@ class Session(GraphEvents):
 
     def _numerics_digest(self, rec: Recorder) -> str:
         """The digest of the numerics context now; a context not seen in this part is written
-        with the target info first (before the step's own frame, which comes at its end).
+        with the target info (with the ring, that frame follows the open step's own).
 
         Read when the step's call has returned, not before: the context the program set around
         the call is still in force then, a setting the step changed and kept is the one its
