@@ -6,6 +6,8 @@ the same machine state:
 
 * ``replay`` — wrapped by the same instrumentation ``replay record`` injects, default settings
   (``default: true`` in the JSON);
+* ``replay, drain thread`` — the same with the ring drained by a thread of the program instead of
+  a process of its own (eager CUDA and CPU, where the program's interpreter is the bottleneck);
 * ``replay, no ring`` — the same with the record ring off (the writer-thread path, durability
   ``step``), for comparison with the figures before the ring;
 * ``torch.save`` — what a user would otherwise write: the step's input and output tensors saved
@@ -13,12 +15,20 @@ the same machine state:
 * ``metadata only`` — a recorder that writes each step's id and its tensors' names, dtypes and
   shapes (one JSON line a step, flushed), no digests and no bytes.
 
+Blocks are short (``--block-steps``, 4 counted steps and one before them that is not counted, as
+it may still pay for the block before it): a host-bound step (eager, CPU) on a shared host drifts
+over a block of 25 steps by more than the recorder costs (``benchmarks/diag/interleave.py``).
+
 Reported per configuration: median step time of each, the overhead in percent and in
-microseconds a step, and the spread (the lowest and highest overhead of the block pairs).
+microseconds a step, and the spread (the lowest and highest overhead of six runs of consecutive
+block pairs).
 
 Writer throughput: the same bytes written (a) by the recorder recording full logits every step
 (device digests, copies into the ring, the drain, the journal), (b) by the journal writer alone,
-and (c) raw with ``numpy.tofile``, in alternating rounds to one directory.
+and raw with ``numpy.tofile`` (c) of two host arrays rewritten every step, whose bytes stay in the
+host's cache, and (d) of each step's own array copied off the GPU beforehand, whose bytes are
+not in cache, as a step's logits are not when a recorder writes them; in alternating rounds to
+one directory.
 """
 
 from __future__ import annotations
@@ -105,7 +115,7 @@ def _ab_variants(session: Any, recorded: Callable) -> dict[str, Callable]:
 
 
 def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps: int, *, batch: int,
-             baselines: bool, ring: bool = True, label: str = "", ab: bool = False) -> list[dict]:
+             baselines: bool, ring: bool = True, label: str = "", ab: bool = False, drain: str = "process") -> list[dict]:
     from replay.record.session import Session
     from replay.record.settings import RecordSettings
     from replay.workloads.mtp.engine import Engine
@@ -124,11 +134,12 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
              for name in names]
     try:
         with tempfile.TemporaryDirectory(dir=os.environ.get("REPLAY_BENCH_DIR")) as tmp:
-            session = Session(Path(tmp) / "rec", RecordSettings() if ring else RecordSettings(record_ring_mib=0))
+            session = Session(Path(tmp) / "rec", RecordSettings(drain=drain) if ring else RecordSettings(record_ring_mib=0))
             session.install()  # patches Engine.decode_step (the mtp profile) like `replay record` does
             recorded = Engine.decode_step
             assert recorded is not plain, "the profile did not patch the engine"
-            variants: dict[str, Callable] = {"replay" if ring else "replay, no ring": recorded}
+            name = "replay" if drain == "process" else "replay, drain thread"
+            variants: dict[str, Callable] = {name if ring else "replay, no ring": recorded}
             if ab and ring:
                 variants.update(_ab_variants(session, recorded))
             if baselines:
@@ -153,10 +164,12 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
                 run(fn, 5)
             t_plain: list[list[float]] = []
             t_var: dict[str, list[list[float]]] = {k: [] for k in variants}
+            # Each block's first step is not counted: it may still pay for the block before it
+            # (a drain finishing that block's last record).
             for _ in range(blocks):
-                t_plain.append(run(plain, block_steps))
+                t_plain.append(run(plain, block_steps + 1)[1:])
                 for k, fn in variants.items():
-                    t_var[k].append(run(fn, block_steps))
+                    t_var[k].append(run(fn, block_steps + 1)[1:])
             rec = session.recorder
             rec_error = rec.error if rec is not None else None
             ring_stats = rec.ring_stats() if rec is not None else None
@@ -169,7 +182,7 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
     rows = []
     for k, blocks_k in t_var.items():
         mr = statistics.median([t for b in blocks_k for t in b])
-        pairs = [100 * (statistics.median(r) - statistics.median(p)) / statistics.median(p) for p, r in zip(t_plain, blocks_k)]
+        pairs = _group_spread(t_plain, blocks_k)
         rows.append({
             "device": device,
             "preset": label or preset,
@@ -177,6 +190,7 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
             "cudagraph": cudagraph,
             "variant": k,
             "default": k == "replay",
+            "drain": drain if ring else None,
             "steps_each": sum(map(len, blocks_k)),
             "plain_ms": round(mp * 1e3, 4),
             "recorded_ms": round(mr * 1e3, 4),
@@ -189,6 +203,19 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
     return rows
 
 
+def _group_spread(t_plain: list[list[float]], t_rec: list[list[float]], groups: int = 6) -> list[float]:
+    """The overhead (%) of each of ``groups`` runs of consecutive block pairs: how much the
+    figure moves over the run (short blocks alone are too few steps to compare one by one)."""
+    n = len(t_plain)
+    size = max(1, n // groups)
+    out = []
+    for i in range(0, n - n % size if n >= size else n, size):
+        p = [t for b in t_plain[i : i + size] for t in b]
+        r = [t for b in t_rec[i : i + size] for t in b]
+        out.append(100 * (statistics.median(r) - statistics.median(p)) / statistics.median(p))
+    return out
+
+
 def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) -> dict:
     from replay.format.journal import FrameKind, JournalWriter
     from replay.record.config import RecorderConfig
@@ -197,7 +224,7 @@ def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) ->
     numel = mb_per_step * (1 << 20) // 4
     logits = [torch.randn(numel, device=device).reshape(-1, 1024) if numel % 1024 == 0 else torch.randn(numel, device=device) for _ in range(2)]
     total = steps * numel * 4
-    res: dict[str, list[float]] = {"recorder": [], "journal": [], "tofile": []}
+    res: dict[str, list[float]] = {"recorder": [], "journal": [], "tofile": [], "tofile_fresh": []}
     ring_stats = None
     with tempfile.TemporaryDirectory(dir=os.environ.get("REPLAY_BENCH_DIR")) as tmp:
         for r in range(rounds):
@@ -224,12 +251,21 @@ def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) ->
                 jw.write_frame(FrameKind.STEP, {"step": s, "outputs": [{"name": "logits", "off": off}]})
             jw.close()
             res["journal"].append(total / (time.perf_counter() - t0))
-            # (c) raw numpy.tofile of the same bytes
+            # (c) raw numpy.tofile of the same bytes: the two host arrays again and again (their
+            # bytes stay in the host's cache), and (d) each step's own array, copied off the GPU
+            # before the timing, as a step's logits are when they are written (not in cache).
             t0 = time.perf_counter()
             with open(d / "raw.bin", "wb") as fh:
                 for s in range(steps):
                     host[s % 2].tofile(fh)
             res["tofile"].append(total / (time.perf_counter() - t0))
+            fresh = [(logits[s % 2] + s).cpu().numpy() for s in range(steps)]
+            t0 = time.perf_counter()
+            with open(d / "raw2.bin", "wb") as fh:
+                for a in fresh:
+                    a.tofile(fh)
+            res["tofile_fresh"].append(total / (time.perf_counter() - t0))
+            del fresh
             for f in d.rglob("*"):
                 if f.is_file():
                     f.unlink()
@@ -242,7 +278,9 @@ def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) ->
         "recorder_gbs": round(med["recorder"] / 1e9, 3),
         "journal_gbs": round(med["journal"] / 1e9, 3),
         "tofile_gbs": round(med["tofile"] / 1e9, 3),
+        "tofile_fresh_gbs": round(med["tofile_fresh"] / 1e9, 3),
         "recorder_vs_raw_pct": round(100 * med["recorder"] / med["tofile"], 1),
+        "recorder_vs_fresh_pct": round(100 * med["recorder"] / med["tofile_fresh"], 1),
         "journal_vs_raw_pct": round(100 * med["journal"] / med["tofile"], 1),
         "all_rounds_gbs": {k: [round(x / 1e9, 3) for x in v] for k, v in res.items()},
         "ring": ring_stats,
@@ -264,32 +302,34 @@ def machine() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--blocks", type=int, default=6)
-    ap.add_argument("--block-steps", type=int, default=20)
+    ap.add_argument("--blocks", type=int, default=30)
+    ap.add_argument("--block-steps", type=int, default=4, help="steps per block, plus one not counted (short blocks: a host-bound step drifts over longer ones)")
     ap.add_argument("--large-batch", type=int, default=128, help="batch of the larger configuration (small preset, graphs)")
-    ap.add_argument("--cpu-blocks", type=int, default=10, help="blocks of the CPU tiny rows (noisy: more pairs)")
+    ap.add_argument("--cpu-blocks", type=int, default=40, help="blocks of the CPU tiny rows (noisy: more pairs)")
     ap.add_argument("--eager-blocks", type=int, default=None, help="blocks of the eager CUDA rows (default: --blocks; a host-bound step is noisy on a shared host)")
     ap.add_argument("--no-cpu", action="store_true", help="on a CUDA machine, skip the CPU tiny rows")
     ap.add_argument("--mb", type=int, default=16, help="MB of logits per step for the writer test")
     ap.add_argument("--writer-steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ab", action="store_true", help="also the default recorder with parts switched off (CUDA rows)")
-    ap.add_argument("--only", default=None, help="comma-separated row groups: graphs,eager,large,noring,cpu,writer")
+    ap.add_argument("--only", default=None, help="comma-separated row groups: graphs,eager,large,noring,thread,cpu,writer")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args()
     rows: list[dict] = []
     configs: list[tuple[str, str, bool, int, dict]] = []
-    only = set(args.only.split(",")) if args.only else {"graphs", "eager", "large", "noring", "cpu", "writer"}
+    only = set(args.only.split(",")) if args.only else {"graphs", "eager", "large", "noring", "thread", "cpu", "writer"}
     if args.device.startswith("cuda"):
         configs += [
             ("graphs", "cuda", "small", True, 8, {"baselines": True, "ab": args.ab}),
             ("eager", "cuda", "small", False, 8, {"baselines": True, "ab": args.ab, "blocks": args.eager_blocks or args.blocks}),
             ("large", "cuda", "small", True, args.large_batch, {"baselines": False, "label": f"small-b{args.large_batch}"}),
             ("noring", "cuda", "small", True, 8, {"baselines": False, "ring": False}),
+            ("thread", "cuda", "small", False, 8, {"baselines": False, "drain": "thread", "blocks": args.eager_blocks or args.blocks}),
         ]
     if not args.device.startswith("cuda") or not args.no_cpu:
         configs.append(("cpu", "cpu", "tiny", True, 4, {"baselines": True, "blocks": args.cpu_blocks}))
+        configs.append(("thread", "cpu", "tiny", True, 4, {"baselines": False, "drain": "thread", "blocks": args.cpu_blocks}))
     configs = [c[1:] for c in configs if c[0] in only]
     for dev, preset, cg, batch, kw in configs:
         blocks = kw.pop("blocks", args.blocks)
@@ -324,7 +364,10 @@ def render(out: dict) -> str:
     lines += ["", "| writer path | GB/s | vs numpy.tofile |", "|---|---|---|",
               f"| recorder, full logits every step ({w['bytes_per_step'] >> 20} MiB/step, {w['device']} tensors) | {w['recorder_gbs']} | {w['recorder_vs_raw_pct']}% |",
               f"| journal writer alone (payload + frame) | {w['journal_gbs']} | {w['journal_vs_raw_pct']}% |",
-              f"| numpy.tofile, same bytes | {w['tofile_gbs']} | 100% |"]
+              f"| numpy.tofile, same bytes (two arrays rewritten: in the host's cache) | {w['tofile_gbs']} | 100% |",
+              f"| numpy.tofile, same bytes (each step's own array, off the GPU: not in cache) | {w.get('tofile_fresh_gbs', '-')} | "
+              f"{round(100 * w['tofile_fresh_gbs'] / w['tofile_gbs'], 1) if w.get('tofile_fresh_gbs') else '-'}% |",
+              f"| recorder vs the not-in-cache write | | {w.get('recorder_vs_fresh_pct', '-')}% |"]
     return "\n".join(lines)
 
 

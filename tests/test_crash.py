@@ -3,7 +3,8 @@
 A step's record is in the rank's record ring (``/dev/shm``) when ``end_step`` returns; the drain
 moves it to the journal later. So after a kill the journal holds a prefix of the completed steps,
 and sealing (what ``replay record``'s parent and ``replay seal`` do) salvages the rest from the
-ring."""
+ring. The trials alternate the drain process (which outlives the rank for as long as it takes to
+write what is whole: the journal reads as live until then) and the drain thread."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from tests.factories import step_inputs, step_logits
 TRIALS = int(os.environ.get("REPLAY_KILL_TRIALS", "16"))
 
 
-def _record_forever(out: str, wfd: int) -> None:
+def _record_forever(out: str, wfd: int, drain: str) -> None:
     state = {"kv": torch.zeros(64)}
-    rec = Recorder(RecorderConfig(out=out, keyframe_every=7, ring=4), state_fn=lambda: state)
+    rec = Recorder(RecorderConfig(out=out, keyframe_every=7, ring=4, drain=drain), state_fn=lambda: state)
     s = 0
     while True:
         rec.begin_step()
@@ -41,10 +42,11 @@ def _record_forever(out: str, wfd: int) -> None:
         s += 1
 
 
-def _kill_at_random(out, delay: float) -> int:
-    """Start a recording process, SIGKILL it after ``delay`` s; return its last completed step."""
+def _kill_at_random(out, delay: float, drain: str = "process") -> int:
+    """Start a recording process, SIGKILL it after ``delay`` s; return its last completed step
+    once nothing writes its journal any more."""
     r, w = os.pipe()
-    p = mp.get_context("fork").Process(target=_record_forever, args=(str(out), w), daemon=True)
+    p = mp.get_context("fork").Process(target=_record_forever, args=(str(out), w, drain), daemon=True)
     p.start()
     os.close(w)
     time.sleep(delay)
@@ -55,7 +57,18 @@ def _kill_at_random(out, delay: float) -> int:
         data += chunk
     os.close(r)
     lines = [ln for ln in data.decode().split("\n") if ln]
+    wait_until_not_live(out / "run-000")
     return int(lines[-1]) if lines else -1
+
+
+def wait_until_not_live(part, timeout: float = 10.0) -> None:
+    """A killed rank's drain process writes what is whole, then ends (its journal is live till then)."""
+    from replay.format.seal import journal_is_live
+
+    deadline = time.monotonic() + timeout
+    while any(journal_is_live(j) for j in part.glob("rank-*.journal")):
+        assert time.monotonic() < deadline, "the drain process outlived its rank"
+        time.sleep(0.01)
 
 
 def _check(out, last: int) -> int:
@@ -82,7 +95,7 @@ def test_sigkill_loses_no_completed_step(tmp_path):
     completed = salvaged = 0
     for trial in range(TRIALS):
         out = tmp_path / f"t{trial}"
-        last = _kill_at_random(out, rng.uniform(0.3, 0.9))
+        last = _kill_at_random(out, rng.uniform(0.3, 0.9), drain=("process", "thread")[trial % 2])
         drained = _journal_prefix(out)  # what the drain had written: consecutive steps from 0
         sealed = seal_part(out / "run-000")
         assert len(sealed) == 1 and not sealed[0].complete

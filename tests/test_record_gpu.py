@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -170,7 +171,7 @@ import replay.record.writer as w
 from replay import Recorder, RecorderConfig
 from replay.format.journal import FrameKind
 
-out, steps, stall = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out, steps, stall, drain = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 orig = w.Writer._write
 def write(self, job):
     if job.kind == FrameKind.STEP and job.body.get("step", 0) >= stall:
@@ -178,7 +179,11 @@ def write(self, job):
     return orig(self, job)
 w.Writer._write = write
 torch.cuda.init()
-rec = Recorder(RecorderConfig(out=out, outputs="full", keyframe_every=4), state_fn=lambda: {"kv": kv})
+rec = Recorder(RecorderConfig(out=out, outputs="full", keyframe_every=4, drain=drain.split("-")[0]), state_fn=lambda: {"kv": kv})
+if drain == "process-stopped":  # the drain process falls behind: the steps are only in the ring
+    os.kill(rec._writer._proc.pid, signal.SIGSTOP)
+if drain.startswith("process"):
+    print("drain", rec._writer._proc.pid, flush=True)
 kv = torch.zeros(256, device="cuda")
 wt = torch.randn(512, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
 x = torch.zeros(8, 512, device="cuda")
@@ -204,20 +209,30 @@ os.kill(os.getpid(), signal.SIGKILL)
 '''
 
 
-def test_sigkill_of_a_cuda_rank_keeps_every_completed_step_through_the_ring(tmp_path):
+@pytest.mark.parametrize("drain", ["thread", "process", "process-stopped"])
+def test_sigkill_of_a_cuda_rank_keeps_every_completed_step_through_the_ring(tmp_path, drain):
+    """thread: the drain thread stalls at step 10; process: the drain process writes what the
+    GPU committed after its rank is gone; process-stopped: the drain process is stopped from
+    the start and killed after the rank, so every step comes back from the ring."""
     from replay.format import TensorKind, seal_part
     from replay.format.journal import FrameKind, read_journal
+    from tests.test_crash import wait_until_not_live
 
     out = tmp_path / "rec"
     steps, stall = 30, 10
-    p = subprocess.run([sys.executable, "-c", _RING_CHILD, str(out), str(steps), str(stall)], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-c", _RING_CHILD, str(out), str(steps), str(stall), drain], cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
     assert p.returncode == -9, p.stderr[-3000:]
     lines = [ln.split() for ln in p.stdout.splitlines() if ln.strip()]
+    drains = [int(ln[1]) for ln in lines if ln[0] == "drain"]
+    lines = [ln for ln in lines if ln[0] != "drain"]
     assert len(lines) == steps and all(reg == "True" for _, reg in lines), "the ring was registered with CUDA"
     part = out / "run-000"
+    if drain == "process-stopped":
+        os.kill(drains[0], signal.SIGKILL)
+    wait_until_not_live(part)
     drained = [f.body["step"] for f in read_journal(part / "rank-00000.journal").frames if f.kind == FrameKind.STEP]
-    assert len(drained) <= stall
+    assert len(drained) <= {"thread": stall, "process": steps, "process-stopped": 0}[drain]
     sealed = seal_part(part)
     assert len(sealed) == 1 and sealed[0].steps == steps
     rf = open_recording(out)["run-000"][0]

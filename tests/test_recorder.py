@@ -163,7 +163,8 @@ def test_size_limit_stops_recording_and_keeps_earlier_steps(tmp_path):
 
 
 def test_writer_exception_does_not_reach_program(tmp_path, monkeypatch, capsys):
-    rec = Recorder(RecorderConfig(out=tmp_path / "r"))
+    # The drain thread's journal (the drain process's own failures: tests/test_drain_process.py).
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", drain="thread"))
     import replay.record.writer as w
 
     def boom(*a, **k):

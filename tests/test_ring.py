@@ -50,7 +50,8 @@ def _stall_drain_from(step: int) -> None:
 def _child(out: str, steps: int, stall_from: int, wfd: int) -> None:
     _stall_drain_from(stall_from)
     state = {"kv": torch.zeros(32)}
-    rec = Recorder(RecorderConfig(out=out, keyframe_every=5, ring=2, record_ring_mib=RING_MIB), state_fn=lambda: state)
+    # A stalled drain thread (a stalled drain process: tests/test_drain_process.py).
+    rec = Recorder(RecorderConfig(out=out, keyframe_every=5, ring=2, record_ring_mib=RING_MIB, drain="thread"), state_fn=lambda: state)
     for s in range(steps):
         rec.begin_step()
         rec.record_inputs(**_inputs(s))
@@ -104,23 +105,50 @@ def test_sigkill_with_the_drain_stalled_loses_nothing(tmp_path, steps, stall_fro
     assert torch.equal(kf["kv"], torch.full((32,), float(kf_step)))
 
 
+class _Gate:
+    """Holds every drain back until ``set``: a drain thread waits in its write, a drain process
+    is stopped (SIGSTOP) as soon as it starts."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.opened = threading.Event()
+        self.stopped: list[int] = []
+
+    def set(self) -> None:
+        self.opened.set()
+        for pid in self.stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.fixture
 def gate(monkeypatch):
     """The drain writes nothing until the test opens the gate."""
-    import threading
-
+    import replay.record.drain as d
     import replay.record.writer as w
 
-    opened = threading.Event()
+    g = _Gate()
     orig = w.Writer._write
 
     def write(self, job):  # noqa: ANN001, ANN202
-        opened.wait(60)
+        g.opened.wait(60)
         return orig(self, job)
 
+    orig_init = d.DrainProcess.__init__
+
+    def init(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        orig_init(self, *a, **k)
+        if not g.opened.is_set():
+            os.kill(self._proc.pid, signal.SIGSTOP)
+            g.stopped.append(self._proc.pid)
+
     monkeypatch.setattr(w.Writer, "_write", write)
-    yield opened
-    opened.set()
+    monkeypatch.setattr(d.DrainProcess, "__init__", init)
+    yield g
+    g.set()
 
 
 def _record_big_steps(out: Path, policy: str, steps: int = 40) -> Recorder:
@@ -219,7 +247,8 @@ def _record_rich(out: str, steps: int, kill: bool) -> None:
     """Every kind of record: collectives in and outside a step, graphs, replays, tuner, args."""
     if kill:
         _stall_drain_from(0)
-    rec = Recorder(RecorderConfig(out=out, record_ring_mib=RING_MIB, collectives="full", ring=2))
+    # Salvaged: the drain thread stalls from the first job; drained: the drain process writes all.
+    rec = Recorder(RecorderConfig(out=out, record_ring_mib=RING_MIB, collectives="full", ring=2, drain="thread" if kill else "process"))
     rec.record_graph("bucket=4", padded_size=4, kernels=[{"name": "mm", "grid": [1, 1, 1], "block": [32, 1, 1]}], source="toy")
     rec.record_collective("broadcast", group="g", group_size=2, inputs=(torch.arange(4),), outputs=(torch.arange(4),))
     for s in range(steps):
@@ -239,7 +268,7 @@ def _record_rich(out: str, steps: int, kill: bool) -> None:
 
 
 def test_salvaged_steps_equal_drained_steps(tmp_path):
-    """What salvage rebuilds from the ring is what the drain would have written."""
+    """What salvage rebuilds from the ring is what the drain (process) wrote."""
     ctx = mp.get_context("fork")
     for name, kill in (("drained", False), ("salvaged", True)):
         p = ctx.Process(target=_record_rich, args=(str(tmp_path / name), 8, kill))

@@ -113,6 +113,12 @@ class JournalWriter:
         self.reserve_path = None
         return self
 
+    def refresh_sizes(self) -> None:
+        """Take both files' sizes from the files: another writer (the drain process, or the
+        recording process for a job outside the ring) may have appended since."""
+        self.payload_size = os.fstat(self._pfd).st_size
+        self.journal_size = os.fstat(self._jfd).st_size
+
     def release_reserve(self) -> None:
         """Free the reserve: on a full disk, the room for the end marker that says so."""
         path, self.reserve_path = self.reserve_path, None

@@ -25,18 +25,21 @@ import numpy as np
 from replay.format.journal import FrameKind, JournalWriter, scan_journal
 
 __all__ = ["salvage_ring", "assemble_collectives", "RING_MAGIC", "JOB_MAGIC", "WRAP_MAGIC", "HEADER_BYTES",
-           "JOB_HEADER_BYTES", "ring_pointer", "RING_NAME"]
+           "JOB_HEADER_BYTES", "ring_pointer", "RING_NAME", "read_job", "build_frame"]
 
 RING_MAGIC = b"RRNG0001"
 JOB_MAGIC = 0x4A42524A  # "JRBJ"
 WRAP_MAGIC = 0x50415257  # "WRAP"
 HEADER_BYTES = 4096
 JOB_HEADER_BYTES = 64
-# Header words (int64 index into the ring's header page).
-H_CAPACITY, H_TAIL_POS, H_TAIL_SEQ, H_RANK = 1, 2, 3, 4
+# Header words (int64 index into the ring's header page). H_STOP: the recording process asks a
+# drain process (``replay.format.ring_drain``) to stop once nothing whole is left.
+H_CAPACITY, H_TAIL_POS, H_TAIL_SEQ, H_RANK, H_STOP = 1, 2, 3, 4, 5
 # The only file names a pointer may name: salvage removes the file afterwards.
 RING_NAME = re.compile(r"replay-\d+-[0-9a-f]{12}\.ring")
 _MASK64 = (1 << 64) - 1
+# Stored tensors up to this size are kept by a drain to notice when their bytes repeat.
+_REPEAT_BYTES = 1 << 20
 
 
 def ring_pointer(journal_path: Path) -> Path:
@@ -130,35 +133,50 @@ def _walk(data: np.ndarray, cap: int, pos: int, seq: int):  # noqa: ANN202 - yie
     """The whole jobs from the tail on, in order; stops at the first that is not whole."""
     limit = pos + 2 * cap
     while pos < limit:
-        phys = pos % cap
-        word = int(data[phys : phys + 4].view(np.uint32)[0])
-        if word == WRAP_MAGIC:
-            pos += cap - phys
+        got = read_job(data, cap, pos, seq)
+        if got is None:
+            return
+        if got[0] == "wrap":
+            pos = got[1]
             continue
-        if word != JOB_MAGIC or phys + JOB_HEADER_BYTES > cap:
-            return
-        h = [int(x) for x in data[phys : phys + JOB_HEADER_BYTES].view(np.int64)]
-        kind = h[0] >> 32
-        jseq, meta_pos, meta_len, end, crc_flags, expected, commit = h[1], h[2], h[3], h[4], h[5], h[6], h[7]
-        if jseq < seq or commit != expected or expected == 0:
-            return
-        if not pos < meta_pos < end <= pos + cap or meta_len <= 0 or meta_pos % cap + meta_len > cap:
-            return
-        mp = meta_pos % cap
-        raw = bytes(data[mp : mp + meta_len])
-        if zlib.crc32(raw) != (crc_flags & 0xFFFFFFFF):
-            return
-        try:
-            meta = json.loads(raw)
-            FrameKind(kind)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return
-        if not isinstance(meta, dict) or meta.get("x"):
+        _, jseq, meta, end = got
+        if meta.get("x"):
             return  # some bytes of this job were never in the ring: the walk ends here
-        meta["k"] = kind
         yield jseq, meta
         seq = jseq + 1
         pos = end
+
+
+def read_job(data: np.ndarray, cap: int, pos: int, seq: int) -> tuple[Any, ...] | None:
+    """What lies at virtual position ``pos`` when job ``seq`` is due there: ``("job", seq, meta,
+    end)`` for a whole job (its meta with the kind under ``"k"``), ``("wrap", next)`` for the
+    wrap word that skips the rest of a lap, or None (nothing whole there yet)."""
+    phys = pos % cap
+    word = int(data[phys : phys + 4].view(np.uint32)[0])
+    if word == WRAP_MAGIC:
+        return ("wrap", pos + cap - phys)
+    if word != JOB_MAGIC or phys + JOB_HEADER_BYTES > cap:
+        return None
+    h = [int(x) for x in data[phys : phys + JOB_HEADER_BYTES].view(np.int64)]
+    kind = h[0] >> 32
+    jseq, meta_pos, meta_len, end, crc_flags, expected, commit = h[1], h[2], h[3], h[4], h[5], h[6], h[7]
+    if jseq < seq or commit != expected or expected == 0:
+        return None
+    if not pos < meta_pos < end <= pos + cap or meta_len <= 0 or meta_pos % cap + meta_len > cap:
+        return None
+    mp = meta_pos % cap
+    raw = bytes(data[mp : mp + meta_len])
+    if zlib.crc32(raw) != (crc_flags & 0xFFFFFFFF):
+        return None
+    try:
+        meta = json.loads(raw)
+        FrameKind(kind)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    meta["k"] = kind
+    return ("job", jseq, meta, end)
 
 
 def _np_dtype(name: str) -> np.dtype | None:
@@ -189,14 +207,22 @@ def margin_of(x: np.ndarray) -> float:
 
 
 def _frame(data: np.ndarray, seq: int, meta: dict[str, Any], *, base: int) -> tuple[FrameKind, dict[str, Any], list[memoryview]] | None:
-    """A job's frame body and payload bytes (stored from payload offset ``base`` on)."""
+    return build_frame(data, seq, meta, base=base)
+
+
+def build_frame(data: np.ndarray, seq: int, meta: dict[str, Any], *, base: int,
+                last: dict[tuple[int, str], tuple[Any, ...]] | None = None) -> tuple[FrameKind, dict[str, Any], list[memoryview]] | None:
+    """A job's frame body and payload bytes (stored from payload offset ``base`` on); None when
+    some of its bytes are not in the ring. ``last``: the drain's record of the last stored bytes
+    of each small tensor, so that bytes that repeat (RNG state, page tables) point at their
+    earlier copy instead of being written again."""
     body = dict(meta.get("b") or {})
     d = meta.get("d")
     digests = data[d[0] : d[0] + 8 * d[1]].view(np.int64) if d else None
     views: list[memoryview] = []
     off = [base]
     for gname, entries in (meta.get("g") or {}).items():
-        refs = [_ref(data, row, digests, views, off) for row in entries]
+        refs = [_ref(data, row, digests, views, off, last) for row in entries]
         if any(r is None for r in refs):
             return None  # bytes the ring does not hold (they went to the writer)
         body[gname] = refs
@@ -205,16 +231,21 @@ def _frame(data: np.ndarray, seq: int, meta: dict[str, Any], *, base: int) -> tu
     return FrameKind(meta["k"]), body, views
 
 
-def _ref(data: np.ndarray, row: list[Any], digests: np.ndarray | None, views: list[memoryview], off: list[int]) -> dict[str, Any] | None:
+def _ref(data: np.ndarray, row: list[Any], digests: np.ndarray | None, views: list[memoryview], off: list[int],
+         last: dict[tuple[int, str], tuple[Any, ...]] | None = None) -> dict[str, Any] | None:
     """One tensor's reference in the frame, its stored bytes appended to ``views``; None: its
     bytes are not in the ring."""
     from replay.digest import digest_numpy, from_int64
 
-    name, _kind, dtype, shape, store, at, nbytes, dig, slot = row
+    name, kind, dtype, shape, store, at, nbytes, dig, slot = row
     ref: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape)}
     arr = data[at : at + nbytes] if at >= 0 else None
     if dig is None and slot >= 0 and digests is not None:
         dig = f"{from_int64(int(digests[slot])) & _MASK64:016x}"
+    if store and arr is not None and last is not None and _repeats(last.get((kind, name)), dtype, shape, arr):
+        prev = last[(kind, name)]
+        ref["dig"], ref["off"], ref["n"] = prev[4], prev[3], int(nbytes)
+        return ref
     if dig is None and arr is not None:
         dig = f"{digest_numpy(arr):016x}"
     if dig is None or (store and arr is None):
@@ -224,8 +255,16 @@ def _ref(data: np.ndarray, row: list[Any], digests: np.ndarray | None, views: li
         ref["off"], ref["n"] = off[0], int(nbytes)
         if nbytes:
             views.append(memoryview(arr))
+            if last is not None and nbytes <= _REPEAT_BYTES:
+                last[(kind, name)] = (dtype, list(shape), arr.copy(), off[0], dig)
         off[0] += int(nbytes)
     return ref
+
+
+def _repeats(prev: tuple[Any, ...] | None, dtype: str, shape: list[int], arr: np.ndarray) -> bool:
+    """The same bytes as the last stored copy of this tensor (``prev``), of the same dtype and shape."""
+    return prev is not None and prev[0] == dtype and prev[1] == list(shape) and prev[2].nbytes == arr.nbytes \
+        and prev[2].tobytes() == arr.tobytes()
 
 
 def _finish(data: np.ndarray, body: dict[str, Any], meta: dict[str, Any]) -> None:

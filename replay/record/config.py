@@ -123,8 +123,8 @@ class RecordConfig:
 
     record_ring_mib: int = 64
     """Size of each rank's record ring (MiB), a file in ``record_ring_dir`` mapped shared and
-    registered with CUDA: the step path writes its record there and returns; a drain thread moves
-    it to the journal; a killed rank's ring is salvaged by ``replay seal``. 0: no ring (the
+    registered with CUDA: the step path writes its record there and returns; a drain (``drain``)
+    moves it to the journal; a killed rank's ring is salvaged by ``replay seal``. 0: no ring (the
     writer-thread path)."""
 
     record_ring_dir: str = "/dev/shm"
@@ -136,8 +136,15 @@ class RecordConfig:
     goes on. The waits, their time and the dropped steps are in the end marker and the notes;
     ``replay info`` shows them."""
 
+    drain: Literal["process", "thread"] = "process"
+    """With the ring: who moves its records to the journal. ``process``: a drain process of its
+    own, so that no recording work runs in the program's interpreter between steps (a drain
+    thread's Python slowed the program's own step by ~0.6 ms on an H200's host, eager and on the
+    CPU: ``benchmarks/RESULTS.md``). ``thread``: a thread of the program (also what is used when
+    the process cannot be started)."""
+
     drain_lag_s: float = 0.05
-    """With the ring: a step's record is moved to the journal when the next step is handed over
+    """With the ring and ``drain = "thread"``: a step's record is moved to the journal when the next step is handed over
     (when the program usually waits on the device) or after this many seconds, whichever comes
     first; 0 writes each step at once, competing with the program for the interpreter just as
     the step ends. Durability does not depend on it: the record is in the ring already."""
@@ -266,7 +273,7 @@ _NON_NEGATIVE = ("keyframe_every", "keyframe_budget", "ring", "collective_full_b
 _TYPES: dict[str, tuple[type, ...]] = {
     **{n: (list, tuple) for n in _LISTS},
     **{n: (str, type(None)) for n in ("state", "config", "factory", "tuner", "run_info", "modules", "logits", "accepted")},
-    **{n: (str,) for n in ("profile", "record_ring_dir")},
+    **{n: (str,) for n in ("profile", "record_ring_dir", "drain")},
     **{n: (int,) for n in ("keyframe_every", "keyframe_budget", "ring", "collective_full_bytes", "record_ring_mib", "queue_depth")},
     **{n: (int, float) for n in ("drain_lag_s", "sync_timeout_s", "lockstep_timeout_s")},
     **{n: (bool,) for n in ("rng", "cuda_graph_kernels", "check_lockstep", "stop_on_divergence")},
@@ -278,6 +285,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "collectives": ("digest", "auto", "full"),
     "durability": ("step", "async"),
     "ring_full": ("block", "drop"),
+    "drain": ("process", "thread"),
 }
 
 

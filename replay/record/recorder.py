@@ -39,6 +39,7 @@ from replay.format.manifest import host_facts, numerics_env, numerics_flags, ver
 from replay.format.schema import FORMAT_VERSION, TensorKind, dtype_to_str, rank_stem
 from replay.format import perms as _perms  # issue 16
 from replay.format.ring_salvage import assemble_collectives as _assemble_collectives
+from replay.format.ring_salvage import salvage_ring
 from replay.format.seal import seal_rank
 from replay.log import get_logger
 from replay.record import rng as _rng
@@ -48,6 +49,7 @@ from replay.record.margin import device_margin, host_margin
 from replay.record.ring import ShmRing, ring_pointer
 from replay.record.ring_setup import drop_drained_ring, open_rank_ring
 from replay.record.staging import RingJob, Staging, job_meta
+from replay.record.drain import DrainFailed, DrainProcess
 from replay.record.writer import Entry, Job, Writer, entry_tensor
 
 __all__ = ["Recorder"]
@@ -99,6 +101,13 @@ class _Step:
     rjob_opened: bool = False  # opened when first needed (CPU tensors), else at the step's end
     rng: dict[str, torch.Tensor] | None = None  # generator states at the step's start
     fin: dict[str, Any] = field(default_factory=dict)  # what salvage computes from the bytes
+
+
+def _outside_ring(job: Job) -> bool:
+    """Whether some of what a ring job's frame needs lies in pinned buffers outside the ring
+    (no room there when it was taken): only this process can write such a job."""
+    return bool(job.releases) or (job.digests_host is not None and job.digests_at < 0) or \
+        (job.margin_host is not None and job.margin_at < 0)
 
 
 class Recorder:
@@ -169,8 +178,7 @@ class Recorder:
         }
         journal.write_frame(FrameKind.HEADER, header)
         notes = self._open_ring(journal.journal_path)
-        self._writer = Writer(journal, depth=cfg.queue_depth, pool=self._pool, on_error=self._fail, ring=self._rr,
-                              lag_s=cfg.drain_lag_s)
+        self._writer = self._start_drain(journal, notes)
         for n in notes:
             self.note(n)
         if cfg.rank == 0:
@@ -179,6 +187,17 @@ class Recorder:
                 {"created_at": time.time(), "host": socket.gethostname(), "world_size": cfg.world_size},
                 replace=False,
             )
+
+    def _start_drain(self, journal: JournalWriter, notes: list[str]) -> Writer | DrainProcess:
+        """The drain: a process of its own with the ring (``drain = "process"``), else a thread."""
+        cfg = self.config
+        if self._rr is not None and cfg.drain == "process":
+            try:
+                assert self._lock_fd is not None
+                return DrainProcess(journal, self._rr, pool=self._pool, on_error=self._fail, lock_fd=self._lock_fd)
+            except Exception as e:  # noqa: BLE001 - a thread drains instead
+                notes.append(f"the drain process could not be started ({e.__class__.__name__}: {e}): a thread drains the ring")
+        return Writer(journal, depth=cfg.queue_depth, pool=self._pool, on_error=self._fail, ring=self._rr, lag_s=cfg.drain_lag_s)
 
     def _open_ring(self, journal_path: Any) -> list[str]:
         """This rank's record ring and the pointer beside the journal; notes say why not."""
@@ -207,7 +226,8 @@ class Recorder:
         if self.error is None:
             # The first failure is the cause; later ones (a step's wait seeing the dead writer)
             # only repeat it.
-            self.error = f"{e.__class__.__name__}: {e}"
+            # A drain process's error is its own line, already "Class: message".
+            self.error = str(e) if isinstance(e, DrainFailed) else f"{e.__class__.__name__}: {e}"
         if not self._warned:
             self._warned = True
             log.warning(
@@ -241,6 +261,9 @@ class Recorder:
             rjob = self._staging.open_job_blocking()
         seq = self._seq
         meta = job_meta(job, rjob)
+        if isinstance(self._writer, DrainProcess) and not meta.get("x") and _outside_ring(job):
+            meta["x"] = 1  # the drain process cannot write it: this process does
+        job.external = bool(meta.get("x"))
         if not self._staging.seal_job(job, rjob, seq, int(job.kind), meta):
             # Policy "drop" and no room for the meta: the job becomes a note in its own reserve.
             self._dropped.append(int(job.body.get("step", -1)))
@@ -773,7 +796,7 @@ class Recorder:
                 seal_rank(self.part_dir, self.config.rank, force=True)
             except Exception as e:  # noqa: BLE001
                 log.warning("could not seal rank %d (%s); its journal is kept and readable", self.config.rank, e)
-        if w is not None and not w._thread.is_alive():
+        if w is not None and not w.alive():
             w.journal.close()
         self._close_ring(w)
         self._release_lock()
@@ -787,7 +810,7 @@ class Recorder:
                 "full_wait_s": round(r.full_wait_s, 6), "dropped_steps": len(self._dropped), "dropped": self._dropped[:100],
                 "cuda_registered": r.registered}
 
-    def _close_ring(self, w: Writer | None) -> None:
+    def _close_ring(self, w: Writer | DrainProcess | None) -> None:
         """Remove the ring once the drain has stopped (what it held is in the journal, or the
         journal ends with why recording stopped); a stuck drain leaves it for ``replay seal``."""
         if self._rr is None:
@@ -795,22 +818,33 @@ class Recorder:
         self._ring_final = self.ring_stats()  # what the ring did, still readable after close
         ring, self._rr = self._rr, None
         self._ring_finalizer.detach()
-        if w is not None and w._thread.is_alive():
+        if w is not None and w.alive():
             return
         if w is not None:
             ring_pointer(w.journal.journal_path).unlink(missing_ok=True)
         ring.close(unlink=True)
 
-    def _mark_stopped(self, w: Writer) -> None:
+    def _mark_stopped(self, w: Writer | DrainProcess) -> None:
         """End the journal with why recording stopped, so that readers do not take it for a crash."""
         try:
             if not w.stop(timeout=2.0):
                 return  # the writer is stuck (a hung filesystem): leave the journal as it is
+            if isinstance(w, DrainProcess) and w.crashed:
+                self._salvage_here(w)
             body = {"ended_at": time.time(), "status": "stopped", "error": self.error, "steps": self._step_counter}
             w.journal.release_reserve()  # on a full disk, the room for this frame
             w.journal.write_frame(FrameKind.CLOSE, body, over_budget=True)
         except Exception:  # noqa: BLE001 - a full disk cannot take this frame either; the journal stays readable
             pass
+
+    def _salvage_here(self, w: DrainProcess) -> None:
+        """A drain process that was killed left steps in the ring: they are as durable as the
+        journal's, so they go into it before the end marker (this process holds the lock)."""
+        try:
+            salvage_ring(w.journal.journal_path, w.journal.payload_path)
+            w.journal.refresh_sizes()
+        except Exception as e:  # noqa: BLE001 - the ring stays for `replay seal`
+            log.warning("could not move the record ring of rank %d into its journal (%s)", self.config.rank, e)
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:

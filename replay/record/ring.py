@@ -96,13 +96,24 @@ class ShmRing:
         self.data_tensor = None  # a torch view of ``data``, made on first use
         self.registered = False
         self.head = 0  # next free virtual position (host)
-        self.tail = 0  # oldest position still in use (drain)
+        self._tail = 0  # oldest position still in use (drain)
         self.tail_seq = 0
+        # A drain process moves the tail in the header (``replay.record.drain``): read it there,
+        # and wait for room by polling, asking ``alive_check`` (raises) whether it still runs.
+        self.remote_tail = False
+        self.alive_check: Any = None
         self.full_waits = 0
         self.full_wait_s = 0.0
         self.waiting = 0  # host threads waiting for room now: the drain must not hold a step back
         self.on_full: Any = None  # called when the host starts waiting (wakes the drain)
         self._cond = threading.Condition()
+
+    @property
+    def tail(self) -> int:
+        """The oldest position still in use (everything before it is in the journal)."""
+        if self.remote_tail and self.head_words is not None:
+            return int(self.head_words[H_TAIL_POS])
+        return self._tail
 
     # -- host side -------------------------------------------------------------------------
 
@@ -161,15 +172,32 @@ class ShmRing:
         self.full_waits += 1
         self.waiting += 1
         try:
-            if self.on_full is not None:
-                self.on_full()
-            with self._cond:
-                ok = self._cond.wait_for(lambda: self.head + n - self.tail <= self.capacity, timeout)
+            if self.remote_tail:
+                ok = self._poll_room(n, timeout)
+            else:
+                if self.on_full is not None:
+                    self.on_full()
+                with self._cond:
+                    ok = self._cond.wait_for(lambda: self.head + n - self.tail <= self.capacity, timeout)
         finally:
             self.waiting -= 1
         self.full_wait_s += time.perf_counter() - t0
         if not ok:
             raise TimeoutError(f"the record ring stayed full for {timeout:.0f} s")
+
+    def _poll_room(self, n: int, timeout: float) -> bool:
+        import time
+
+        deadline = time.monotonic() + timeout
+        pause = 0.00005
+        while self.head + n - self.tail > self.capacity:
+            if self.alive_check is not None:
+                self.alive_check()
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+        return True
 
     def write_job_header(self, at: int, kind: int, seq: int, meta_at_pos: int, meta_len: int, end_pos: int,
                          crc: int, device_commit: bool, expected: int) -> None:
@@ -192,7 +220,7 @@ class ShmRing:
         self.head_words[H_TAIL_SEQ] = next_seq
         self.head_words[H_TAIL_POS] = end_pos
         with self._cond:
-            self.tail = end_pos
+            self._tail = end_pos
             self.tail_seq = next_seq
             self._cond.notify_all()
 

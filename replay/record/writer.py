@@ -24,7 +24,7 @@ from replay.digest import digest_numpy, digest_numpy_many
 from replay.format.journal import FrameKind, JournalWriter
 from replay.format.schema import TensorKind, dtype_to_str
 
-__all__ = ["Entry", "Job", "Writer", "PinnedPool", "entry_tensor"]
+__all__ = ["Entry", "Job", "Emitter", "Writer", "PinnedPool", "entry_tensor"]
 
 # How often the ring's drain looks for new jobs when it has none it may write.
 POLL_S = 0.002
@@ -71,6 +71,7 @@ class Job:
     fin: dict[str, Any] = field(default_factory=dict)  # for salvage: margin, accepted, collectives
     t_hand: float | None = None  # when the drain first saw it (the lag of ring steps)
     side: Any = None  # the side stream's context while a step's device work is being queued
+    external: bool = False  # some of its bytes are outside the record ring: a drain process cannot write it
 
 
 class PinnedPool:
@@ -104,13 +105,123 @@ class PinnedPool:
             self._free.setdefault(buf.numel(), []).append(buf)
 
 
-class Writer:
+class Emitter:
+    """Turns a job into its journal frame (payload bytes, then the frame): the writer thread's
+    work, and the recording process's own for the jobs a drain process cannot take."""
+
+    def __init__(self, journal: JournalWriter, pool: PinnedPool) -> None:
+        self.journal = journal
+        self.pool = pool
+        # Payload dedupe: the last stored tensor per (kind, name), reused when its bytes repeat
+        # (RNG state, page tables and other inputs that rarely change): no digest, no write.
+        self._last: dict[tuple[int, str], tuple[str, tuple[int, ...], np.ndarray, int, int]] = {}
+
+    def _done(self, job: Job) -> None:
+        for buf in job.releases:
+            self.pool.release(buf)
+        job.releases.clear()
+        if job.ack is not None:
+            job.ack.set()
+
+    def _write(self, job: Job) -> None:
+        # Everything that does not need the bytes is done before the event wait, while the device
+        # is still computing the step; after it only hashing, comparing and one writev are left:
+        # that is the time a step waits for in "step" durability.
+        plan = self._plan(job)
+        if job.event is not None:
+            job.event.synchronize()
+        self._emit(job, plan)
+
+    def _plan(self, job: Job) -> list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]:
+        """Per entry: a uint8 numpy view of its host bytes (None: digested on the device) and
+        the frame's tensor ref, still without digest and offset."""
+        views: dict[int, np.ndarray] = {}
+        plan = []
+        for name, entries in job.groups.items():
+            items = []
+            for e in entries:
+                arr = None
+                if e.packed is not None:
+                    buf, off, n = e.packed
+                    whole = views.get(id(buf))
+                    if whole is None:
+                        whole = views[id(buf)] = buf.numpy()
+                    arr = whole[off : off + n]
+                elif e.npv is not None:
+                    arr = e.npv
+                elif e.host is not None:
+                    arr = _as_bytes(e.host)
+                items.append((e, arr, {"name": e.name, "dtype": e.dtype, "shape": list(e.shape)}))
+            plan.append((name, items))
+        return plan
+
+    def _emit(self, job: Job, plan: list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]) -> None:
+        self._digest_entries(job, plan)
+        pending: list[memoryview] = []
+        for name, items in plan:
+            job.body[name] = [self._ref(e, arr, ref, pending) for e, arr, ref in items]
+        if job.margin_host is not None:
+            job.body["margin"] = float(job.margin_host.item())
+        if job.finish is not None:
+            job.finish(job)
+        if job.seq >= 0:
+            job.body["rs"] = job.seq  # the ring's sequence number: salvage skips what is here
+        if pending:
+            self.journal.write_payloads(pending)
+        self.journal.write_frame(job.kind, job.body)
+
+    def _digest_entries(self, job: Job, plan: list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]) -> None:
+        """Every entry's digest: read off the device, taken from the last identical stored copy,
+        or computed here (small arrays together, in one vectorised pass)."""
+        slots = job.digests_host.tolist() if job.digests_host is not None else None
+        small: list[tuple[Entry, np.ndarray]] = []
+        for _, items in plan:
+            for e, arr, ref in items:
+                if e.digest is None and e.digest_slot >= 0 and slots is not None:
+                    e.digest = slots[e.digest_slot] & 0xFFFFFFFFFFFFFFFF
+                elif arr is None or e.digest is not None:
+                    continue
+                elif e.store and self._repeat(e, arr, ref):
+                    continue
+                elif arr.nbytes <= (1 << 18):
+                    small.append((e, arr))
+                else:
+                    e.digest = digest_numpy(arr)
+        if small:
+            for (e, _), d in zip(small, digest_numpy_many([a for _, a in small])):
+                e.digest = d
+
+    def _repeat(self, e: Entry, arr: np.ndarray, ref: dict[str, Any]) -> bool:
+        """The same bytes as the last time this tensor was stored: point at them (no digest, no write)."""
+        last = self._last.get((int(e.kind), e.name))
+        if last is None or last[0] != e.dtype or last[1] != e.shape or not _same_bytes(last[2], arr):
+            return False
+        e.digest = last[4]
+        ref["off"], ref["n"] = last[3], arr.nbytes
+        return True
+
+    def _ref(self, e: Entry, arr: np.ndarray | None, ref: dict[str, Any], pending: list[memoryview]) -> dict[str, Any]:
+        """The frame's reference to one tensor; its bytes, when stored, join ``pending``."""
+        if e.digest is None:
+            raise RuntimeError(f"no bytes and no device digest for {e.name!r}")
+        ref["dig"] = f"{e.digest:016x}"
+        if e.store and arr is not None and "off" not in ref:
+            offset = self.journal.payload_size + sum(v.nbytes for v in pending)
+            if arr.nbytes:
+                pending.append(memoryview(arr))
+            ref["off"], ref["n"] = offset, arr.nbytes
+            if arr.nbytes <= (1 << 20):
+                # Keep the bytes of small tensors only: comparing is cheaper than digesting.
+                self._last[(int(e.kind), e.name)] = (e.dtype, e.shape, arr.copy(), offset, e.digest)
+        return ref
+
+
+class Writer(Emitter):
     """Owns the journal; runs jobs from a bounded queue on a daemon thread."""
 
     def __init__(self, journal: JournalWriter, *, depth: int, pool: PinnedPool, on_error: Callable[[BaseException], None],
                  ring: Any = None, lag_s: float = 0.0) -> None:
-        self.journal = journal
-        self.pool = pool
+        super().__init__(journal, pool)
         # With a record ring the ring bounds what is in flight (its policy: block or drop), so
         # the queue does not: putting a job never waits.
         self.ring = ring
@@ -121,13 +232,13 @@ class Writer:
         self._wake = threading.Event()
         self._on_error = on_error
         self._failed = False
-        # Payload dedupe: the last stored tensor per (kind, name), reused when its bytes repeat
-        # (RNG state, page tables and other inputs that rarely change): no digest, no write.
-        self._last: dict[tuple[int, str], tuple[str, tuple[int, ...], np.ndarray, int, int]] = {}
         if ring is not None:
             ring.on_full = self._wake.set  # the step waits for room: write what is there now
         self._thread = threading.Thread(target=self._run, name="replay-writer", daemon=True)
         self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def submit(self, job: Job, timeout: float) -> bool:
         if self._failed:
@@ -234,106 +345,6 @@ class Writer:
             self._on_error(e)
         finally:
             self._done(job)
-
-    def _done(self, job: Job) -> None:
-        for buf in job.releases:
-            self.pool.release(buf)
-        job.releases.clear()
-        if job.ack is not None:
-            job.ack.set()
-
-    def _write(self, job: Job) -> None:
-        # Everything that does not need the bytes is done before the event wait, while the device
-        # is still computing the step; after it only hashing, comparing and one writev are left:
-        # that is the time a step waits for in "step" durability.
-        plan = self._plan(job)
-        if job.event is not None:
-            job.event.synchronize()
-        self._emit(job, plan)
-
-    def _plan(self, job: Job) -> list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]:
-        """Per entry: a uint8 numpy view of its host bytes (None: digested on the device) and
-        the frame's tensor ref, still without digest and offset."""
-        views: dict[int, np.ndarray] = {}
-        plan = []
-        for name, entries in job.groups.items():
-            items = []
-            for e in entries:
-                arr = None
-                if e.packed is not None:
-                    buf, off, n = e.packed
-                    whole = views.get(id(buf))
-                    if whole is None:
-                        whole = views[id(buf)] = buf.numpy()
-                    arr = whole[off : off + n]
-                elif e.npv is not None:
-                    arr = e.npv
-                elif e.host is not None:
-                    arr = _as_bytes(e.host)
-                items.append((e, arr, {"name": e.name, "dtype": e.dtype, "shape": list(e.shape)}))
-            plan.append((name, items))
-        return plan
-
-    def _emit(self, job: Job, plan: list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]) -> None:
-        self._digest_entries(job, plan)
-        pending: list[memoryview] = []
-        for name, items in plan:
-            job.body[name] = [self._ref(e, arr, ref, pending) for e, arr, ref in items]
-        if job.margin_host is not None:
-            job.body["margin"] = float(job.margin_host.item())
-        if job.finish is not None:
-            job.finish(job)
-        if job.seq >= 0:
-            job.body["rs"] = job.seq  # the ring's sequence number: salvage skips what is here
-        if pending:
-            self.journal.write_payloads(pending)
-        self.journal.write_frame(job.kind, job.body)
-
-    def _digest_entries(self, job: Job, plan: list[tuple[str, list[tuple[Entry, np.ndarray | None, dict[str, Any]]]]]) -> None:
-        """Every entry's digest: read off the device, taken from the last identical stored copy,
-        or computed here (small arrays together, in one vectorised pass)."""
-        slots = job.digests_host.tolist() if job.digests_host is not None else None
-        small: list[tuple[Entry, np.ndarray]] = []
-        for _, items in plan:
-            for e, arr, ref in items:
-                if e.digest is None and e.digest_slot >= 0 and slots is not None:
-                    e.digest = slots[e.digest_slot] & 0xFFFFFFFFFFFFFFFF
-                elif arr is None or e.digest is not None:
-                    continue
-                elif e.store and self._repeat(e, arr, ref):
-                    continue
-                elif arr.nbytes <= (1 << 18):
-                    small.append((e, arr))
-                else:
-                    e.digest = digest_numpy(arr)
-        if small:
-            for (e, _), d in zip(small, digest_numpy_many([a for _, a in small])):
-                e.digest = d
-
-    def _repeat(self, e: Entry, arr: np.ndarray, ref: dict[str, Any]) -> bool:
-        """The same bytes as the last time this tensor was stored: point at them (no digest, no write)."""
-        last = self._last.get((int(e.kind), e.name))
-        if last is None or last[0] != e.dtype or last[1] != e.shape or not _same_bytes(last[2], arr):
-            return False
-        e.digest = last[4]
-        ref["off"], ref["n"] = last[3], arr.nbytes
-        return True
-
-    def _ref(self, e: Entry, arr: np.ndarray | None, ref: dict[str, Any], pending: list[memoryview]) -> dict[str, Any]:
-        """The frame's reference to one tensor; its bytes, when stored, join ``pending``."""
-        if e.digest is None:
-            raise RuntimeError(f"no bytes and no device digest for {e.name!r}")
-        ref["dig"] = f"{e.digest:016x}"
-        if e.store and arr is not None and "off" not in ref:
-            offset = self.journal.payload_size + sum(v.nbytes for v in pending)
-            if arr.nbytes:
-                pending.append(memoryview(arr))
-            ref["off"], ref["n"] = offset, arr.nbytes
-            if arr.nbytes <= (1 << 20):
-                # Keep the bytes of small tensors only: comparing is cheaper than digesting.
-                self._last[(int(e.kind), e.name)] = (e.dtype, e.shape, arr.copy(), offset, e.digest)
-        return ref
-
 
 def _torch_dtype(name: str) -> torch.dtype:
     from replay.format.schema import str_to_dtype
