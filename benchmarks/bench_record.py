@@ -1,8 +1,8 @@
 """Recorder overhead and writer throughput, each measured side by side in one run.
 
 Overhead: the reference MTP engine decodes in one process; blocks of steps alternate between the
-plain step (the original, unwrapped ``Engine.decode_step``) and each recorded variant, so all see
-the same machine state:
+plain step (the original, unwrapped ``Engine.decode_step``) and each recorded variant, in an order
+shuffled every round, so all see the same machine state:
 
 * ``replay`` — wrapped by the same instrumentation ``replay record`` injects, default settings
   (``default: true`` in the JSON);
@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -165,11 +166,15 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
             t_plain: list[list[float]] = []
             t_var: dict[str, list[list[float]]] = {k: [] for k in variants}
             # Each block's first step is not counted: it may still pay for the block before it
-            # (a drain finishing that block's last record).
+            # (a drain finishing that block's last record). The order of the blocks changes from
+            # round to round, so that no variant always follows the same one (torch.save's
+            # writeback slowed whatever ran after it).
+            order = [("plain", plain), *variants.items()]
+            shuffle = random.Random(0).shuffle
             for _ in range(blocks):
-                t_plain.append(run(plain, block_steps + 1)[1:])
-                for k, fn in variants.items():
-                    t_var[k].append(run(fn, block_steps + 1)[1:])
+                shuffle(order)
+                for k, fn in order:
+                    (t_plain if k == "plain" else t_var[k]).append(run(fn, block_steps + 1)[1:])
             rec = session.recorder
             rec_error = rec.error if rec is not None else None
             ring_stats = rec.ring_stats() if rec is not None else None

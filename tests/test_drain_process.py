@@ -167,3 +167,29 @@ def test_the_drain_process_writes_what_the_drain_thread_writes(tmp_path):
     assert a.fields.size == b.fields.size and (a.fields["digest"] == b.fields["digest"]).all()
     stored = lambda t: t.tensors[t.tensors["offset"] >= 0]  # noqa: E731
     assert (stored(a)["digest"] == stored(b)["digest"]).all() and (stored(a)["nbytes"] == stored(b)["nbytes"]).all()
+
+
+def _forked_steps(rec: Recorder, wfd: int) -> None:
+    for s in range(100, 200):  # a forked process that goes on calling its parent's recorder
+        _step(rec, s)
+    rec.close()
+    os.write(wfd, f"{int(rec.enabled)}\n".encode())
+
+
+def test_a_forked_process_never_writes_into_its_parent_s_recording(tmp_path):
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_mib=RING_MIB))
+    for s in range(3):
+        _step(rec, s)
+    assert rec.drain()
+    r, w = os.pipe()
+    p = mp.get_context("fork").Process(target=_forked_steps, args=(rec, w), daemon=True)
+    p.start()
+    os.close(w)
+    p.join(60)
+    assert p.exitcode == 0 and os.read(r, 10).decode().strip() == "0", "the fork's recording stopped"
+    os.close(r)
+    for s in range(3, 6):
+        _step(rec, s)
+    rec.close()
+    assert rec.error is None and rec._writer.failed is False
+    _assert_steps(tmp_path / "r", 6)

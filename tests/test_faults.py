@@ -671,9 +671,14 @@ def test_full_disk_stops_recording_not_the_program(tmp_path: Path, run_cli: Any)
         assert run.stderr().count("No space left on device; the program goes on unrecorded") == 2, run.stderr()[-3000:]
         with open_recording(run.rec) as rec:
             part = next(iter(rec.values()))
+            kept = []
             for rank in (0, 1):
                 steps = part[rank].tables.steps["step"]
-                assert 0 < steps.size < 200 and list(steps) == list(range(steps.size))
+                assert steps.size < 200 and list(steps) == list(range(steps.size))
+                kept.append(steps.size)
+            # Which rank's drain gets the last free blocks is a race (a drain process that starts
+            # late may find the disk already full): between them they kept steps.
+            assert sum(kept) > 0, kept
         code, checks, text = verify_json(run_cli, run)
         assert code == 4, text
         for rank in (0, 1):

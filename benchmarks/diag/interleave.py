@@ -142,7 +142,12 @@ def interleaved(args: argparse.Namespace) -> None:
 
 
 def writer(args: argparse.Namespace) -> None:
-    """The bench's full-logits writer row, with the drain's and the host's waits timed."""
+    """The bench's full-logits writer row, with the drain's and the host's waits timed (a drain
+    process's own times: ``REPLAY_DRAIN_STATS``, one JSON line per recorder)."""
+    import os
+
+    stats = Path(tempfile.mkdtemp()) / "drain-stats.jsonl"
+    os.environ["REPLAY_DRAIN_STATS"] = str(stats)
     from replay.format import journal as journal_mod
     from replay.record import ring as ring_mod
     from replay.record import writer as writer_mod
@@ -201,6 +206,8 @@ def writer(args: argparse.Namespace) -> None:
                 print(f"  {k:28s} n={len(v):3d} total {sum(v):.3f} s  median {statistics.median(v) * 1e3:.3f} ms")
             if waits:
                 print(f"  {'drain: event waits':28s} n={len(waits):3d} total {sum(waits):.3f} s  median {statistics.median(waits) * 1e3:.3f} ms")
+            if stats.exists():
+                print(f"  drain process: {stats.read_text().strip().splitlines()[-1]}")
     ev.synchronize = orig_sync  # type: ignore[method-assign]
 
 

@@ -32,81 +32,141 @@ from typing import Any
 import numpy as np
 
 from replay.format.journal import FrameKind, JournalWriter
-from replay.format.ring_salvage import H_CAPACITY, H_STOP, H_TAIL_POS, H_TAIL_SEQ, HEADER_BYTES, build_frame, read_job
+from replay.format.ring_salvage import (
+    H_CAPACITY,
+    H_STOP,
+    H_TAIL_POS,
+    H_TAIL_SEQ,
+    H_WAITING,
+    HEADER_BYTES,
+    JOB_HEADER_BYTES,
+    JOB_MAGIC,
+    build_frame,
+    read_job,
+)
 
 __all__ = ["run_drain", "child_main"]
 
-# Idle polling: quick right after a job (the next step's record is usually on its way), slower
-# when the program has been quiet for a while.
-POLL_MIN_S = 0.0002
-POLL_MAX_S = 0.004
+# Idle polling: quick while a job is sealed and only its device copies are awaited, or while the
+# recording process waits for room; otherwise slower the longer the program has been quiet. (A
+# drain that overslept by milliseconds halved the full-logits writer's rate on an H200.)
+POLL_MIN_S = 0.00005
+POLL_MAX_S = 0.001
+
+
+class _Drain:
+    """The ring (mapped shared, read and write: the drain moves the tail words) and the journal."""
+
+    def __init__(self, ring_path: Path, journal: Path, payload: Path, max_bytes: int | None) -> None:
+        fd = os.open(ring_path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            self.mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        buf = np.frombuffer(self.mm, dtype=np.uint8)
+        self.head = buf[:HEADER_BYTES].view(np.int64)
+        self.cap = int(self.head[H_CAPACITY])
+        self.data = buf[HEADER_BYTES : HEADER_BYTES + self.cap]
+        self.w = JournalWriter.append_to(journal, payload, valid_bytes=os.path.getsize(journal))
+        self.w.max_bytes = max_bytes
+        self.last: dict[tuple[int, str], tuple[Any, ...]] = {}
+        self.pos, self.seq = int(self.head[H_TAIL_POS]), int(self.head[H_TAIL_SEQ])
+        self.stats = {"jobs": 0, "bytes": 0, "frame_s": 0.0, "write_s": 0.0, "sleep_s": 0.0, "sleeps": 0}
+
+    def next_job(self) -> tuple[Any, ...] | None:
+        """The job due now, when whole."""
+        got = read_job(self.data, self.cap, self.pos, self.seq)
+        if got is not None and got[0] == "wrap":
+            # A wrap word is this lap's only if the job after it is the one due: a stale one
+            # from an earlier lap must not move the tail past a job still to come.
+            after = read_job(self.data, self.cap, got[1], self.seq)
+            got = after if after is not None and after[0] == "job" else None
+        return got
+
+    def take(self, got: tuple[Any, ...]) -> FrameKind | None:
+        """Write a whole job and move the tail past it; None when it is the recording process's
+        to write (bytes outside the ring) and that process has not moved the tail past it yet."""
+        _, jseq, meta, end = got
+        if meta.get("x"):
+            if int(self.head[H_TAIL_SEQ]) > jseq:  # written by the recording process
+                self.pos, self.seq = int(self.head[H_TAIL_POS]), int(self.head[H_TAIL_SEQ])
+                self.last.clear()  # the payload grew under another writer
+            return None
+        if jseq != self.seq:
+            raise RuntimeError(f"record ring job {jseq} found where job {self.seq} was due")
+        t0 = time.perf_counter()
+        self.w.refresh_sizes()  # the recording process may have appended (a job outside the ring)
+        frame = build_frame(self.data, jseq, meta, base=self.w.payload_size, last=self.last)
+        if frame is None:
+            raise RuntimeError(f"record ring job {jseq} names bytes that are not in the ring")
+        kind, body, views = frame
+        t1 = time.perf_counter()
+        if views:
+            self.w.write_payloads(views)
+        self.w.write_frame(kind, body)
+        st = self.stats
+        st["frame_s"] += t1 - t0
+        st["write_s"] += time.perf_counter() - t1
+        st["jobs"] += 1
+        st["bytes"] += sum(v.nbytes for v in views)
+        self.pos, self.seq = end, jseq + 1
+        self.head[H_TAIL_SEQ] = self.seq
+        self.head[H_TAIL_POS] = self.pos
+        return kind
+
+    def sleep(self, poll: float) -> None:
+        t0 = time.perf_counter()
+        time.sleep(poll)
+        self.stats["sleep_s"] += time.perf_counter() - t0
+        self.stats["sleeps"] += 1
+
+    def close(self) -> None:
+        self.w.close()
+        # ``REPLAY_DRAIN_STATS=<file>``: where this drain's time went (a development aid:
+        # ``benchmarks/diag/interleave.py --writer``).
+        path = os.environ.get("REPLAY_DRAIN_STATS")
+        if path:
+            with open(path, "a") as fh:
+                fh.write(json.dumps(self.stats) + "\n")
+        self.head = self.data = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
 
 
 def run_drain(ring_path: Path, journal: Path, payload: Path, *, parent: int, max_bytes: int | None = None) -> int:
     """Drain until the end marker, a stop request or the parent's death; returns jobs written."""
-    fd = os.open(ring_path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    buf = np.frombuffer(mm, dtype=np.uint8)
-    head = buf[:HEADER_BYTES].view(np.int64)
-    cap = int(head[H_CAPACITY])
-    data = buf[HEADER_BYTES : HEADER_BYTES + cap]
-    w = JournalWriter.append_to(journal, payload, valid_bytes=os.path.getsize(journal))
-    w.max_bytes = max_bytes
-    last: dict[tuple[int, str], tuple[Any, ...]] = {}
-    pos, seq = int(head[H_TAIL_POS]), int(head[H_TAIL_SEQ])
-    written = 0
+    d = _Drain(ring_path, journal, payload, max_bytes)
     poll = POLL_MIN_S
     try:
         while True:
-            got = read_job(data, cap, pos, seq)
-            if got is not None and got[0] == "wrap":
-                # A wrap word is this lap's only if the job after it is the one due: a stale one
-                # from an earlier lap must not move the tail past a job still to come.
-                after = read_job(data, cap, got[1], seq)
-                got = after if after is not None and after[0] == "job" else None
-            if got is not None and got[0] == "job":
-                _, jseq, meta, end = got
-                if meta.get("x"):
-                    # Some of its bytes are outside the ring: the recording process writes it
-                    # and then moves the tail on; until then nothing after it may be written.
-                    if int(head[H_TAIL_SEQ]) > jseq:
-                        pos, seq = int(head[H_TAIL_POS]), int(head[H_TAIL_SEQ])
-                        last.clear()  # the payload grew under another writer
-                        continue
-                elif jseq != seq:
-                    raise RuntimeError(f"record ring job {jseq} found where job {seq} was due")
-                else:
-                    w.refresh_sizes()  # the recording process may have appended (a job outside the ring)
-                    frame = build_frame(data, jseq, meta, base=w.payload_size, last=last)
-                    if frame is None:
-                        raise RuntimeError(f"record ring job {jseq} names bytes that are not in the ring")
-                    kind, body, views = frame
-                    if views:
-                        w.write_payloads(views)
-                    w.write_frame(kind, body)
-                    pos, seq = end, jseq + 1
-                    head[H_TAIL_SEQ] = seq
-                    head[H_TAIL_POS] = pos
-                    written += 1
-                    poll = POLL_MIN_S
-                    if kind == FrameKind.CLOSE:
-                        return written
-                    continue
-            if head[H_STOP] or os.getppid() != parent:
-                return written
-            time.sleep(poll)
+            got = d.next_job()
+            kind = d.take(got) if got is not None and got[0] == "job" else None
+            if kind == FrameKind.CLOSE:
+                return d.stats["jobs"]
+            if kind is not None:
+                poll = POLL_MIN_S
+                continue
+            if got is not None and got[0] == "job" and d.seq > got[1]:
+                continue  # the recording process wrote that job: go on from the new tail
+            if d.head[H_STOP] or os.getppid() != parent:
+                return d.stats["jobs"]
+            if d.head[H_WAITING] or _sealed(d.data, d.cap, d.pos, d.seq):
+                poll = POLL_MIN_S
+            d.sleep(poll)
             poll = min(poll * 2, POLL_MAX_S)
     finally:
-        w.close()
-        del head, data, buf
-        try:
-            mm.close()
-        except BufferError:
-            pass
+        d.close()
+
+
+def _sealed(data: np.ndarray, cap: int, pos: int, seq: int) -> bool:
+    """Job ``seq``'s header is at ``pos`` (the host sealed it; its commit, a device copy, is to come)."""
+    phys = pos % cap
+    if phys + JOB_HEADER_BYTES > cap:
+        return False
+    h = data[phys : phys + 16].view(np.int64)
+    return int(h[0]) & 0xFFFFFFFF == JOB_MAGIC and int(h[1]) == seq
 
 
 def child_main(argv: list[str]) -> int:

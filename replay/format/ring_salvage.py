@@ -34,7 +34,8 @@ HEADER_BYTES = 4096
 JOB_HEADER_BYTES = 64
 # Header words (int64 index into the ring's header page). H_STOP: the recording process asks a
 # drain process (``replay.format.ring_drain``) to stop once nothing whole is left.
-H_CAPACITY, H_TAIL_POS, H_TAIL_SEQ, H_RANK, H_STOP = 1, 2, 3, 4, 5
+# H_WAITING: the recording process waits for room now (the drain should not sleep long).
+H_CAPACITY, H_TAIL_POS, H_TAIL_SEQ, H_RANK, H_STOP, H_WAITING = 1, 2, 3, 4, 5, 6
 # The only file names a pointer may name: salvage removes the file afterwards.
 RING_NAME = re.compile(r"replay-\d+-[0-9a-f]{12}\.ring")
 _MASK64 = (1 << 64) - 1

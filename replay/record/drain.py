@@ -48,6 +48,9 @@ class DrainProcess(Emitter):
         self._failed = False
         self._stopping = False
         self.crashed = False  # it died without its own error line (killed): its ring is salvaged here
+        # A process forked from this one (multiprocessing) inherits this object, the ring's
+        # shared mapping and the journal's descriptors: there it must touch none of them.
+        self._pid = os.getpid()
         self._submits = 0
         self._last_end = int(ring.head_words[H_TAIL_POS])
         self._lock = threading.Lock()  # in-process writes of jobs outside the ring, one at a time
@@ -116,7 +119,10 @@ class DrainProcess(Emitter):
             pause = min(pause * 2, 0.002)
 
     def _check(self) -> None:
-        """Raise when the drain process has ended (the recording then stops)."""
+        """Raise when the drain process has ended (the recording then stops), or in a process
+        forked from the one that started it."""
+        if os.getpid() != self._pid:
+            raise DrainFailed("the recorder was inherited by a forked process: it records in the process that created it")
         code = self._proc.poll()
         if code is None:
             return
@@ -159,6 +165,8 @@ class DrainProcess(Emitter):
     def stop(self, timeout: float) -> bool:
         """Ask the drain process to end once nothing whole is left; False if it did not in time.
         This process's journal sizes are then those on disk (for an end marker written here)."""
+        if os.getpid() != self._pid:
+            return False  # a forked process: the drain and the journal are its parent's
         self._stopping = True
         try:
             self.ring.head_words[H_STOP] = 1

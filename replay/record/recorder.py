@@ -820,7 +820,7 @@ class Recorder:
         self._ring_finalizer.detach()
         if w is not None and w.alive():
             return
-        if w is not None:
+        if w is not None and not ring.forked:
             ring_pointer(w.journal.journal_path).unlink(missing_ok=True)
         ring.close(unlink=True)
 

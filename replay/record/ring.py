@@ -33,6 +33,7 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from replay.format.ring_salvage import (  # noqa: F401 - re-exported
     H_RANK,
     H_TAIL_POS,
     H_TAIL_SEQ,
+    H_WAITING,
     HEADER_BYTES,
     JOB_HEADER_BYTES,
     JOB_MAGIC,
@@ -67,6 +69,7 @@ def align(n: int) -> int:
 
 class ShmRing:
     """One rank's ring. The host allocates and writes; the drain thread frees from the tail."""
+
 
     def __init__(self, directory: str, capacity: int, *, rank: int) -> None:
         capacity = max(align(capacity), 1 << 20)
@@ -106,6 +109,10 @@ class ShmRing:
         self.full_wait_s = 0.0
         self.waiting = 0  # host threads waiting for room now: the drain must not hold a step back
         self.on_full: Any = None  # called when the host starts waiting (wakes the drain)
+        # Set in a process forked from this one: the mapping is shared with the parent, whose
+        # record it is; the child must neither write it nor remove it.
+        self.forked = False
+        _rings.add(self)
         self._cond = threading.Condition()
 
     @property
@@ -149,6 +156,8 @@ class ShmRing:
     def alloc(self, n: int, *, block: bool, timeout: float) -> int:
         """Reserve ``n`` bytes; returns their offset in the data area. Raises RingFull (drop) or
         TimeoutError (block, the drain did not free room in ``timeout`` s)."""
+        if self.forked:
+            raise RuntimeError("the recorder was inherited by a forked process: it records in the process that created it")
         n = align(max(n, 1))
         if n > self.capacity // 2:
             raise ValueError(f"{n} bytes do not fit the record ring")
@@ -186,17 +195,21 @@ class ShmRing:
             raise TimeoutError(f"the record ring stayed full for {timeout:.0f} s")
 
     def _poll_room(self, n: int, timeout: float) -> bool:
+        """Wait for the drain process to free room: the step is held up anyway, so poll often
+        (an oversleep here is time the drain may sit idle), and tell the drain we wait."""
         import time
 
         deadline = time.monotonic() + timeout
-        pause = 0.00005
-        while self.head + n - self.tail > self.capacity:
-            if self.alive_check is not None:
-                self.alive_check()
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.002)
+        self.head_words[H_WAITING] = 1
+        try:
+            while self.head + n - self.tail > self.capacity:
+                if self.alive_check is not None:
+                    self.alive_check()
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.00005)
+        finally:
+            self.head_words[H_WAITING] = 0
         return True
 
     def write_job_header(self, at: int, kind: int, seq: int, meta_at_pos: int, meta_len: int, end_pos: int,
@@ -225,6 +238,9 @@ class ShmRing:
             self._cond.notify_all()
 
     def close(self, *, unlink: bool) -> None:
+        if self.forked:
+            unlink = False
+            self.registered = False  # (CUDA is not usable in a forked child anyway)
         if self.registered:
             try:
                 import torch
@@ -241,3 +257,14 @@ class ShmRing:
             pass  # a view is still alive somewhere: the mapping goes with the process
         if unlink:
             self.path.unlink(missing_ok=True)
+
+
+_rings: "weakref.WeakSet[ShmRing]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for ring in list(_rings):
+        ring.forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
