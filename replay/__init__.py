@@ -11,9 +11,9 @@ docs/python-api.md)::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from replay._lazy import lazy_exports
 from replay._version import __version__
 
 # The public surface, imported on first use: the CLI's table-reading commands (`info`, `verify`,
@@ -77,10 +77,4 @@ if TYPE_CHECKING:
     from replay.rerun.runner import rerun_step
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'replay' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports("replay", _EXPORTS, globals())

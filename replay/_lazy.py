@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LazyModule"]
+__all__ = ["LazyModule", "lazy_exports"]
 
 
 class LazyModule:
@@ -22,3 +22,18 @@ class LazyModule:
         module = importlib.import_module(self._name)
         self._namespace[self._alias] = module
         return getattr(module, attr)
+
+
+def lazy_exports(package: str, exports: dict[str, str], namespace: dict[str, Any]):  # noqa: ANN201 - a module __getattr__
+    """A package's ``__getattr__`` (PEP 562) that imports each public name from the module
+    ``exports`` names for it on first use, then keeps it in the package's ``namespace``."""
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    return __getattr__
