@@ -195,7 +195,7 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
             "cudagraph": cudagraph,
             "variant": k,
             "default": k == "replay",
-            "drain": drain if ring else None,
+            "drain": (drain if ring else None) if k.startswith("replay") else None,
             "steps_each": sum(map(len, blocks_k)),
             "plain_ms": round(mp * 1e3, 4),
             "recorded_ms": round(mr * 1e3, 4),
