@@ -50,6 +50,8 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
               help="Size of each rank's record ring in /dev/shm, MiB; 0: no ring [64].")
 @click.option("--ring-full", type=click.Choice(["block", "drop"]), default=None,
               help="A full record ring: block (wait at the step boundary) or drop (record a gap) [block].")
+@click.option("--drain", type=click.Choice(["process", "thread"]), default=None,
+              help="Who moves the record ring to the journal: a process of each rank's own, or a thread of the program [process].")
 @click.option("--max-bytes", type=click.IntRange(min=1), default=None, help="Stop recording a rank past this many bytes.")
 @click.option("--check-lockstep", is_flag=True, default=None, help="Compare output digests across ranks every step.")
 @click.option("--stop-on-divergence", is_flag=True, default=None, help="With --check-lockstep: stop at the first mismatch.")
@@ -64,8 +66,8 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(out, name, steps, profile, state, config_attr, factory, tuner, modules, graph_capture, graph_replay, probes, outputs,
-           keyframe_every, ring, collectives, durability, record_ring_mib, ring_full, max_bytes, check_lockstep, stop_on_divergence, node_rank,
-           grace, quiet, as_json, cmd, add=False, run_anyway=False, permissions=None) -> int:
+           keyframe_every, ring, collectives, durability, record_ring_mib, ring_full, drain, max_bytes, check_lockstep, stop_on_divergence,
+           node_rank, grace, quiet, as_json, cmd, add=False, run_anyway=False, permissions=None) -> int:
     """Run CMD (after --) and record every rank of every Python process it starts."""
     cmd = list(cmd)
     if cmd and cmd[0] == "--":
@@ -77,7 +79,7 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
         steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
         modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), output_names=list(outputs),
         keyframe_every=keyframe_every, ring=ring, collectives=collectives, durability=durability,
-        record_ring_mib=record_ring_mib, ring_full=ring_full, max_bytes=max_bytes, check_lockstep=check_lockstep,
+        record_ring_mib=record_ring_mib, ring_full=ring_full, drain=drain, max_bytes=max_bytes, check_lockstep=check_lockstep,
         stop_on_divergence=stop_on_divergence,
     )
     if node_rank is None:
