@@ -88,8 +88,9 @@ class _Drain:
         to write (bytes outside the ring) and that process has not moved the tail past it yet."""
         _, jseq, meta, end = got
         if meta.get("x"):
-            if int(self.head[H_TAIL_SEQ]) > jseq:  # written by the recording process
-                self.pos, self.seq = int(self.head[H_TAIL_POS]), int(self.head[H_TAIL_SEQ])
+            seq = int(self.head[H_TAIL_SEQ])
+            if seq > jseq:  # written by the recording process, which stored the position before
+                self.pos, self.seq = int(self.head[H_TAIL_POS]), seq
                 self.last.clear()  # the payload grew under another writer
             return None
         if jseq != self.seq:
@@ -110,8 +111,8 @@ class _Drain:
         st["jobs"] += 1
         st["bytes"] += sum(v.nbytes for v in views)
         self.pos, self.seq = end, jseq + 1
+        self.head[H_TAIL_POS] = self.pos  # (the position first, as ShmRing.release)
         self.head[H_TAIL_SEQ] = self.seq
-        self.head[H_TAIL_POS] = self.pos
         return kind
 
     def sleep(self, poll: float) -> None:

@@ -230,8 +230,10 @@ class ShmRing:
 
     def release(self, end_pos: int, next_seq: int) -> None:
         """Everything before ``end_pos`` is in the journal; ``next_seq`` is the next job to drain."""
-        self.head_words[H_TAIL_SEQ] = next_seq
+        # The position first: a drain process that sees the new sequence number (it waits on it
+        # for a job this process wrote) then reads the new position too (x86 keeps stores in order).
         self.head_words[H_TAIL_POS] = end_pos
+        self.head_words[H_TAIL_SEQ] = next_seq
         with self._cond:
             self._tail = end_pos
             self.tail_seq = next_seq
