@@ -28,8 +28,10 @@ from replay.record.writer import Emitter, Job, PinnedPool
 
 __all__ = ["DrainProcess", "DrainFailed"]
 
-_CHILD = "import sys, json; a = json.loads(sys.argv[1]); sys.path[:0] = a['path']; " \
-         "from replay.format.ring_drain import child_main; sys.exit(child_main(sys.argv[1:]))"
+# os._exit: the journal's files are closed and nothing is buffered by then; an interpreter's
+# teardown took 30-60 ms, which the recorder's close waits for.
+_CHILD = "import os, sys, json; a = json.loads(sys.argv[1]); sys.path[:0] = a['path']; " \
+         "from replay.format.ring_drain import child_main; rc = child_main(sys.argv[1:]); sys.stderr.flush(); os._exit(rc)"
 # How often the liveness of the drain process is checked on the step path (submits).
 _CHECK_EVERY = 64
 
