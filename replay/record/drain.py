@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from replay.format.journal import JournalWriter
 from replay.format.ring_salvage import H_STOP, H_TAIL_POS, H_TAIL_SEQ
+from replay.record.ring import FORKED
 from replay.record.writer import Emitter, Job, PinnedPool
 
 __all__ = ["DrainProcess", "DrainFailed"]
@@ -48,11 +49,7 @@ class DrainProcess(Emitter):
         self.ring = ring
         self._on_error = on_error
         self._failed = False
-        self._stopping = False
         self.crashed = False  # it died without its own error line (killed): its ring is salvaged here
-        # A process forked from this one (multiprocessing) inherits this object, the ring's
-        # shared mapping and the journal's descriptors: there it must touch none of them.
-        self._pid = os.getpid()
         self._submits = 0
         self._last_end = int(ring.head_words[H_TAIL_POS])
         self._lock = threading.Lock()  # in-process writes of jobs outside the ring, one at a time
@@ -122,9 +119,10 @@ class DrainProcess(Emitter):
 
     def _check(self) -> None:
         """Raise when the drain process has ended (the recording then stops), or in a process
-        forked from the one that started it."""
-        if os.getpid() != self._pid:
-            raise DrainFailed("the recorder was inherited by a forked process: it records in the process that created it")
+        forked from the one that started it (``ShmRing.forked``: the ring, the journal and the
+        drain are the parent's)."""
+        if self.ring.forked:
+            raise DrainFailed(FORKED)
         code = self._proc.poll()
         if code is None:
             return
@@ -167,9 +165,8 @@ class DrainProcess(Emitter):
     def stop(self, timeout: float) -> bool:
         """Ask the drain process to end once nothing whole is left; False if it did not in time.
         This process's journal sizes are then those on disk (for an end marker written here)."""
-        if os.getpid() != self._pid:
+        if self.ring.forked:
             return False  # a forked process: the drain and the journal are its parent's
-        self._stopping = True
         try:
             self.ring.head_words[H_STOP] = 1
         except (TypeError, ValueError):

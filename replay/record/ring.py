@@ -67,9 +67,12 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
-class ShmRing:
-    """One rank's ring. The host allocates and writes; the drain thread frees from the tail."""
+FORKED = "the recorder was inherited by a forked process: it records in the process that created it"
 
+
+class ShmRing:
+    """One rank's ring. The host allocates and writes; the drain (a thread or a process) frees
+    from the tail."""
 
     def __init__(self, directory: str, capacity: int, *, rank: int) -> None:
         capacity = max(align(capacity), 1 << 20)
@@ -157,7 +160,7 @@ class ShmRing:
         """Reserve ``n`` bytes; returns their offset in the data area. Raises RingFull (drop) or
         TimeoutError (block, the drain did not free room in ``timeout`` s)."""
         if self.forked:
-            raise RuntimeError("the recorder was inherited by a forked process: it records in the process that created it")
+            raise RuntimeError(FORKED)
         n = align(max(n, 1))
         if n > self.capacity // 2:
             raise ValueError(f"{n} bytes do not fit the record ring")
