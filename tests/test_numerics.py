@@ -94,3 +94,25 @@ def test_current_detects_changes_cheaply() -> None:
 def test_differences_names_unknown_settings() -> None:
     assert numerics.differences({"sdpa.new_backend": True}, {}) == ["sdpa.new_backend: recorded true, not known to this torch"]
     assert numerics.strip_reserved({"__numerics__": "ab", "__stream__": "draft", "pos": 3}) == {"pos": 3}
+
+
+def test_the_per_step_read_equals_each_setting_read_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``current`` reads every setting through its raw C reader in one pass; the context it
+    builds must be what each setting's own (safe, JSON-form) getter says, also when one reader
+    refuses (a build that raises for a legacy flag): that one reads as None, the rest as before."""
+    with torch.autocast("cpu", dtype=torch.bfloat16), sdpa_kernel(SDPBackend.MATH):
+        expected = {s.name: s.get() for s in numerics.SETTINGS}
+        got = numerics.capture()
+        assert {k: got[k] for k in expected} == expected
+        assert got["autocast.cpu.dtype"] == "torch.bfloat16" and got["default_dtype"] == "torch.float32"
+        json.dumps(got)  # JSON-safe: dtypes and tuples in their recorded forms
+
+        def refuses() -> bool:
+            raise RuntimeError("this build refuses the legacy flag")
+
+        i = next(i for i, s in enumerate(numerics.SETTINGS) if s.name == "backends.cuda.matmul.allow_tf32")
+        monkeypatch.setattr(numerics, "_READS", (*numerics._READS[:i], refuses, *numerics._READS[i + 1:]))
+        refused = numerics.capture()
+        assert refused["backends.cuda.matmul.allow_tf32"] is None
+        assert {k: v for k, v in refused.items() if k != "backends.cuda.matmul.allow_tf32"} == \
+               {k: v for k, v in got.items() if k != "backends.cuda.matmul.allow_tf32"}

@@ -61,6 +61,14 @@ def _variants(session: Any, recorded: Callable) -> dict[str, tuple[Callable, Cal
         out["recorded, record work on the program's stream"] = (recorded, on, off)
     on, off = attr(session, "early_path", False)
     out["recorded, no early path"] = (recorded, on, off)
+    proc = getattr(getattr(rec, "_writer", None), "_proc", None)
+    if proc is not None:
+        # The drain process stopped while the recorded steps run (the ring holds them): what a
+        # drain running beside the program costs the program.
+        import signal
+
+        out["recorded, drain process stopped"] = (
+            recorded, lambda: proc.send_signal(signal.SIGSTOP), lambda: proc.send_signal(signal.SIGCONT))
     return out
 
 

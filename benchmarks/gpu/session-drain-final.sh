@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The closing device call of issue 15's fourth session on one H200 (under 600 s): the whole GPU
+# The closing device call of issue 15's fourth and fifth sessions on one H200 (under 600 s): the whole GPU
 # suite in three lanes (with the drain process's and the ring's CPU tests beside them), then the
-# full-logits writer with either drain, then the overhead benchmark; seven files under $OUT.
+# full-logits writer with either drain, then the overhead benchmark, then the step pairs of
+# benchmarks/diag/interleave.py (eager CUDA, CPU); eight files under $OUT.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 L=${OUT:-/tmp/gpu-final}; mkdir -p "$L"
@@ -13,12 +14,17 @@ t lane-record 330 "${PT[@]}" -m "gpu or multigpu" tests/test_record_gpu.py tests
 t lane-digest 330 "${PT[@]}" tests/test_digest_gpu.py tests/test_drain_process.py tests/test_ring.py tests/test_crash.py -m "gpu or multigpu or not slow" &
 t lane-hf-bisect 330 "${PT[@]}" -m "gpu or multigpu" tests/test_hf_gpu.py tests/test_bisect_gpu.py &
 wait
+# SUITE_ONLY=1: the test lanes alone (a check of new commits before the figures are taken).
+if [ "${SUITE_ONLY:-0}" = 1 ]; then for f in "$L"/lane-*.log; do echo "== $f"; tail -3 "$f"; done; exit 0; fi
 s=$(date +%s)
 { timeout -k 5 60 python3 benchmarks/diag/interleave.py --writer; timeout -k 5 60 python3 benchmarks/diag/interleave.py --writer --drain thread; } > "$L/writer.txt" 2>&1
 echo "rc=$? writer $(( $(date +%s) - s ))s" | tee -a "$S"
 s=$(date +%s)
 timeout -k 5 200 python3 benchmarks/bench_record.py --ab --out "$L/bench_record.json" > "$L/bench_record.md" 2>> "$S"
 echo "rc=$? bench $(( $(date +%s) - s ))s" | tee -a "$S"
+s=$(date +%s)
+{ timeout -k 5 60 python3 benchmarks/diag/interleave.py --no-graphs; timeout -k 5 60 python3 benchmarks/diag/interleave.py --device cpu; } > "$L/interleave.txt" 2>&1
+echo "rc=$? interleave $(( $(date +%s) - s ))s" | tee -a "$S"
 date -u +%FT%TZ >> "$S"
 for f in "$L"/lane-*.log; do echo "== $f"; tail -3 "$f"; done
-grep -v "^  host:" "$L/writer.txt"; cat "$L/bench_record.md"
+grep -v "^  host:" "$L/writer.txt"; cat "$L/bench_record.md" "$L/interleave.txt"

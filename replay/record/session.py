@@ -26,6 +26,7 @@ from replay import numerics
 from replay.log import get_logger
 from replay.record.config import RecordConfig, RecorderConfig
 from replay.record.calls import (
+    Binder,
     NotJSON,
     access,
     capturing,
@@ -286,13 +287,14 @@ class Session(GraphEvents):
             # itself, so nothing of the recorder (locks, thread-locals, I/O) is ever traced.
             if torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
-            return self._call_step(spec, fn, sig, is_method, args, kwargs)
+            return self._call_step(spec, fn, binder, is_method, args, kwargs)
 
+        binder = Binder(sig)
         step_wrapper.__replay_step_fn__ = fn  # type: ignore[attr-defined]
         step_wrapper.__replay_spec__ = spec  # type: ignore[attr-defined]
         return step_wrapper
 
-    def _call_step(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple, kwargs: dict) -> Any:
+    def _call_step(self, spec: StepSpec, fn: Callable[..., Any], sig: Binder, is_method: bool, args: tuple, kwargs: dict) -> Any:
         if getattr(self._local, "depth", 0) or self.disabled or capturing() or spec.step in self._inactive:
             return fn(*args, **kwargs)
         self._local.depth = 1
@@ -307,7 +309,7 @@ class Session(GraphEvents):
         """The eager wrapper around a ``torch.compile``d function: a step when it is named (or
         found), a plain call otherwise. Dynamo never sees more than the call."""
         try:
-            sig = inspect.signature(original)
+            sig = Binder(inspect.signature(original))
         except (TypeError, ValueError):
             return compiled_fn
         target = f"{module_name(getattr(original, '__module__', '') or '?')}:{getattr(original, '__qualname__', '?')}"
@@ -334,7 +336,7 @@ class Session(GraphEvents):
         """The eager wrapper around an ``OptimizedModule``'s compiled ``forward``: the step of
         ``module``'s class (named or found), recorded outside the traced frame."""
         cls = type(module)
-        sig = inspect.signature(cls.forward)
+        sig = Binder(inspect.signature(cls.forward))
         target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
         holder: dict[str, Any] = {"spec": None}
         ref = weakref.ref(module)
@@ -610,7 +612,7 @@ class Session(GraphEvents):
         except Exception:  # noqa: BLE001
             pass
 
-    def _run_step(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple, kwargs: dict) -> Any:
+    def _run_step(self, spec: StepSpec, fn: Callable[..., Any], sig: Binder, is_method: bool, args: tuple, kwargs: dict) -> Any:
         try:
             early = self._early_step(spec, is_method, args, kwargs)
         except Exception as e:  # noqa: BLE001 - never into the program
@@ -699,7 +701,7 @@ class Session(GraphEvents):
         copies = rec.snapshot_arguments(tensors)
         return _Early(rec=rec, obj=obj, snaps={id(t): c for t, c in zip(tensors, copies)})
 
-    def _run_early(self, spec: StepSpec, fn: Callable[..., Any], sig: inspect.Signature, is_method: bool, args: tuple,
+    def _run_early(self, spec: StepSpec, fn: Callable[..., Any], sig: Binder, is_method: bool, args: tuple,
                    kwargs: dict, early: _Early) -> Any:
         def after_call() -> None:
             try:
@@ -782,8 +784,8 @@ class Session(GraphEvents):
 
     def _wrap_probe(self, fn: Callable[..., Any], target: str, names: tuple[str, ...]) -> Callable[..., Any]:
         label = target.partition(":")[2].split(".")[-1]
-        sig = inspect.signature(fn)
         logits_name = "logits"
+        binder = Binder(inspect.signature(fn))
 
         def probe_wrapper(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
@@ -791,7 +793,7 @@ class Session(GraphEvents):
             if rec is not None and getattr(self._local, "depth", 0) and not capturing():
                 rec.record_probe(label, **name_outputs(out, names))
                 try:
-                    lg = sig.bind(*args, **kwargs).arguments.get(logits_name)
+                    lg = binder.bind(*args, **kwargs).arguments.get(logits_name)
                 except TypeError:
                     lg = None
                 if isinstance(lg, torch.Tensor):

@@ -541,7 +541,7 @@ class Staging:
         False: no room for the meta (policy "drop"): the caller records the job as dropped."""
         ring = self.ring
         assert ring is not None
-        raw = json.dumps(meta, separators=(",", ":"), allow_nan=True).encode()
+        raw = _META_JSON.encode(meta).encode()
         if len(raw) <= META_ROOM:
             at, meta_pos = rjob.header_at + JOB_HEADER_BYTES, rjob.start + JOB_HEADER_BYTES
         else:
@@ -574,6 +574,11 @@ class Staging:
         job.seq = seq
         self.leave_side(job)
         return True
+
+
+# A job's meta, encoded once per job right after the step: one encoder for all (``json.dumps``
+# with options builds one a call), and no check for cycles (a meta is a tree of built-ins).
+_META_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=True, check_circular=False)
 
 
 def _normal_tensors() -> Any:
