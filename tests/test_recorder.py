@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,9 +204,12 @@ def test_step_context_marks_raised_steps(tmp_path):
 ], ids=["tie", "nan", "two-nan", "neg-inf", "all-neg-inf", "two-inf"])
 def test_the_sync_free_margin_equals_topk(rows) -> None:
     """issue 15: the device margin avoids topk (which waits for the device on CUDA) and must give
-    topk's value, edge cases included."""
+    topk's value, edge cases included; so must the host's (the drain's and salvage's, on the
+    ring's bytes), which must also leave those bytes as they were."""
     import math
 
+    from replay.format.ring_salvage import floats_at, margin_of
+    from replay.format.schema import dtype_to_str
     from replay.record.margin import device_margin as _device_margin
 
     torch.manual_seed(0)
@@ -214,6 +218,16 @@ def test_the_sync_free_margin_equals_topk(rows) -> None:
         top = t.float().topk(2, dim=-1).values
         want, got = float((top[..., 0] - top[..., 1]).min()), float(_device_margin(t))
         assert want == got or (math.isnan(want) and math.isnan(got)), (t, want, got)
+        raw = t.contiguous().view(torch.uint8).reshape(-1).numpy().copy()
+        before = raw.copy()
+        x = floats_at(raw, 0, dtype_to_str(t.dtype), list(t.shape))
+        host = margin_of(x)
+        assert want == host or (math.isnan(want) and math.isnan(host)), (t, want, host)
+        assert np.array_equal(raw, before)
+        if t.dtype == torch.float32:  # a float32 view of the bytes themselves: unchanged after
+            view = raw.view(np.float32).reshape(t.shape)
+            margin_of(view)
+            assert np.array_equal(raw, before)
 
 
 def test_side_plans_give_the_digests_and_margin_and_fall_back_when_a_capture_fails():

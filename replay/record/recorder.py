@@ -438,7 +438,8 @@ class Recorder:
             if entry.ring_at >= 0:
                 st.fin["margin"] = [entry.ring_at, entry.dtype, list(entry.shape)]
             # The ring's bytes are reused once drained: the logits ring keeps its own copy.
-            host_copy = entry.host if self._rr is None and entry.host is not None else t.detach().clone()
+            if self.config.ring:
+                host_copy = entry.host if self._rr is None and entry.host is not None else t.detach().clone()
         if self.config.ring:
             dtype, shape = dtype_to_str(t.dtype), tuple(t.shape)
             if t.device.type == "cuda":
