@@ -110,3 +110,28 @@ def test_a_fifo_is_not_read_as_a_journal(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="not a regular file"):
         read_journal(fifo)  # returns at once: opening a FIFO must not block
+
+
+def test_large_payloads_reserve_blocks_without_changing_what_the_file_holds(tmp_path: Path) -> None:
+    """Payloads of 1 MiB and more have their blocks reserved before the write (as
+    ``numpy.tofile`` does; ``replay.format.prealloc``): the payload file must still hold exactly
+    the bytes appended, in order, with its size theirs, and a writer appending after it (the
+    drain process, then the recording process) must land right after them."""
+    from replay.format import prealloc
+
+    big = [bytes([i]) * (prealloc.MIN_BYTES + 4096 * i) for i in range(3)]
+    w = JournalWriter(tmp_path / "r.journal", tmp_path / "r.payload")
+    offsets = [w.write_payloads([memoryview(big[0]), memoryview(b"small")]), w.write_payload(big[1])]
+    w.write_frame(FrameKind.STEP, {"step": 0})
+    w.close()
+    again = JournalWriter.append_to(tmp_path / "r.journal", tmp_path / "r.payload", valid_bytes=os.path.getsize(tmp_path / "r.journal"))
+    offsets.append(again.write_payload(big[2]))
+    again.close()
+    data = (tmp_path / "r.payload").read_bytes()
+    assert data == big[0] + b"small" + big[1] + big[2]
+    assert offsets == [0, len(big[0]) + 5, len(big[0]) + 5 + len(big[1])]
+    fd = os.open(tmp_path / "r.payload", os.O_RDONLY)
+    try:
+        assert prealloc.reserve(fd, 0, 10) is False  # small: nothing to do
+    finally:
+        os.close(fd)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from replay.format import perms as _perms  # issue 16
+from replay.format.prealloc import reserve as _reserve_blocks
 
 __all__ = [
     "FrameKind",
@@ -141,6 +142,7 @@ class JournalWriter:
         view = memoryview(data).cast("B")
         self._check_budget(view.nbytes)
         offset = self.payload_size
+        _reserve_blocks(self._pfd, offset, view.nbytes)
         try:
             _write_all(self._pfd, view)
         except OSError:
@@ -155,6 +157,7 @@ class JournalWriter:
         total = sum(v.nbytes for v in views)
         self._check_budget(total)
         offset = self.payload_size
+        _reserve_blocks(self._pfd, offset, total)
         try:
             while views:
                 n = os.writev(self._pfd, views[:1024])  # IOV_MAX
