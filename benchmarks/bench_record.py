@@ -256,7 +256,7 @@ def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) ->
             # Every step's bytes in the journal (written, as numpy.tofile's are: no fsync), then
             # the close: the end marker, the drain's end, the ring's teardown and the rank's
             # sealed file, a fixed cost once per rank and recording.
-            rec.drain()
+            assert rec.drain(), "the drain did not write every step in time"
             t1 = time.perf_counter()
             res["recorder_journal"].append(total / (t1 - t0))
             rec.close()

@@ -99,10 +99,21 @@ class Setting:
     def get(self) -> Any:
         """The value as recorded (JSON-safe); None when this build cannot read it."""
         try:
-            v = self.read()
+            return _formed(self.form, self.read())
         except Exception:  # noqa: BLE001 - a getter missing from this build, or refusing, reads as None
             return None
-        return self.form(v) if self.form is not None and v is not None else v
+
+
+def _formed(form: Callable[[Any], Any] | None, v: Any) -> Any:
+    """``v`` in its recorded form; None when the form does not apply (a build whose reader
+    returns another shape: torch before 2.10 gives one bool for the cuBLAS reduced-precision
+    pair)."""
+    if form is None or v is None:
+        return v
+    try:
+        return form(v)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _none() -> None:
@@ -250,7 +261,7 @@ def _decode(v: Any) -> Any:
 
 def _build(raw: tuple[Any, ...]) -> dict[str, Any]:
     n = len(_NAMES)
-    values = {k: f(v) if f is not None and v is not None else v for k, f, v in zip(_NAMES, _FORMS, raw[:n])}
+    values = {k: _formed(f, v) for k, f, v in zip(_NAMES, _FORMS, raw[:n])}
     return {**values, **{k: _decode(v) for k, v in zip(_ENV_NAMES, raw[n:])}}
 
 

@@ -29,6 +29,7 @@ CALLS = [
     ((0, 1, 2), {"ids": 9}),  # ids twice
     ((0, 1, 2, 3, 4, 5), {}),  # too many
     ((0, 1, 2), {"top_k": 4}),  # unknown keyword
+    ((), {"self": 0, "ids": 1, "pos": 2}),  # every argument by keyword, ``self`` too
 ]
 
 

@@ -116,3 +116,21 @@ def test_the_per_step_read_equals_each_setting_read_on_its_own(monkeypatch: pyte
         assert refused["backends.cuda.matmul.allow_tf32"] is None
         assert {k: v for k, v in refused.items() if k != "backends.cuda.matmul.allow_tf32"} == \
                {k: v for k, v in got.items() if k != "backends.cuda.matmul.allow_tf32"}
+
+
+def test_a_reader_returning_another_shape_reads_as_none_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch before 2.10 returns one bool for the cuBLAS fp16/bf16 reduced-precision pair, which
+    the recorded form (a list) does not take: that setting reads as None, and the context is
+    still read (an error here would stop recording at the first step and every re-run)."""
+    name = "backends.cuda.matmul.allow_fp16_reduced_precision_reduction"
+    i = next(i for i, s in enumerate(numerics.SETTINGS) if s.name == name)
+    monkeypatch.setattr(numerics, "_READS", (*numerics._READS[:i], lambda: True, *numerics._READS[i + 1:]))
+    monkeypatch.setattr(numerics, "_cache", numerics._Cache())
+    got = numerics.capture()
+    assert got[name] is None and got["grad_enabled"] is torch.is_grad_enabled()
+    digest, ctx, _ = numerics.current()
+    assert ctx[name] is None and len(digest) == 16
+    setting = numerics.SETTINGS[i]
+    monkeypatch.setattr(numerics, "SETTINGS", (*numerics.SETTINGS[:i], numerics.Setting(name, lambda: True, setting.set, setting.form),
+                                               *numerics.SETTINGS[i + 1:]))
+    assert numerics.SETTINGS[i].get() is None

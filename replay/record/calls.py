@@ -149,7 +149,7 @@ class Binder:
         self._names = tuple(signature.parameters) if plain else None
         self._plans: dict[tuple, tuple[tuple[str, int | str], ...]] = {}
 
-    def bind(self, *args: Any, **kwargs: Any) -> inspect.BoundArguments:
+    def bind(self, /, *args: Any, **kwargs: Any) -> inspect.BoundArguments:  # a step may take ``self=`` by keyword
         names = self._names
         if names is None:
             return self.signature.bind(*args, **kwargs)
