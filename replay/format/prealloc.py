@@ -2,8 +2,9 @@
 
 Why: a large ``write`` that extends a file allocates its blocks as it goes. Reserving them first,
 in one call, is what ``numpy.tofile`` does (numpy's ``npy_fallocate``), and is why it writes the
-same 16 MiB faster than a plain ``os.write``: 7.0 against 4.7 GB/s on the 2-core CPU machine
-(ext4), ~1.2x on an H200's host (``benchmarks/bench_record.py``'s writer rows). ``KEEP_SIZE``
+same 16 MiB faster than a plain ``os.write``: the journal's payloads 7.3 against 4.6 GB/s on
+the 2-core CPU machine (``benchmarks/diag/journal_write.py``), its share of ``numpy.tofile`` 82.5%
+-> 94.5% on an H200's host (``benchmarks/bench_record.py``'s writer rows). ``KEEP_SIZE``
 leaves the file's size as it is, so appends (``O_APPEND``) and readers see nothing of it; a
 write cut short, or a process killed before its write, leaves at most reserved blocks past the
 end, which the next truncation or close gives back.
