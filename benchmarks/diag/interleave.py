@@ -64,7 +64,8 @@ def _variants(session: Any, recorded: Callable) -> dict[str, tuple[Callable, Cal
     proc = getattr(getattr(rec, "_writer", None), "_proc", None)
     if proc is not None:
         # The drain process stopped while the recorded steps run (the ring holds them): what a
-        # drain running beside the program costs the program.
+        # drain running beside the program costs the program. Only where the variant's steps fit
+        # in the ring (the reference presets' do): a full ring would hold the program up.
         import signal
 
         out["recorded, drain process stopped"] = (
