@@ -244,8 +244,25 @@ def _raw() -> tuple[Any, ...]:
     try:
         values = [r() for r in _READS]
     except Exception:  # noqa: BLE001 - one reader refused: each on its own (the slow path)
-        values = [_read_or_none(r) for r in _READS]
+        values = _read_each()
     return (*values, *_env_raw())
+
+
+def _read_each() -> list[Any]:
+    """Each setting on its own. A reader that raised is read through a guard from then on, so
+    that a build refusing one setting at every step (a legacy TF32 flag once the fp32_precision
+    API was used) keeps the one-pass read for the others; it is still read every time."""
+    global _READS
+    reads = list(_READS)
+    values: list[Any] = []
+    for i, read in enumerate(reads):
+        try:
+            values.append(read())
+        except Exception:  # noqa: BLE001
+            values.append(None)
+            reads[i] = functools.partial(_read_or_none, read)
+    _READS = tuple(reads)
+    return values
 
 
 def _read_or_none(read: Callable[[], Any]) -> Any:

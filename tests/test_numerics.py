@@ -134,3 +134,22 @@ def test_a_reader_returning_another_shape_reads_as_none_not_an_error(monkeypatch
     monkeypatch.setattr(numerics, "SETTINGS", (*numerics.SETTINGS[:i], numerics.Setting(name, lambda: True, setting.set, setting.form),
                                                *numerics.SETTINGS[i + 1:]))
     assert numerics.SETTINGS[i].get() is None
+
+
+def test_a_reader_refusing_every_step_is_read_every_step_and_only_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that refuses one setting at every step: that setting reads as None each time, its
+    reader is still asked each time (a refusal may end), and the others stay on the one-pass
+    read (the refusing reader is not called twice a step)."""
+    calls = []
+
+    def refuses() -> bool:
+        calls.append(1)
+        raise RuntimeError("mixed legacy and new TF32 settings")
+
+    i = next(i for i, s in enumerate(numerics.SETTINGS) if s.name == "backends.cuda.matmul.allow_tf32")
+    monkeypatch.setattr(numerics, "_READS", (*numerics._READS[:i], refuses, *numerics._READS[i + 1:]))
+    assert numerics.capture()["backends.cuda.matmul.allow_tf32"] is None
+    first = len(calls)  # the one-pass read, then each reader on its own
+    for n in range(1, 4):
+        assert numerics.capture()["backends.cuda.matmul.allow_tf32"] is None
+        assert len(calls) == first + n
