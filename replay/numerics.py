@@ -98,10 +98,7 @@ class Setting:
 
     def get(self) -> Any:
         """The value as recorded (JSON-safe); None when this build cannot read it."""
-        try:
-            return _formed(self.form, self.read())
-        except Exception:  # noqa: BLE001 - a getter missing from this build, or refusing, reads as None
-            return None
+        return _formed(self.form, _read_or_none(self.read))
 
 
 def _formed(form: Callable[[Any], Any] | None, v: Any) -> Any:
@@ -149,22 +146,13 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 _SDPA = ("flash", "mem_efficient", "math", "cudnn", "fa3", "overrideable")
 
 
-def _sdpa(name: str) -> Setting:
-    getter = getattr(C, f"_get_{name}_sdp_enabled", None)
-    setter = getattr(C, f"_set_sdp_use_{name}", None)
-    return Setting(f"sdpa.{name}", getter or _none, setter)
-
-
 def _c(name: str) -> Callable[[], Any]:
-    """``torch._C.<name>``, or a reader that raises when this build lacks it."""
-    f = getattr(C, name, None)
-    if f is not None:
-        return f
+    """``torch._C.<name>``; where this build lacks it, a reader of None."""
+    return getattr(C, name, None) or _none
 
-    def missing() -> Any:
-        raise AttributeError(f"torch._C.{name}")
 
-    return missing
+def _sdpa(name: str) -> Setting:
+    return Setting(f"sdpa.{name}", _c(f"_get_{name}_sdp_enabled"), getattr(C, f"_set_sdp_use_{name}", None))
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -266,6 +254,8 @@ def _read_each() -> list[Any]:
 
 
 def _read_or_none(read: Callable[[], Any]) -> Any:
+    """A getter missing from this build, or refusing (a legacy TF32 flag once the fp32_precision
+    API was used), reads as None: not comparable, not set back."""
     try:
         return read()
     except Exception:  # noqa: BLE001

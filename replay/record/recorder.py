@@ -437,9 +437,6 @@ class Recorder:
             st.margin_src = entry.host if entry.host is not None else (entry.npv, t.dtype, tuple(t.shape))
             if entry.ring_at >= 0:
                 st.fin["margin"] = [entry.ring_at, entry.dtype, list(entry.shape)]
-            # The ring's bytes are reused once drained: the logits ring keeps its own copy.
-            if self.config.ring:
-                host_copy = entry.host if self._rr is None and entry.host is not None else t.detach().clone()
         if self.config.ring:
             dtype, shape = dtype_to_str(t.dtype), tuple(t.shape)
             if t.device.type == "cuda":
@@ -451,6 +448,8 @@ class Recorder:
                 else:
                     ring_e.device_copy = t.detach().clone()
             else:
+                # The record ring's bytes are reused once drained: the logits ring keeps its own copy.
+                host_copy = entry.host if self._rr is None and entry.host is not None else t.detach().clone()
                 ring_e = Entry(name="logits", kind=TensorKind.LOGITS, dtype=dtype, shape=shape, host=host_copy, store=True)
             if self._ring and self._ring[-1][0] == st.index:
                 self._ring.pop()

@@ -281,6 +281,7 @@ class Session(GraphEvents):
         else:
             kind = "method" if is_method else "function"
         spec = replace(spec, step=normalize_step(spec.step), kind=kind)
+        binder = Binder(sig)
 
         def step_wrapper(*args: Any, **kwargs: Any) -> Any:
             # Traced by Dynamo (the step is called inside a compiled region): only the call
@@ -289,17 +290,16 @@ class Session(GraphEvents):
                 return fn(*args, **kwargs)
             return self._call_step(spec, fn, binder, is_method, args, kwargs)
 
-        binder = Binder(sig)
         step_wrapper.__replay_step_fn__ = fn  # type: ignore[attr-defined]
         step_wrapper.__replay_spec__ = spec  # type: ignore[attr-defined]
         return step_wrapper
 
-    def _call_step(self, spec: StepSpec, fn: Callable[..., Any], sig: Binder, is_method: bool, args: tuple, kwargs: dict) -> Any:
+    def _call_step(self, spec: StepSpec, fn: Callable[..., Any], binder: Binder, is_method: bool, args: tuple, kwargs: dict) -> Any:
         if getattr(self._local, "depth", 0) or self.disabled or capturing() or spec.step in self._inactive:
             return fn(*args, **kwargs)
         self._local.depth = 1
         try:
-            return self._run_step(spec, fn, sig, is_method, args, kwargs)
+            return self._run_step(spec, fn, binder, is_method, args, kwargs)
         finally:
             self._local.depth = 0
 
@@ -309,7 +309,7 @@ class Session(GraphEvents):
         """The eager wrapper around a ``torch.compile``d function: a step when it is named (or
         found), a plain call otherwise. Dynamo never sees more than the call."""
         try:
-            sig = Binder(inspect.signature(original))
+            binder = Binder(inspect.signature(original))
         except (TypeError, ValueError):
             return compiled_fn
         target = f"{module_name(getattr(original, '__module__', '') or '?')}:{getattr(original, '__qualname__', '?')}"
@@ -323,7 +323,7 @@ class Session(GraphEvents):
                 s = self._boundary_spec(target, holder, args, kwargs)
                 if s is None:
                     return compiled_fn(*args, **kwargs)
-            return self._call_step(s, compiled_fn, sig, False, args, kwargs)
+            return self._call_step(s, compiled_fn, binder, False, args, kwargs)
 
         functools.update_wrapper(boundary_wrapper, original)
         boundary_wrapper.__replay_boundary__ = holder  # type: ignore[attr-defined]
@@ -336,7 +336,7 @@ class Session(GraphEvents):
         """The eager wrapper around an ``OptimizedModule``'s compiled ``forward``: the step of
         ``module``'s class (named or found), recorded outside the traced frame."""
         cls = type(module)
-        sig = Binder(inspect.signature(cls.forward))
+        binder = Binder(inspect.signature(cls.forward))
         target = f"{module_name(cls.__module__)}:{cls.__qualname__}"
         holder: dict[str, Any] = {"spec": None}
         ref = weakref.ref(module)
@@ -353,7 +353,7 @@ class Session(GraphEvents):
                 s = self._boundary_spec(target, holder, (mod,), {})
             if s is None or mod is None:
                 return compiled_forward(*args, **kwargs)
-            return self._call_step(s, call, sig, True, (mod, *args), kwargs)
+            return self._call_step(s, call, binder, True, (mod, *args), kwargs)
 
         functools.update_wrapper(forward_boundary, compiled_forward)
         forward_boundary.__replay_boundary__ = holder  # type: ignore[attr-defined]
@@ -612,16 +612,16 @@ class Session(GraphEvents):
         except Exception:  # noqa: BLE001
             pass
 
-    def _run_step(self, spec: StepSpec, fn: Callable[..., Any], sig: Binder, is_method: bool, args: tuple, kwargs: dict) -> Any:
+    def _run_step(self, spec: StepSpec, fn: Callable[..., Any], binder: Binder, is_method: bool, args: tuple, kwargs: dict) -> Any:
         try:
             early = self._early_step(spec, is_method, args, kwargs)
         except Exception as e:  # noqa: BLE001 - never into the program
             self._recorder_failed(e)
             return fn(*args, **kwargs)
         if early is not None:
-            return self._run_early(spec, fn, sig, is_method, args, kwargs, early)
+            return self._run_early(spec, fn, binder, is_method, args, kwargs, early)
         try:
-            bound = sig.bind(*args, **kwargs)
+            bound = binder.bind(*args, **kwargs)
         except TypeError:
             return fn(*args, **kwargs)  # let the program see its own error
         try:
@@ -701,11 +701,11 @@ class Session(GraphEvents):
         copies = rec.snapshot_arguments(tensors)
         return _Early(rec=rec, obj=obj, snaps={id(t): c for t, c in zip(tensors, copies)})
 
-    def _run_early(self, spec: StepSpec, fn: Callable[..., Any], sig: Binder, is_method: bool, args: tuple,
+    def _run_early(self, spec: StepSpec, fn: Callable[..., Any], binder: Binder, is_method: bool, args: tuple,
                    kwargs: dict, early: _Early) -> Any:
         def after_call() -> None:
             try:
-                bound = sig.bind(*args, **kwargs)
+                bound = binder.bind(*args, **kwargs)
             except TypeError:
                 return  # the program's own error (the call raised it too): the step ends as raised
             tensors, scalars = split_arguments(bound, skip_first=is_method, owner=early.obj)
