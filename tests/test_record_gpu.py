@@ -48,6 +48,28 @@ def test_recorder_on_cuda_tensors_matches_cpu_bits(tmp_path):
         assert torch.equal(view.tensors(__import__("replay.format", fromlist=["TensorKind"]).TensorKind.OUTPUT)["logits"], x)
 
 
+def test_small_cuda_views_are_recorded_with_the_values_the_program_saw(tmp_path):
+    """Small CUDA tensors are packed as bytes: a strided 1-D view, a lazy conjugate and a lazy
+    negation are recorded with their values (they once stopped the recording)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(60, device="cuda", generator=g)
+    z = torch.randn(3, 4, dtype=torch.complex64, device="cuda", generator=g)
+    cases = {"strided": base[::3], "conj": z.conj(), "neg": torch._neg_view(base[:5]), "plain": base[10:20]}
+    rec = Recorder(RecorderConfig(out=tmp_path / "r"))
+    for _ in range(3):  # past the first steps: the captured side work too
+        rec.begin_step()
+        rec.record_inputs(**cases)
+        rec.end_step()
+    rec.close()
+    assert rec.error is None, rec.error
+    with open_recording(tmp_path / "r") as r:
+        rf = r["run-000"][0]
+        for s in range(3):
+            inputs = rf.step(s).inputs
+            for name, t in cases.items():
+                assert torch.equal(inputs[name], t.resolve_conj().resolve_neg().cpu()), (s, name)
+
+
 def test_the_record_is_of_the_step_end_even_when_the_program_then_overwrites_its_outputs(tmp_path):
     """The record's device work runs on a side stream after the step: what it digests, stores
     and takes the margin of must be the outputs as the step returned them, not what the program

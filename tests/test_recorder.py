@@ -36,6 +36,35 @@ def test_inputs_round_trip_bit_exact(tmp_path, dtype):
             assert torch.equal(back.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8))
 
 
+def test_cpu_tensors_read_back_as_the_program_saw_them(tmp_path):
+    """CPU tensors are copied into the ring by address only when their bytes are what they
+    read: lazy conjugate and negated views, offsets into a storage, non-contiguous views and
+    parameters still come back with the values the program saw."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(3, 4, dtype=torch.complex64, generator=g)
+    base = torch.randn(40, generator=g)
+    cases = {
+        "conj": z.conj(),  # conjugate bit set: the bytes hold z
+        "neg": torch._neg_view(torch.randn(5, generator=g)),  # negative bit set
+        "offset": base[7:19],  # contiguous, at an offset into its storage
+        "strided": base[::3],
+        "param": torch.nn.Parameter(torch.randn(2, 3, generator=g)),
+        "bf16": torch.randn(6, generator=g).bfloat16(),
+        "c128": torch.randn(2, 2, dtype=torch.complex128, generator=g),
+    }
+    rec = Recorder(RecorderConfig(out=tmp_path / "r"))
+    rec.begin_step()
+    rec.record_inputs(**cases)
+    rec.end_step()
+    rec.close()
+    assert rec.error is None
+    with open_recording(tmp_path / "r") as r:
+        inputs = r["run-000"][0].step(0).inputs
+        for name, t in cases.items():
+            want = t.detach().resolve_conj().resolve_neg()
+            assert inputs[name].dtype == want.dtype and torch.equal(inputs[name], want), name
+
+
 def test_values_are_captured_at_record_time(tmp_path):
     """A static buffer reused by the program must be recorded as it was during the step."""
     buf = torch.zeros(4)

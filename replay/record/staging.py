@@ -19,6 +19,7 @@ the side work after the step's kernels, while the device runs them.
 
 from __future__ import annotations
 
+import inspect
 import json
 import zlib
 from dataclasses import dataclass
@@ -49,6 +50,25 @@ JOB_RESERVE = 256
 META_ROOM = JOB_RESERVE - JOB_HEADER_BYTES
 
 _current_stream_raw = getattr(torch._C, "_cuda_getCurrentStream", None)
+# The side stream is entered and left once a step, on the program's thread: through the C
+# functions under ``torch.cuda.stream`` and ``Event.record`` (their Python layers ask for the
+# current stream again, build a context and check the device: tens of µs a step on the host).
+_set_stream_raw = getattr(torch._C, "_cuda_setStream", None)
+_current_device_raw = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _c_method(cls: type, name: str) -> Any:
+    """The C implementation under a Python override of ``cls.name`` (None: there is none)."""
+    for base in cls.__mro__[1:]:
+        f = base.__dict__.get(name)
+        if f is not None:
+            return None if inspect.isfunction(f) else f
+    return None
+
+
+_event_record_c = _c_method(torch.cuda.Event, "record")
+_event_wait_c = _c_method(torch.cuda.Event, "wait")
+_RAW_STREAMS = None not in (_current_stream_raw, _set_stream_raw, _current_device_raw)
 
 
 def _stream_id(t: torch.Tensor) -> Any:
@@ -83,13 +103,70 @@ def _dtype_str(dtype: torch.dtype) -> str:
     return s
 
 
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's bytes as a flat uint8 tensor, in row-major order of its values."""
+    try:
+        return t.reshape(-1).view(torch.uint8)
+    except RuntimeError:
+        # A strided 1-D view, a lazy conjugate or negation: the values made dense first.
+        return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _np_bytes(t: torch.Tensor):  # noqa: ANN202 - a flat uint8 numpy array, or None
     """The tensor's bytes in row-major order as numpy sees them (None: a dtype numpy lacks)."""
     try:
         a = t.numpy()
     except (TypeError, RuntimeError):
         return None  # bfloat16 and friends
-    return a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
+    # ascontiguousarray: reshape(-1) of a strided 1-D view is still strided (no byte view of it).
+    return np.ascontiguousarray(a.reshape(-1)).view(np.uint8) if a.size else np.zeros(0, np.uint8)
+
+
+class _StreamObjects:
+    """``torch.cuda.Stream`` objects of the streams the program makes current, one per raw id
+    (a Stream object is only its id; making one a step costs more than the work it orders)."""
+
+    MAX = 64
+
+    def __init__(self) -> None:
+        self._objs: dict[tuple, Any] = {}
+
+    def current(self, dev: torch.device) -> Any:
+        if not _RAW_STREAMS:
+            return torch.cuda.current_stream(dev)
+        raw = _current_stream_raw(dev.index)  # type: ignore[misc]
+        s = self._objs.get(raw)
+        if s is None:
+            if len(self._objs) >= self.MAX:
+                self._objs.clear()
+            s = self._objs[raw] = torch.cuda.Stream(stream_id=raw[0], device_index=raw[1], device_type=raw[2])
+        return s
+
+
+def _record(event: Any, stream: Any) -> None:
+    """``event.record(stream)``, without the Python layer's second look at the current stream."""
+    if _event_record_c is not None:
+        _event_record_c(event, stream)
+    else:
+        event.record(stream)
+
+
+def _wait(stream: Any, event: Any) -> None:
+    """``stream.wait_event(event)``: work queued later on ``stream`` waits for ``event``."""
+    if _event_wait_c is not None:
+        _event_wait_c(event, stream)
+    else:
+        stream.wait_event(event)
+
+
+@dataclass(slots=True)
+class _Side:
+    """The side stream entered for one job: what ``leave_side`` restores."""
+
+    stream: Any
+    dev: torch.device
+    program: Any  # the program's stream object
+    ctx: Any = None  # a ``torch.cuda.stream`` context, when the raw switch was not used
 
 
 @dataclass(slots=True)
@@ -129,6 +206,8 @@ class Staging:
         self._side_done: dict[Any, Any] = {}  # per device: the event after the last step's side work
         self._ring_copies: list[tuple[Entry, torch.Tensor]] = []
         self.plans = SidePlans()
+        self._streams = _StreamObjects()
+        self._order_events: dict[Any, Any] = {}  # per device: the event the side stream waits on
 
     # -- ring ------------------------------------------------------------------------------
 
@@ -173,7 +252,10 @@ class Staging:
 
     def _ring_view(self, at: int, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> torch.Tensor:
         assert self.ring is not None
-        return self.ring.torch_data()[at : at + nbytes].view(dtype).view(shape)
+        flat = self.ring.torch_data()[at : at + nbytes]
+        if dtype is torch.uint8 and len(shape) == 1:
+            return flat  # packed bytes: already what the copy writes into
+        return flat.view(dtype).view(shape)
 
     # -- tensors ---------------------------------------------------------------------------
 
@@ -190,7 +272,9 @@ class Staging:
         cpu: list[tuple[Entry, torch.Tensor, int, int]] = []  # entry, tensor, bytes, offset in the call's room
         cpu_bytes = 0
         for name, kind, t, store in items:
-            t = local_tensor(t).detach()  # a DTensor: this rank's shard
+            t = local_tensor(t)  # a DTensor: this rank's shard
+            if t.requires_grad:  # no autograd history for the recorder's copies (detach is a torch call a tensor)
+                t = t.detach()
             nbytes = t.numel() * t.element_size()
             e = Entry(name=name, kind=kind, dtype=_dtype_str(t.dtype), shape=tuple(t.shape), store=store)
             out.append(e)
@@ -216,7 +300,7 @@ class Staging:
         if small and later:
             # Only the packing now, on the program's stream; the room in the ring and the copy
             # into it come at the step's end (``place_pending``), after the step was queued.
-            flat = [t.reshape(-1).view(torch.uint8) for _, t in small]
+            flat = [_flat_bytes(t) for _, t in small]
             packed = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
             self._pending.append((small, packed, small_bytes))
         elif small:
@@ -292,7 +376,7 @@ class Staging:
     def _wait_side(self, dev: torch.device) -> None:
         done = self._side_done.get(dev)
         if done is not None:
-            torch.cuda.current_stream(dev).wait_event(done)
+            _wait(self._streams.current(dev), done)
             self._side_done.pop(dev)  # once a step: later snapshots are ordered after this wait
 
     def wait_for_side(self) -> None:
@@ -353,13 +437,23 @@ class Staging:
         snapshots (the allocator must not reuse them before it has read them), and make it the
         current stream; returns the stream context to leave."""
         side = self._side_stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
+        program = self._streams.current(dev)
+        # One event per device orders the side stream after the program's: a wait takes the
+        # event's state when it is queued, so recording it again next step is safe.
+        order = self._order_events.get(dev)
+        if order is None:
+            order = self._order_events[dev] = torch.cuda.Event()
+        _record(order, program)
+        _wait(side, order)
         for t in [*(keep for keep, _ in later), *snaps.values()]:
             if not self.is_static(t):  # kept buffers are never freed
                 t.record_stream(side)
-        ctx = torch.cuda.stream(side)
+        if _RAW_STREAMS and dev.index == _current_device_raw():  # type: ignore[misc]
+            _set_stream_raw(stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type)  # type: ignore[misc]
+            return _Side(side, dev, program)
+        ctx = torch.cuda.stream(side)  # another device's side stream: the context switches devices too
         ctx.__enter__()
-        return ctx, dev
+        return _Side(side, dev, program, ctx)
 
     def _copy_cpu(self, job: RingJob | None, cpu: list[tuple[Entry, torch.Tensor, int, int]], total: int) -> None:
         """CPU tensors into one room of the ring (the program may change them once the call
@@ -384,7 +478,7 @@ class Staging:
 
     def _copy_small(self, job: RingJob | None, small: list[tuple[Entry, torch.Tensor]], small_bytes: int) -> None:
         """Small CUDA tensors packed on the device and copied to the host in one transfer."""
-        flat = [t.reshape(-1).view(torch.uint8) for _, t in small]
+        flat = [_flat_bytes(t) for _, t in small]
         packed = flat[0] if len(flat) == 1 else torch.cat(flat)
         host, at = self._host_for(job, torch.uint8, (small_bytes,), small_bytes)
         host.copy_(packed, non_blocking=self.cuda_async)
@@ -463,13 +557,16 @@ class Staging:
         side, job.side = job.side, None
         if side is None:
             return
-        ctx, dev = side
         done = job.event
         if done is None:
             done = torch.cuda.Event()
-            done.record()
-        self._side_done[dev] = done
-        ctx.__exit__(None, None, None)
+            _record(done, side.stream)
+        self._side_done[side.dev] = done
+        if side.ctx is not None:
+            side.ctx.__exit__(None, None, None)
+        else:
+            p = side.program
+            _set_stream_raw(stream_id=p.stream_id, device_index=p.device_index, device_type=p.device_type)  # type: ignore[misc]
 
     def _stage_tail(self, job: Job, device: list[torch.Tensor], logits: torch.Tensor | None, rjob: RingJob | None, *,
                     static: bool) -> None:
@@ -569,7 +666,10 @@ class Staging:
             c.counter.add_(1)
             ring.commit_view(rjob.header_at).copy_(c.counter, non_blocking=self.cuda_async)
             job.event = torch.cuda.Event()
-            job.event.record()
+            if job.side is not None:
+                _record(job.event, job.side.stream)  # the side stream is the current one
+            else:
+                job.event.record()
         job.ring_end = ring.head
         job.seq = seq
         self.leave_side(job)
