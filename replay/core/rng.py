@@ -10,6 +10,7 @@ import array
 import random
 import struct
 import sys
+from typing import Callable
 
 import numpy as np
 import torch
@@ -19,15 +20,27 @@ __all__ = ["capture_rng", "restore_rng"]
 _NP_HEAD = struct.Struct("<iid")  # pos, has_gauss, cached_gaussian
 
 
+_CUDA_READERS: tuple[tuple[str, Callable[[], torch.Tensor]], ...] = ()
+
+
+def _cuda_state_readers() -> tuple[tuple[str, Callable[[], torch.Tensor]], ...]:
+    """(name, ``get_state``) of each CUDA device's default generator; none before CUDA is
+    initialised. Made once: this runs before every recorded step is queued, where each µs of
+    the host's delays the device (the generators are fixed once CUDA is initialised)."""
+    global _CUDA_READERS
+    if not _CUDA_READERS and torch.cuda.is_initialized():  # a flag; initialised implies available
+        _CUDA_READERS = tuple((f"cuda:{i}", gen.get_state) for i, gen in enumerate(torch.cuda.default_generators))
+    return _CUDA_READERS
+
+
 def capture_rng(*, host: bool = True) -> dict[str, torch.Tensor]:
     """torch CPU, each initialised CUDA device (seed and Philox offset), and with ``host`` also
     Python's and NumPy's global generators (reading those costs ~0.1 ms, so the recorder takes
     them at keyframes; torch's are cheap and taken every step)."""
-    out = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_initialized():  # a flag; initialised implies available
-        for i, gen in enumerate(torch.cuda.default_generators):
-            # 16 bytes: seed and offset. Reading them does not synchronise the device.
-            out[f"cuda:{i}"] = gen.get_state()
+    out = {"torch_cpu": torch.default_generator.get_state()}  # what torch.get_rng_state() returns
+    for name, read in _cuda_state_readers():
+        # 16 bytes: seed and offset. Reading them does not synchronise the device.
+        out[name] = read()
     if not host:
         return out
     version, internal, gauss = random.getstate()

@@ -262,10 +262,15 @@ def _fx_tracer() -> Any:
 _fx_tracing = _fx_tracer()
 
 
+# The C function under ``torch.cuda.is_current_stream_capturing`` (one Python frame less, on
+# the path before every recorded step is queued).
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 def cuda_capturing() -> bool:
     """The current CUDA stream is capturing a graph (the recorder must queue nothing on it)."""
     # is_initialized first: it is a flag, and no stream captures before CUDA is initialised.
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_initialized() and _stream_capturing()
 
 
 def capturing() -> bool:

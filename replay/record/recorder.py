@@ -334,9 +334,10 @@ class Recorder:
     # -- steps -----------------------------------------------------------------------------
 
     @_failsafe(default=-1)
-    def begin_step(self) -> int:
-        """Start a step; returns its index. Takes the keyframe and RNG state due at its start."""
-        if cuda_capturing():
+    def begin_step(self, *, checked: bool = False) -> int:
+        """Start a step; returns its index. Takes the keyframe and RNG state due at its start.
+        ``checked``: the caller has just seen that no CUDA graph is being captured."""
+        if not checked and cuda_capturing():
             return -1
         with self._lock:
             if self._cur is not None:
@@ -359,8 +360,9 @@ class Recorder:
 
     def early_ok(self) -> bool:
         """Whether a step may begin before its arguments are bound (``Session._early_step``):
-        CUDA record work on the side stream, no step open."""
-        return self._staging.defer and self._cur is None and not self._disabled and torch.cuda.is_initialized()
+        CUDA record work on the side stream, no step open (the caller checks that the step's
+        tensors are CUDA ones: CUDA is initialised then)."""
+        return self._staging.defer and self._cur is None and not self._disabled
 
     def snapshot_arguments(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of the open step's tensor arguments as they are now (one launch); give them

@@ -682,7 +682,7 @@ class Session(GraphEvents):
         device does not wait for the host's recorder between steps. None: the full path before
         the call."""
         rec = self.recorder
-        if not self.early_path or rec is None or not rec.enabled or not rec.early_ok():
+        if not self.early_path or rec is None or not rec.early_ok():
             return None
         obj = args[0] if is_method and args else None
         if not is_method or self._find_stream(obj, spec.step) is None:
@@ -695,7 +695,8 @@ class Session(GraphEvents):
                 tensors.append(v)
             elif isinstance(v, (list, tuple, dict)):
                 return None  # containers may hold tensors: the full path looks into them
-        if not tensors or rec.begin_step() < 0:
+        # ``checked``: ``_call_step`` has just seen that no graph is being captured.
+        if not tensors or rec.begin_step(checked=True) < 0:
             return None
         self._ran[spec.step] += 1
         copies = rec.snapshot_arguments(tensors)
