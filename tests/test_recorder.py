@@ -315,3 +315,25 @@ def test_kept_buffers_serve_steps_in_and_out_of_inference_mode(tmp_path):
         assert int(ring.data[:8].sum()) == 8
     finally:
         ring.close(unlink=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_never_reads_its_parent_s_cuda_generators(monkeypatch):
+    """A process forked from one that used CUDA cannot use CUDA: its steps' RNG capture must not
+    call the generator readers its parent found (on a GPU that stopped the child's recording
+    with 'CUDA error: initialization error')."""
+    from replay.core import rng
+
+    def parent_reader() -> torch.Tensor:
+        raise RuntimeError("CUDA error: initialization error")
+
+    monkeypatch.setattr(rng, "_CUDA_READERS", (("cuda:0", parent_reader),))
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only when the capture worked and read no CUDA state
+        try:
+            states = rng.capture_rng(host=False)
+            os._exit(0 if set(states) == {"torch_cpu"} else 3)
+        except BaseException:  # noqa: BLE001
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

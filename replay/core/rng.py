@@ -7,6 +7,7 @@ bytes, deduplicated by digest) and never as a pickled Python object.
 from __future__ import annotations
 
 import array
+import os
 import random
 import struct
 import sys
@@ -31,6 +32,17 @@ def _cuda_state_readers() -> tuple[tuple[str, Callable[[], torch.Tensor]], ...]:
     if not _CUDA_READERS and torch.cuda.is_initialized():  # a flag; initialised implies available
         _CUDA_READERS = tuple((f"cuda:{i}", gen.get_state) for i, gen in enumerate(torch.cuda.default_generators))
     return _CUDA_READERS
+
+
+def _forget_cuda_readers() -> None:
+    # A forked child of a process that used CUDA cannot use it (torch marks CUDA uninitialised
+    # there): reading its parent's generators would fail, so it asks again.
+    global _CUDA_READERS
+    _CUDA_READERS = ()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_cuda_readers)
 
 
 def capture_rng(*, host: bool = True) -> dict[str, torch.Tensor]:
