@@ -62,7 +62,11 @@ def main() -> int:
         return 0
     odd, step = div["ranks"][0], div["step"]
     good = div["majority"][0]
-    replay("step", str(out), "--rank", str(odd), "--step", str(step), "--mode", "both")
+    p = replay("step", str(out), "--rank", str(odd), "--step", str(step), "--mode", "both", check=False)
+    if p.returncode not in (0, 7):
+        raise SystemExit(f"demo: `replay step` failed with exit code {p.returncode}")
+    if p.returncode == 7:
+        print("\n(exit code 7: `replay step` never exits 0 for a step that raised or could not be compared; its last line says which)")
     if (ROOT / "replay" / "cli" / "bisect.py").exists():
         replay("bisect", str(out), "--rank", str(odd), "--step", str(step), "--between", f"rank:{good},rank:{odd}", check=False)
     replay("report", str(out))

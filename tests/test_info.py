@@ -92,6 +92,26 @@ def test_truncated_rank_file(tmp_path, run_cli, command):
         assert res.code == 4 and "DAMAGED" in res.out and "rank-00001.h5" in res.out
 
 
+@pytest.mark.parametrize("command", ["info", "report", "verify"])
+def test_a_payload_cut_short_after_sealing_is_damage(tmp_path, run_cli, command):
+    """The payload file of a sealed rank shorter than its index declares (a copy cut short):
+    ``info`` and ``report`` leave that rank out and exit 4, ``verify`` names the tensors lost."""
+    rec = make_recording(tmp_path, ranks=2, steps=4)
+    payload = rec / "run-000" / "rank-00001.payload"
+    assert payload.stat().st_size > 100
+    os.truncate(payload, 100)
+    args = ["-o", tmp_path / "r.html"] if command == "report" else []
+    res = run_cli(command, rec, *args)
+    assert res.code == 4, (res.out, res.err)
+    assert "Traceback" not in res.err
+    if command == "verify":
+        assert "DAMAGED" in res.out and "file truncated" in res.out
+    else:
+        assert res.err.count("\n") == 1 and "rank 1 cannot be read" in res.err
+    if command == "info":
+        assert "rank 1: left out" in res.out and "is truncated (100 of the" in res.out
+
+
 def test_info_and_report_go_on_past_an_unreadable_rank(tmp_path, run_cli):
     """One damaged rank file out of four (cut short in transit) does not hide the divergence the
     other three recorded; the file is named, and the exit code still says damaged."""
@@ -313,3 +333,15 @@ def test_ranks_that_share_no_step_are_never_no_divergence():
     assert "no divergence" not in verdict_line(s)
     s = {**s, "ranks": [{"rank": 0, "steps": 5}, {"rank": 1, "steps": 5}]}
     assert verdict_line(s).startswith("no divergence: 2 ranks")
+
+
+def test_no_token_divergence_is_said_only_when_tokens_were_recorded():
+    """Ranks that differ in bits with no token field recorded: what they sampled was never
+    compared, so the verdict says so instead of "no token divergence"."""
+    from replay.analysis.summary import verdict_line
+
+    first = {"step": 3, "field": "output.logits", "ranks": [1], "majority": [0]}
+    s = {"first_divergence": first, "first_token_divergence": None, "ranks": [{"rank": 0, "steps": 5}, {"rank": 1, "steps": 5}],
+         "unreadable_ranks": [], "token_fields": False}
+    assert verdict_line(s).endswith("; no token field recorded to compare")
+    assert verdict_line({**s, "token_fields": True}).endswith("; no token divergence")

@@ -107,7 +107,7 @@ def test_several_ranks_with_live_collectives(recordings, run_cli):
 
 
 def test_keyframes_keep_only_scalars_that_changed_and_a_rerun_sets_them_back() -> None:
-    from replay.core.state import SCALAR_PREFIX, restore_scalars, split_scalars, with_scalars
+    from replay.core.state import SCALAR_PREFIX, UNCHANGED_PREFIX, restore_scalars, split_scalars, with_scalars
 
     class Eng:
         def __init__(self) -> None:
@@ -116,15 +116,44 @@ def test_keyframes_keep_only_scalars_that_changed_and_a_rerun_sets_them_back() -
     eng = Eng()
     fn = with_scalars(lambda: {"h": torch.zeros(2)}, lambda: eng)
     assert fn is not None
-    assert set(fn()) == {"h"}  # the first keyframe: nothing has changed yet
+    # The first keyframe: nothing has changed yet; the values are kept apart (maybe configuration).
+    assert set(fn()) == {"h", *(UNCHANGED_PREFIX + n for n in ("step_index", "scale", "double"))}
     eng.step_index = 20
     kf = fn()
-    assert set(kf) == {"h", SCALAR_PREFIX + "step_index"}  # configuration (scale, double) is never restored
-    tensors, scalars = split_scalars(kf)
-    assert set(tensors) == {"h"} and scalars == {"step_index": 20}
+    assert set(kf) == {"h", SCALAR_PREFIX + "step_index", UNCHANGED_PREFIX + "scale", UNCHANGED_PREFIX + "double"}
+    unchanged: dict = {}
+    tensors, scalars = split_scalars(kf, unchanged)
+    assert set(tensors) == {"h"} and scalars == {"step_index": 20}  # configuration (scale, double) is not restored
+    assert unchanged == {"scale": 0.5, "double": True}  # ... but on the program's own object (a re-launch)
     fresh = Eng()
     assert restore_scalars(fresh, {**scalars, "missing": 1, "scale": 3}) == ["missing", "scale"]  # int over a float: refused
     assert fresh.step_index == 20 and fresh.scale == 0.5
+
+
+def test_keyframes_keep_the_state_of_generators_the_target_holds() -> None:
+    """The target's own generators (its submodules', a sampler object's) are in the keyframe and
+    set back by path; the default generator is the step's RNG state, not these."""
+    from replay.core.state import capture_generators, restore_generators, split_generators
+
+    class Sampling:
+        def __init__(self) -> None:
+            self.gen = torch.Generator().manual_seed(7)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.lin.noise = torch.Generator().manual_seed(3)
+            self.sampling = Sampling()
+
+    m = Model()
+    kf = {"h": torch.zeros(1), **capture_generators(m)}
+    tensors, gens = split_generators(kf)
+    assert set(tensors) == {"h"} and set(gens) == {"lin.noise", "sampling.gen"}
+    want = torch.rand(3, generator=m.sampling.gen), torch.rand(3, generator=m.lin.noise)
+    assert restore_generators(m, {**gens, "missing.gen": gens["lin.noise"]}) == ["missing.gen"]
+    assert torch.equal(torch.rand(3, generator=m.sampling.gen), want[0])
+    assert torch.equal(torch.rand(3, generator=m.lin.noise), want[1])
 
 
 def test_a_step_result_reads_back_as_the_same_typed_result() -> None:
@@ -229,3 +258,52 @@ def test_the_step_headline_of_a_step_that_raised_is_not_compared():
     same = _mode_run("eager", {"logits": True}, error="RankDriftError: x", recorded_error="RankDriftError: x")
     r.modes = {"eager": same}
     assert r.headline().endswith("it raised RankDriftError as it did when recorded")
+    # What it computed before raising compared equal, and it raised as recorded: said, never exit 0.
+    assert r.problem() is None and r.exit_reason() == "rank 0 step 3 raised RankDriftError in the re-run, as it did when recorded"
+    # Raising as recorded with nothing compared is no comparison at all.
+    r.modes = {"eager": _mode_run("eager", {}, error="ValueError: y", recorded_error="ValueError: y")}
+    assert r.headline().startswith("not compared: rank 0 step 3: eager: step 3 raised ValueError in the re-run, as it did when recorded")
+    assert "bit for bit" not in r.headline() and r.exit_reason() == r.problem()
+
+
+def test_only_data_objects_are_recorded_field_by_field() -> None:
+    """``step(batch)``: a dataclass, a NamedTuple or a class of data is flattened to inputs and
+    rebuilt; an object with behaviour (a cache with ``update``) or one holding more than
+    MAX_OBJECT_BYTES of tensors is not (it would be copied every step, and could not be given
+    its behaviour back)."""
+    import dataclasses
+    from typing import NamedTuple
+
+    from replay.core.structure import MAX_OBJECT_BYTES, RecordedObject, flatten_object, rebuild_inputs
+
+    @dataclasses.dataclass
+    class Batch:
+        ids: torch.Tensor
+        scale: float
+        cache: list
+
+    class Pair(NamedTuple):
+        a: torch.Tensor
+        b: int
+
+    class Cache:
+        def __init__(self) -> None:
+            self.k = [torch.zeros(2)]
+
+        def update(self, x: torch.Tensor) -> None:
+            self.k.append(x)
+
+    b = Batch(torch.arange(3), 0.5, [torch.ones(2), None])
+    tensors, spec = flatten_object("batch", b)
+    assert set(tensors) == {"batch.ids", "batch.cache.0"}
+    back = rebuild_inputs(dict(tensors), {"batch": spec})["batch"]
+    assert isinstance(back, RecordedObject) and back.scale == 0.5 and back.cache[1] is None
+    assert torch.equal(back.ids, b.ids)
+    real = back.as_instance(Batch(torch.zeros(1), 9.0, []))
+    assert type(real) is Batch and real.scale == 0.5 and torch.equal(real.ids, b.ids)
+    t2, s2 = flatten_object("p", Pair(torch.ones(1), 3))
+    pair = rebuild_inputs(dict(t2), {"p": s2})["p"].as_instance(Pair(torch.zeros(1), 0))
+    assert type(pair) is Pair and pair.b == 3 and torch.equal(pair.a, torch.ones(1))
+    assert flatten_object("c", Cache()) is None
+    big = Batch(torch.zeros(MAX_OBJECT_BYTES // 4 + 1, dtype=torch.float32), 1.0, [])
+    assert flatten_object("big", big) is None

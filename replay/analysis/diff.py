@@ -225,13 +225,14 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
 
 def _next_command(rd: RunDiff, a: Side, b: Side) -> str:
     """``replay bisect layers --between run:A,run:B`` at the first difference, when both rank
-    files name a target a re-run can rebuild (a factory or a step callable); else ""."""
+    files name a factory a re-run can rebuild the target with (a layer bisection across runs
+    needs one: without, the command would only say so); else ""."""
     if rd.first is None or rd.verdict is not DiffVerdict.DIFFERENT:
         return ""
     s, f = rd.first
     files = (a.part[s.rank_a], b.part[s.rank_b])
     targets = [rf.attrs.get("target") for rf in files]
-    if not all(isinstance(t, dict) and (t.get("factory") or t.get("step")) for t in targets):
+    if not all(isinstance(t, dict) and t.get("factory") for t in targets):
         return ""
     spec_a = f"{a.recording.path}:{a.part.name}/{s.rank_a}"
     spec_b = f"{b.recording.path}:{b.part.name}/{s.rank_b}"
@@ -325,8 +326,10 @@ def _different_headline(rd: RunDiff) -> str:
     if rd.first_token is not None:
         t = rd.first_token[1]
         text += f"; first token divergence step {t.step} ({t.field}, margin A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
-    else:
+    elif any(x.token_fields for x in rd.streams):
         text += "; no token divergence"
+    else:
+        text += "; no token field recorded to compare"
     if rd.batching is not None:
         text += "; the runs batched differently" + (" (rows aligned below)" if rd.batching.aligned else "")
     weights = _differing_weights(rd)

@@ -152,6 +152,7 @@ class StreamDiff:
     reasons: list[str] = field(default_factory=list)
     same_layout: bool = True  # both runs have as many ranks: rank r is named once
     by_field: dict[str, int] = field(default_factory=dict)  # field -> steps at which it differs (the most first)
+    token_fields: bool = True  # a token field was recorded (else no token divergence can be claimed)
 
     @property
     def name(self) -> str:

@@ -226,7 +226,7 @@ def compare_stream(ra: RankFile, rb: RankFile, names: Names, keep: Callable[[str
         first_token = _first(rd, int(tok_idx[0]), names, ra, rb, opts) if tok_idx.size else None
     s = StreamDiff(rank_a=ra.rank, rank_b=rb.rank, verdict=DiffVerdict.SAME, facts=facts, compared_rows=rd.compared,
                    differing_rows=rd.size, differing_steps=int(np.unique(rd.step).size), first=first, first_token=first_token,
-                   same_layout=same_layout)
+                   same_layout=same_layout, token_fields=any(n.startswith("tokens.") for n in names.names))
     beyond = rd.size
     if rd.size:
         ids, n = np.unique(rd.gid, return_counts=True)  # one row per (step, field): a count of steps

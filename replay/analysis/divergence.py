@@ -68,6 +68,16 @@ def _field_ids(rf: RankFile, names: dict[str, int], prefix: str | None,
     return steps, gid, digests
 
 
+def has_fields(part: Part, prefix: str) -> bool:
+    """Whether any rank recorded a field whose name starts with ``prefix`` (``"tokens."``):
+    without one, no divergence of such fields can be claimed or denied."""
+    for rf in part.values():
+        t = rf.tables
+        if any(t.string(int(i)).startswith(prefix) for i in np.unique(t.fields["field"])):
+            return True
+    return False
+
+
 def first_divergence(
     part: Part, *, prefix: str | None = None, ranks: Iterable[int] | None = None, steps: np.ndarray | None = None
 ) -> Divergence | None:

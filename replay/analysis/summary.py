@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.analysis.divergence import Divergence, first_divergence
+from replay.analysis.divergence import Divergence, first_divergence, has_fields
 from replay.errors import FormatVersionError, RecordingDamaged
 from replay.format.reader import Part, RankFile, Recording
 from replay.format.schema import RunMode, StepStatus
@@ -216,6 +216,8 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         "missing_ranks": sorted(set(range(world)) - set(part) - set(unreadable)),
         "first_divergence": div.to_json() if div else None,
         "first_token_divergence": tok.to_json() if tok else None,
+        # No token field recorded: "no token divergence" would be a claim nothing was compared for.
+        "token_fields": tok is not None or has_fields(part, "tokens."),
     }
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
@@ -244,6 +246,8 @@ def verdict_line(summary: dict[str, Any]) -> str:
             f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d.get('majority') or []))})")
     if t is not None:
         return text + f"; first token divergence at {_at(t)} ({t['field']})"
+    if summary.get("token_fields") is False:
+        return text + "; no token field recorded to compare"
     return text + "; no token divergence"
 
 

@@ -18,7 +18,8 @@ from replay import api
 from replay.bisect.config_model import CRITERIA, ConfigBisection, ConfigBisectSettings
 from replay.bisect.layers import LayersBisection, ModuleVerdict
 from replay.bisect.steps import StepsBisection
-from replay.cli.common import json_option, open_run, parse_options, parse_ranks, part_option, run_argument, save_and_emit, split_list
+from replay.cli.common import (json_option, open_run, parse_options, parse_ranks, part_option, program_output_to_stderr,
+                               run_argument, save_and_emit, split_list)
 from replay.cli.progress import progress
 from replay.cli.render import fmt_verdict, style, table
 from replay.errors import RerunError, UsageError  # RerunError: exit code of a bisection that compared nothing
@@ -148,7 +149,7 @@ def steps(run: Path | None, root: str, part: str | None, ranks_text: str | None,
         raise UsageError("--ranks compares recorded ranks, --against-rerun compares one rank with re-runs: pick one")
     options = api.RerunOptions(modes=(mode,), device=device, factory=factory, toggles=parse_options(sets))
     rec, p = _part(run, root, part, as_json)
-    with rec:
+    with rec, program_output_to_stderr():  # the program's prints: not into the verdict or --json
         if against_rerun:
             _admit(p, factory=factory, trust=trust, say=_say(as_json))
             result = api.bisect_steps_rerun(p, rank, options, exhaustive=exhaustive, stream=stream, announce=_say(as_json),
@@ -184,7 +185,7 @@ def layers(run: Path | None, root: str, part: str | None, between: str, rank: in
                                     modules=split_list(modules_text) or None, context=context, trust=trust,
                                     save=not no_save, as_json=as_json)
     rec, p = _part(run, root, part, as_json)
-    with rec:
+    with rec, program_output_to_stderr():  # the program's prints: not into the verdict or --json
         _admit(p, factory=factory, trust=trust, say=_say(as_json))
         result = api.bisect_layers(p, between, step=step_index, rank=rank, mode=mode, options=options,
                                    modules=split_list(modules_text) or None, context=context, announce=_say(as_json),
@@ -215,6 +216,7 @@ def _layers_between_runs(run: Path | None, root: str, part: str | None, runs: li
         raise UsageError("--between run:A,run:B names both recordings: give no RUN or --part (or --between run:B alone)")
     say = _say(as_json)
     with ExitStack() as stack:
+        stack.enter_context(program_output_to_stderr())  # the program's prints: not into --json
         if len(runs) == 2:
             sa = open_side(runs[0], "A")
             stack.callback(sa.recording.close)
@@ -255,7 +257,7 @@ def config(run: Path | None, root: str, part: str | None, rank: int | None, step
     """The smallest set of toggles that makes a step match."""
     say = _say(as_json)
     rec, p = _part(run, root, part, as_json)
-    with rec:
+    with rec, program_output_to_stderr():  # the program's prints: not into the verdict or --json
         _admit(p, factory=factory, trust=trust, say=say)
         settings = ConfigBisectSettings(rank=rank, step=step_index, toggles=split_list(toggles_text) or None,
                                         criterion=criterion, against=against, device=device or api.default_device(p),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import click
 
@@ -15,7 +17,7 @@ from replay.states import RESULTS_FORMAT_VERSION
 from replay.textsafe import escape
 
 __all__ = ["run_argument", "json_option", "part_option", "open_run", "emit_json", "save_and_emit", "default_root",
-           "parse_options", "parse_ranks", "report_unreadable", "split_list"]
+           "parse_options", "parse_ranks", "report_unreadable", "split_list", "program_output_to_stderr"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,6 +44,36 @@ def part_option(fn: F) -> F:
     return click.option(
         "--part", default=None, help="Which run of the recording (default: the only one, or the first that diverged)."
     )(fn)  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def program_output_to_stderr() -> Iterator[None]:
+    """While a re-run runs the recorded program's code in this process (a module imported for
+    its step runs its top level; a step prints), what it prints goes to stderr: stdout carries
+    the verdict first, and ``--json`` output a parser can read. Both ``sys.stdout`` and file
+    descriptor 1 (C code and subprocesses write there)."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - a closed or odd stdout: nothing to keep apart
+        pass
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:
+        saved = None
+    real = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = real
+        if saved is not None:
+            try:
+                sys.stderr.flush()
+            except Exception:  # noqa: BLE001
+                pass
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def open_run(run: Path | None, root: str, *, quiet: bool = False) -> Recording:

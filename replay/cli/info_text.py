@@ -131,6 +131,8 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
         margins = s.get("margin_at_token_divergence", {})
         if margins:
             lines.append("  top-1/top-2 margin there: " + ", ".join(f"r{r} {fmt_margin(m)}" for r, m in margins.items()))
+    elif d is not None and s.get("token_fields") is False:
+        lines.append("no token field recorded: the ranks differ in bits; what they sampled was not recorded as tokens")
     elif d is not None:
         lines.append("no token divergence: the ranks differ in bits but sampled the same tokens")
     return lines

@@ -40,7 +40,8 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--graph-capture", multiple=True, metavar="MODULE:QUALNAME", help="A custom graph-capture callable.")
 @click.option("--graph-replay", multiple=True, metavar="MODULE:QUALNAME", help="A custom graph-replay callable.")
 @click.option("--probe", "probes", multiple=True, metavar="MODULE:QUALNAME", help="A callable inside the step whose outputs are recorded too.")
-@click.option("--output-name", "outputs", multiple=True, help="Names for the values a step returns, in order.")
+@click.option("--output-name", "outputs", multiple=True,
+              help="Names for the values a step returns, in order (repeat the option, or separate them with commas).")
 @click.option("--keyframe-every", type=click.IntRange(min=0), default=None, help="State keyframe every K steps [50].")
 @click.option("--ring", type=click.IntRange(min=0), default=None, help="Keep full logits of the last N steps [16].")
 @click.option("--collectives", type=click.Choice(["digest", "auto", "full"]), default=None,
@@ -77,7 +78,7 @@ def record(out, name, steps, profile, state, config_attr, factory, tuner, module
     _set_permissions(permissions)
     settings = _settings(
         steps=list(steps), profile=profile, state=state, config=config_attr, factory=factory, tuner=tuner,
-        modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), output_names=list(outputs),
+        modules=modules, graph_capture=list(graph_capture), graph_replay=list(graph_replay), probes=list(probes), output_names=[n.strip() for o in outputs for n in o.split(",") if n.strip()],
         keyframe_every=keyframe_every, ring=ring, collectives=collectives, durability=durability,
         record_ring_mib=record_ring_mib, ring_full=ring_full, drain=drain, max_bytes=max_bytes, check_lockstep=check_lockstep,
         stop_on_divergence=stop_on_divergence,

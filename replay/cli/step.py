@@ -8,7 +8,8 @@ from typing import Any
 import click
 
 from replay.analysis.summary import choose_part
-from replay.cli.common import emit_json, json_option, open_run, parse_options, parse_ranks, part_option, run_argument, save_and_emit
+from replay.cli.common import (emit_json, json_option, open_run, parse_options, parse_ranks, part_option, program_output_to_stderr,
+                               run_argument, save_and_emit)
 from replay.cli.render import style, table
 from replay.errors import ReplayError, RerunError, UsageError
 from replay.format.reader import Part
@@ -69,7 +70,8 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
         data, text, problem = _step_one(chosen, rank, step_index, settings, as_json)
     save_and_emit(rec.path, data, "" if as_json else text, save=not no_save, as_json=as_json)
     if problem is not None:
-        # Never exit 0 for a step that could not be re-run or checked: scripts read the code.
+        # Never exit 0 for a step that could not be re-run or checked, or that raised: scripts
+        # read the code.
         click.echo(f"replay: {escape(problem)}", err=True)
         return RerunError.exit_code
     return 0
@@ -82,8 +84,9 @@ def _step_one(chosen: Part, rank: int, step_index: int, settings: RerunOptions, 
         from replay.cli.progress import progress
     except ImportError:  # pragma: no cover
         progress = lambda it, label="": it  # noqa: E731
-    result = run_step(chosen, rank, step_index, settings, announce=announce, progress=progress)
-    return result.to_json(), render_step(result), result.problem()
+    with program_output_to_stderr():
+        result = run_step(chosen, rank, step_index, settings, announce=announce, progress=progress)
+    return result.to_json(), render_step(result), result.exit_reason()
 
 
 def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, modes: list[str] | None, devices: str | None,
@@ -106,17 +109,19 @@ def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, mod
         if modes is None:
             first_dev = (devices or "cpu").split(",")[0].strip()
             modes = default_modes(chosen, ranks[0], step_index, first_dev) if ranks else ["eager"]
-        results = rerun_ranks(path, chosen.name, ranks, step_index, modes=modes, devices=devices,
-                              repeat=repeat, factory=factory, options=options)
+        with program_output_to_stderr():
+            results = rerun_ranks(path, chosen.name, ranks, step_index, modes=modes, devices=devices,
+                                  repeat=repeat, factory=factory, options=options)
     if as_json:
         emit_json({"kind": "step-ranks", "results": list(results)})
     else:
         for r in results:
             click.echo(render_step_json(r))
-    failed = [r for r in results if r.get("error") or r.get("problem")]
+    failed = [r for r in results if r.get("error") or r.get("problem") or r.get("raised")]
     if failed:
         first = failed[0]
-        click.echo(f"replay: rank {first.get('rank')}: {escape(first.get('error') or first.get('problem'))}", err=True)
+        why = first.get("error") or first.get("problem") or first.get("raised")
+        click.echo(f"replay: rank {first.get('rank')}: {escape(why)}", err=True)
         return RerunError.exit_code
     return 0
 

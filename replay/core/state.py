@@ -4,10 +4,11 @@ Tensors: an ``nn.Module``'s buffers and non-parameter tensor attributes (``modul
 Scalars: the ``int``, ``float`` and ``bool`` attributes of the target object itself (a step
 counter, an ``input_pos`` kept as an int, a cache length). An engine that keeps such a counter
 on the Python side computes something else, or just says "decode step 0", when a re-run restores
-its tensors but not its counter. Keyframes hold those that changed since the first keyframe
-(a value that never changes is configuration, not state) as 0-d tensors under
-``SCALAR_PREFIX + name``, so the file format does not change; a re-run splits them off again
-(``split_scalars``) and sets them on the rebuilt object (``restore_scalars``).
+its tensors but not its counter. Keyframes hold them as 0-d tensors, so the file format does not
+change: those that changed since the first keyframe under ``SCALAR_PREFIX + name``, the others
+(maybe configuration) under ``UNCHANGED_PREFIX + name``; a re-run splits them off again
+(``split_scalars``) and sets them on the rebuilt object (``restore_scalars``): the changed ones
+always, the others only on the recorded program's own object (a re-launched program).
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["SCALAR_PREFIX", "module_state", "capture_scalars", "split_scalars", "restore_scalars", "with_scalars"]
+__all__ = ["SCALAR_PREFIX", "UNCHANGED_PREFIX", "GENERATOR_PREFIX", "module_state", "capture_generators",
+           "split_generators", "restore_generators", "capture_scalars", "split_scalars", "restore_scalars", "with_scalars"]
 
 SCALAR_PREFIX = "__py__."
+UNCHANGED_PREFIX = "__pyfixed__."  # a scalar that had not changed since the first keyframe
+GENERATOR_PREFIX = "__gen__."  # the state of a torch.Generator the target holds (uint8, as get_state)
+_MAX_GENERATORS = 64
 _MAX_SCALARS = 256  # a target object with more scalar attributes than this is not a step's state
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -93,10 +98,15 @@ def with_scalars(state_fn: Callable[[], dict[str, torch.Tensor]] | None, obj_ref
                 now = capture_scalars(obj)
                 if not first:
                     first.update({k: v.item() for k, v in now.items()} or {"": None})
-                # Only what changed since the first keyframe is step state (a counter); a value
-                # that never changed is configuration, which a re-run must not paper over (a
-                # rebuilt target configured otherwise has to show as such).
-                state.update({k: v for k, v in now.items() if k not in first or first[k] != v.item()})
+                # What changed since the first keyframe is step state (a counter); a value that
+                # never changed may be configuration, which a re-run of a rebuilt target must not
+                # paper over (one configured otherwise has to show as such). It is kept apart: a
+                # re-run inside the recorded program sets it back on the program's own object,
+                # whose calls before the first recorded one (found with no flags) moved it.
+                for k, v in now.items():
+                    changed = k not in first or first[k] != v.item()
+                    state[k if changed else UNCHANGED_PREFIX + k[len(SCALAR_PREFIX):]] = v
+                state.update(capture_generators(obj))
         except Exception:  # noqa: BLE001 - the scalars are extra; the tensors are the keyframe
             pass
         return state
@@ -104,12 +114,17 @@ def with_scalars(state_fn: Callable[[], dict[str, torch.Tensor]] | None, obj_ref
     return state_and_scalars
 
 
-def split_scalars(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, bool | int | float]]:
-    """A keyframe's tensors and its Python scalars (by attribute name, as Python values)."""
+def split_scalars(state: dict[str, torch.Tensor], unchanged: dict[str, bool | int | float] | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, bool | int | float]]:
+    """A keyframe's tensors and its Python scalars that changed since the first keyframe (by
+    attribute name, as Python values); those that had not go into ``unchanged`` when given."""
     tensors, scalars = {}, {}
     for k, v in state.items():
-        if k.startswith(SCALAR_PREFIX) and isinstance(v, torch.Tensor) and v.numel() == 1:
-            scalars[k[len(SCALAR_PREFIX):]] = v.item() if v.dtype != torch.bool else bool(v.item())
+        for prefix, into in ((SCALAR_PREFIX, scalars), (UNCHANGED_PREFIX, unchanged)):
+            if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.numel() == 1:
+                if into is not None:
+                    into[k[len(prefix):]] = v.item() if v.dtype != torch.bool else bool(v.item())
+                break
         else:
             tensors[k] = v
     return tensors, scalars
@@ -127,4 +142,78 @@ def restore_scalars(obj: Any, scalars: dict[str, bool | int | float]) -> list[st
             failed.append(name)
             continue
         setattr(obj, name, value)
+    return failed
+
+
+def _generators(obj: Any) -> dict[str, torch.Generator]:
+    """The ``torch.Generator``s the target holds, by dotted path: its own attributes, those of
+    its submodules (an ``nn.Module``), and those of the plain objects it holds one level down
+    (a sampler's generator). A program that samples with its own generator draws from these,
+    not from the default one the step's RNG state restores."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+
+    def look(prefix: str, o: Any, depth: int) -> None:
+        try:
+            items = list(vars(o).items())
+        except Exception:  # noqa: BLE001 - no __dict__ (slots, builtins), or one that refuses
+            return
+        for name, v in items:
+            if name.startswith("__") or len(found) >= _MAX_GENERATORS:
+                continue
+            if isinstance(v, torch.Generator):
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    found[f"{prefix}{name}"] = v
+            elif depth == 0 and not isinstance(v, (torch.nn.Module, torch.Tensor, type)) and hasattr(v, "__dict__") \
+                    and not callable(v):
+                look(f"{prefix}{name}.", v, depth + 1)
+
+    if isinstance(obj, torch.nn.Module):
+        for mod_name, m in obj.named_modules():
+            look(f"{mod_name}." if mod_name else "", m, 0 if not mod_name else 1)
+    elif obj is not None:
+        look("", obj, 0)
+    return found
+
+
+def capture_generators(obj: Any) -> dict[str, torch.Tensor]:
+    """The state of each generator the target holds (``_generators``), under the keyframe's
+    reserved names; never raises (a generator that cannot say its state is left out)."""
+    out = {}
+    try:
+        for path, g in _generators(obj).items():
+            try:
+                out[GENERATOR_PREFIX + path] = g.get_state()
+            except Exception:  # noqa: BLE001
+                continue
+    except Exception:  # noqa: BLE001
+        return {}
+    return out
+
+
+def split_generators(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A keyframe without its generator states, and those states by path."""
+    gens = {k[len(GENERATOR_PREFIX):]: v for k, v in state.items() if k.startswith(GENERATOR_PREFIX)}
+    return ({k: v for k, v in state.items() if not k.startswith(GENERATOR_PREFIX)} if gens else state), gens
+
+
+def restore_generators(obj: Any, states: dict[str, torch.Tensor]) -> list[str]:
+    """Set each recorded generator state on the target's generator of that path; returns the
+    paths it could not set (no such generator, or a state of another kind)."""
+    if not states:
+        return []
+    try:
+        live = _generators(obj)
+    except Exception:  # noqa: BLE001 - said by the caller as not restored
+        live = {}
+    failed = []
+    for path, st in states.items():
+        g = live.get(path)
+        try:
+            if g is None:
+                raise KeyError(path)
+            g.set_state(st.to("cpu", torch.uint8))
+        except Exception:  # noqa: BLE001 - said by the caller, never a traceback
+            failed.append(path)
     return failed

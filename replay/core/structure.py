@@ -4,11 +4,13 @@ named inputs when recorded, rebuilt with their types and ``None`` holes when re-
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from typing import Any
 
 import torch
 
-__all__ = ["STRUCTURE_ARG", "flatten_tensors", "rebuild_inputs"]
+__all__ = ["STRUCTURE_ARG", "MAX_OBJECT_BYTES", "flatten_tensors", "flatten_object", "rebuild_inputs", "RecordedObject", "object_fields"]
 
 # The recorded arguments' reserved key holding the shape of nested tensor arguments.
 STRUCTURE_ARG = "__structure__"
@@ -42,6 +44,107 @@ def flatten_tensors(name: str, v: Any) -> tuple[dict[str, torch.Tensor], Any] | 
     return (out, structure) if out else None
 
 
+_MAX_FIELDS = 64
+# A data object's tensors are recorded with every step: an object holding more than this (a KV
+# cache object the loop passes in) is left as it was, an argument the recording names but does
+# not keep, rather than copying a cache a step.
+MAX_OBJECT_BYTES = 16 << 20
+_JSON_LEAVES = (int, float, bool, str, type(None))
+
+
+_PLAIN_CLASSES: dict[type, bool] = {}
+
+
+def _plain_class(klass: type) -> bool:
+    """A class of data only: no public methods (a cache object with ``update`` is not data: a
+    re-run could not give it back its behaviour from the recorded fields)."""
+    plain = _PLAIN_CLASSES.get(klass)
+    if plain is None:
+        try:
+            plain = not any(callable(getattr(klass, n, None)) for n in dir(klass) if not n.startswith("_"))
+        except Exception:  # noqa: BLE001
+            plain = False
+        if len(_PLAIN_CLASSES) < 1024:
+            _PLAIN_CLASSES[klass] = plain
+    return plain
+
+
+def object_fields(v: Any) -> dict[str, Any] | None:
+    """The fields of a data object (a dataclass, a NamedTuple, a namespace, an instance of a
+    class with no public methods): what a step taking ``step(batch)`` reads. None for anything
+    else (a module, a class, a function, a tensor, a container, an object with behaviour)."""
+    if isinstance(v, (torch.Tensor, torch.nn.Module, type, list, dict, str, bytes)) or callable(v):
+        return None
+    if isinstance(v, tuple):
+        return dict(v._asdict()) if hasattr(v, "_asdict") else None
+    if dataclasses.is_dataclass(v):
+        return {f.name: getattr(v, f.name, None) for f in dataclasses.fields(v)}
+    if not isinstance(v, types.SimpleNamespace) and not _plain_class(type(v)):
+        return None
+    try:
+        return {k: x for k, x in vars(v).items() if not k.startswith("__")}
+    except TypeError:
+        return None
+
+
+def flatten_object(name: str, v: Any) -> tuple[dict[str, torch.Tensor], Any] | None:
+    """A data object holding tensors (``step(batch)`` with ``batch.ids``, ``batch.positions``)
+    as ``{name.field: tensor}`` and its structure: the fields that are tensors or containers of
+    them, and the JSON scalars beside them. None when ``v`` is no such object (no tensor in it,
+    or a field of anything else: a model, a file)."""
+    fields = object_fields(v)
+    if not fields or len(fields) > _MAX_FIELDS:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    keys, items = [], []
+    for k, x in fields.items():
+        if not isinstance(k, str) or "." in k:
+            return None
+        if isinstance(x, torch.Tensor):
+            out[f"{name}.{k}"] = x
+            spec: Any = "tensor"
+        elif isinstance(x, _JSON_LEAVES) and not (isinstance(x, float) and x != x):
+            spec = {"type": "value", "value": x}
+        else:
+            found = flatten_tensors(f"{name}.{k}", x) if isinstance(x, (list, tuple, dict)) else None
+            if found is None:
+                return None
+            out.update(found[0])
+            spec = found[1]
+        keys.append(k)
+        items.append(spec)
+    if not out or sum(t.numel() * t.element_size() for t in out.values()) > MAX_OBJECT_BYTES:
+        return None
+    klass = type(v)
+    return out, {"type": "object", "class": f"{klass.__module__}:{klass.__qualname__}", "keys": keys, "items": items}
+
+
+class RecordedObject(types.SimpleNamespace):
+    """A step's data-object argument rebuilt from the recording: its fields as attributes. The
+    re-run makes it an instance of the program's own class where it has one (``as_instance``);
+    elsewhere the step reads its fields from this."""
+
+    def __init__(self, class_name: str, fields: dict[str, Any]) -> None:
+        super().__init__(**fields)
+        object.__setattr__(self, "__replay_class__", class_name)
+
+    def as_instance(self, like: Any) -> Any:
+        """These fields in an instance of ``like``'s class (a copy of ``like``), when that is
+        the recorded class; else self."""
+        klass = type(like)
+        if f"{klass.__module__}:{klass.__qualname__}" != getattr(self, "__replay_class__", None):
+            return self
+        fields = {k: v for k, v in vars(self).items() if k != "__replay_class__"}
+        if isinstance(like, tuple) and hasattr(like, "_replace"):
+            return like._replace(**fields)
+        import copy
+
+        obj = copy.copy(like)
+        for k, v in fields.items():
+            object.__setattr__(obj, k, v)  # a frozen dataclass too
+        return obj
+
+
 def rebuild_inputs(inputs: dict[str, torch.Tensor], structures: dict[str, Any] | None = None) -> dict[str, Any]:
     """Inverse of ``split_arguments``'s flattening: ``{name: tensor or container}``.
 
@@ -68,6 +171,12 @@ def rebuild_inputs(inputs: dict[str, torch.Tensor], structures: dict[str, Any] |
             return None
         if spec.get("type") == "dict":
             return {k: build(f"{prefix}.{k}", s) for k, s in zip(spec.get("keys", []), spec.get("items", []))}
+        if spec.get("type") == "value":
+            value = spec.get("value")
+            return value if isinstance(value, _JSON_LEAVES) else None
+        if spec.get("type") == "object":
+            fields = {str(k): build(f"{prefix}.{k}", s) for k, s in zip(spec.get("keys", []), spec.get("items", []))}
+            return RecordedObject(str(spec.get("class", "")), fields)
         items = [build(f"{prefix}.{i}", s) for i, s in enumerate(spec.get("items", []))]
         return tuple(items) if spec.get("type") == "tuple" else items
 

@@ -194,6 +194,8 @@ class RankFile:
         self._summary: RankTables | None = None
         self._full: RankTables | None = None
         self._journal_problem: str | None = None
+        # False: the caller reads every stored tensor itself and says which are cut off (verify).
+        self.check_payload_size = True
         self._by_step: tuple[np.ndarray, np.ndarray] | None = None
         self._lock = threading.Lock()
 
@@ -211,7 +213,9 @@ class RankFile:
                         raise
                     # Sealed (by its recorder at exit) between our listing and our read.
                     self.sealed, self.live = True, False
-            return _h5.read_rank_file(self.h5_path, tables=None if full else _SUMMARY_TABLES)
+            t = _h5.read_rank_file(self.h5_path, tables=None if full else _SUMMARY_TABLES)
+            self._check_payload(t.payload_size)
+            return t
         except _h5._VersionError as e:
             raise FormatVersionError(
                 f"{self.path}: written by format version {e.version}; this replay reads versions up to "
@@ -223,6 +227,21 @@ class RankFile:
             raise RecordingDamaged(
                 f"{self.path}: cannot be read (it needs more memory than this process may use); `replay verify` says more"
             ) from None
+
+    def _check_payload(self, declared: int) -> None:
+        """A sealed rank's payload file holds at least the bytes its index declares: one cut
+        short (in transit, a full disk) is damage, said when the rank is opened rather than at
+        the first tensor read from it (a re-run would blame its own step for it)."""
+        if not declared or not self.check_payload_size:
+            return
+        try:
+            size = self.payload_path.stat().st_size
+        except FileNotFoundError:
+            raise RecordingDamaged(f"{self.payload_path}: is missing (the index declares {declared} bytes of it); "
+                                   "`replay verify` says more") from None
+        if size < declared:
+            raise RecordingDamaged(f"{self.payload_path}: is truncated ({size} of the {declared} bytes its index declares); "
+                                   "`replay verify` says more")
 
     def _load_journal(self) -> RankTables:
         builder = TablesBuilder()

@@ -359,20 +359,33 @@ def watch_main_defs(names: set[str], found: Callable[[], bool]) -> bool:
         # tracer left waiting for it would cost every call of the run.
         return False
 
+    def stop(frame: Any) -> None:
+        # Only this tracer: one the program installed meanwhile (coverage, a debugger, its own)
+        # is the program's, and stays.
+        if sys.gettrace() is tracer:
+            sys.settrace(None)
+        frame.f_trace = None
+
     def local(frame: Any, event: str, _arg: Any) -> Any:
         try:
             if event == "return" or found():
-                sys.settrace(None)
-                frame.f_trace = None
+                stop(frame)
                 return None
         except Exception:  # noqa: BLE001 - never into the program
-            sys.settrace(None)
-            frame.f_trace = None
+            stop(frame)
             return None
         return local
 
+    script: list[Any] = []  # the script's module code, once its frame started
+
     def tracer(frame: Any, event: str, _arg: Any) -> Any:
-        if event == "call" and frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+        code = frame.f_code
+        # The script's own module frame, the first of ``__main__``: not code a decorator
+        # exec()s later in its globals (a dataclass's __init__ is made so), whose end is not
+        # the script's.
+        if event == "call" and code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__" \
+                and (not script or code is script[0]):
+            script[:] = [code]
             return local
         return None
 

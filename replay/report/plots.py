@@ -146,6 +146,7 @@ def _halo(width: float = 3.0) -> list[Any]:
 
 def agreement_map(rep: Report) -> str:
     """Ranks x steps: each cell coloured by the most severe way the rank differs from the majority."""
+    _pyplot()  # matplotlib is there, or the error says what to install
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Patch
 
@@ -282,6 +283,7 @@ def timeline_plot(rep: Report) -> str | None:
     """Per rank, which graph ran at each step (by bucket), and where steps ran eagerly."""
     if not rep.n_steps:
         return None
+    _pyplot()  # matplotlib is there, or the error says what to install
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Patch
 
@@ -348,6 +350,7 @@ def layer_curve(result: dict[str, Any]) -> str | None:
                     color=_VERDICT_COLOURS["different"], fontsize=9, fontweight="bold", path_effects=_halo())
     ax.set_ylabel("max abs error" + ("\n(0 shown at the floor)" if (vals == 0).any() else ""))
     ax.grid(axis="y", color=_GRID, lw=0.6)
+    _pyplot()  # matplotlib is there, or the error says what to install
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], ls="none", marker="o", color=c, label=v) for v, c in _VERDICT_COLOURS.items()]

@@ -224,7 +224,10 @@ class _Takeover:
         launch = target.get("launch") or {}
         mains = {"__main__", "__mp_main__", str(launch.get("main_name") or "")}
         self.modules = mains if module in mains else {module}
-        self.qualname = f"{qual}.forward" if self.kind is StepKind.MODULE_FORWARD else qual
+        # A module's forward is named by its class when found with no flags, and as
+        # ``Class.forward`` when named with --step.
+        forward = self.kind is StepKind.MODULE_FORWARD and not qual.endswith(".forward")
+        self.qualname = f"{qual}.forward" if forward else qual
         self.name = self.qualname.rsplit(".", 1)[-1]
         # A compiled step naming a class (``torch.compile(model)``, ``model.compile()``,
         # ``model.forward = torch.compile(model.forward)``): its instances' forward is the step.
@@ -436,6 +439,7 @@ class _Takeover:
             else:
                 step_fn, ran_as = function_step(fn, kind, spec, rp._compiled())  # noqa: SLF001
             t = Target(spec, obj, step_fn, rp.device, kind=kind)
+            t.own_objects = True
             t.ran_as = ran_as
             t.live_args = live
             return t

@@ -158,11 +158,27 @@ class StepRerun:
                     return f"{m.mode}: step {self.step} raised {m.error} in the re-run (it completed when recorded)"
                 if kind != m.recorded_error.split(":")[0]:
                     return f"{m.mode}: step {self.step} raised {m.error} in the re-run; when recorded it raised {m.recorded_error}"
+                if not m.vs_recording:
+                    # Raising the same error is not a comparison: nothing the step computed was checked.
+                    return (f"{m.mode}: step {self.step} raised {kind} in the re-run, as it did when recorded; nothing it "
+                            f"computed before raising was recorded to compare with")
             elif not m.vs_recording:
                 names = ", ".join(sorted(m.digests or m.outputs)) or "nothing"
                 return (f"{m.mode}: no output of step {self.step} could be compared with the recording "
                         f"(the re-run returned {names}; the recording has no output of those names)")
         return None
+
+    def raised(self) -> str | None:
+        """The error the re-run raised as the step did when recorded (what it computed before
+        raising compared equal, else ``problem`` says so): reported, and never an exit 0."""
+        kinds = sorted({m.error.split(":")[0] for m in self.modes.values() if m.error})
+        if not kinds:
+            return None
+        return f"rank {self.rank} step {self.step} raised {', '.join(kinds)} in the re-run, as it did when recorded"
+
+    def exit_reason(self) -> str | None:
+        """Why ``replay step`` exits non-zero for this result (None: it reproduced, and nothing raised)."""
+        return self.problem() or self.raised()
 
     def headline(self) -> str:
         """The verdict in one line, for the first line of ``replay step``: reproduced only when every
@@ -174,10 +190,7 @@ class StepRerun:
         same = [m.mode for m in self.modes.values() if all(c.equal for c in m.vs_recording.values())]
         differ = [m for m in self.modes.values() if m.mode not in same]
         if not differ:
-            n = sum(len(m.vs_recording) for m in self.modes.values())
-            raised = sorted({m.error.split(":")[0] for m in self.modes.values() if m.error})
-            also = f"; it raised {', '.join(raised)} as it did when recorded" if raised else ""
-            return f"reproduced: {where} re-ran bit for bit in {', '.join(same)} ({n} output(s) bitwise equal to the recording){also}"
+            return self._reproduced(where, same)
         first = differ[0]
         bad = [(k, c) for k, c in first.vs_recording.items() if not c.equal]
         name, c = bad[0]
@@ -189,6 +202,13 @@ class StepRerun:
         if same:
             line += f"; {', '.join(same)} reproduce{'s' if len(same) == 1 else ''} it bit for bit"
         return line
+
+    def _reproduced(self, where: str, same: list[str]) -> str:
+        n = len({k for m in self.modes.values() for k in m.vs_recording})
+        each = " in each mode" if len(same) > 1 else ""
+        raised = sorted({m.error.split(":")[0] for m in self.modes.values() if m.error})
+        also = f"; it raised {', '.join(raised)} as it did when recorded" if raised else ""
+        return f"reproduced: {where} re-ran bit for bit in {', '.join(same)} ({n} output(s) bitwise equal to the recording{each}){also}"
 
     def to_json(self) -> dict[str, Any]:
         verdicts = [c.to_json() for c in self.comparisons]
@@ -210,6 +230,7 @@ class StepRerun:
             "stream": self.stream,
             "weights": self.weights.to_json() if self.weights is not None else None,
             "problem": self.problem(),
+            "raised": self.raised(),
             "headline": self.headline(),
         }
 

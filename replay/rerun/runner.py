@@ -27,7 +27,7 @@ from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
 from replay.core.outputs import name_outputs
 from replay.core.rng import restore_rng
-from replay.core.structure import STRUCTURE_ARG, rebuild_inputs
+from replay.core.structure import STRUCTURE_ARG, RecordedObject, rebuild_inputs
 from replay.core.weights import weight_digests
 from replay.rerun.collectives import RecordedCollectives
 from replay import numerics
@@ -144,7 +144,11 @@ class _StepDriver:
     def _call(self, step: int) -> dict[str, torch.Tensor]:
         view = self.rf.step(step)
         inputs = _step_inputs(self.rf, step, self.device)
-        args = _step_args(self.rf, step, self.target.obj, self.target.live_args)
+        live = self.target.live_args
+        for k, v in inputs.items():
+            if isinstance(v, RecordedObject) and k in live:
+                inputs[k] = v.as_instance(live[k])  # the program's own class, with the recorded fields
+        args = _step_args(self.rf, step, self.target.obj, live)
         rng = view.tensors(TensorKind.RNG)
         if rng:
             restore_rng(rng)
@@ -330,6 +334,10 @@ class Replayer:
 
     def build(self, install: Callable[[Target], None] | None = None) -> Target:
         """Build the target; ``install(target)`` runs before any graph is captured."""
+        if self._compiled() == "cudagraph" and not self.device.startswith("cuda"):
+            # torch.compile's reduce-overhead mode captures no graph off CUDA: a run called
+            # "cudagraph" would be the compiled step again, and its verdict a false one.
+            raise UsageError("cudagraph mode for a torch.compile'd step (its reduce-overhead CUDA graphs) needs --device cuda")
         self._ctx = contextlib.ExitStack()
         if self.collectives is not None:
             # Before the factory, which the contract promises torch.distributed as the re-run
@@ -579,6 +587,9 @@ def _note_scalars(target: Target, keyframe: int, result: StepRerun) -> None:
     if shown:
         notes.append(f"restored the target's Python state from the keyframe at step {keyframe}: {shown}"
                      + (", ..." if len(target.restored_scalars) > 8 else ""))
+    if target.restored_generators:
+        gens = ", ".join(target.restored_generators[:8])
+        notes.append(f"restored the state of the target's own torch.Generator(s) from the keyframe at step {keyframe}: {gens}")
     if target.unrestored_scalars:
         notes.append(f"the keyframe at step {keyframe} holds Python state the rebuilt target has no attribute of that "
                      f"type for ({', '.join(target.unrestored_scalars[:8])}): not restored")

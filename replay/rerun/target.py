@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 
 from replay.errors import FactoryError, OutOfRange, RerunError
-from replay.core.state import capture_scalars, module_state, restore_scalars, split_scalars
+from replay.core.state import (capture_generators, capture_scalars, module_state, restore_generators, restore_scalars, split_generators,
+                               split_scalars)
 from replay.format.reader import RankFile
 from replay.rerun.imports import ImportContext, import_recorded
 
@@ -158,7 +159,11 @@ class Target:
         # The Python scalars (a step counter) the last load_state set, and those it could not.
         self.restored_scalars: dict[str, Any] = {}
         self.unrestored_scalars: list[str] = []
+        self.restored_generators: list[str] = []  # paths of the target's generators the last load_state set
         self._built_scalars: dict[str, Any] | None = None  # the scalars as built, before any keyframe
+        # The recorded program's own objects (a re-launched program), not a rebuilt target: its
+        # scalars that looked like configuration are set back to their recorded values too.
+        self.own_objects = False
 
     def state(self) -> dict[str, torch.Tensor]:
         if self.obj is None:
@@ -206,15 +211,26 @@ class Target:
 
     def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore a keyframe: its tensors in place, and the object's Python scalars it holds."""
-        tensors, scalars = split_scalars(tensors)
+        unchanged: dict[str, Any] = {}
+        tensors, generators = split_generators(tensors)
+        tensors, scalars = split_scalars(tensors, unchanged)
         if self._built_scalars is None:
             self._built_scalars = split_scalars(capture_scalars(self.obj))[1] if self.obj is not None else {}
         # Back to the values the target was built with first: a keyframe holds only the scalars
         # that had changed since the first one, and a target re-used from a later step (bisection
         # probes, repeats) must not carry its counter into an earlier interval.
         restore_scalars(self.obj, self._built_scalars)
+        if self.own_objects and self.obj is not None:
+            # The program's own object: nothing to hide about how it was configured, and its
+            # calls before the recorded ones (a step found with no flags) may have moved a value.
+            live = split_scalars(capture_scalars(self.obj))[1]
+            scalars = {**{k: v for k, v in unchanged.items() if k in live and live[k] != v}, **scalars}
         self.unrestored_scalars = restore_scalars(self.obj, scalars)
         self.restored_scalars = {k: v for k, v in scalars.items() if k not in self.unrestored_scalars}
+        # The target's own generators (a sampler's): drawn from as they were at the keyframe.
+        failed = restore_generators(self.obj, generators)
+        self.unrestored_scalars += [f"generator {g}" for g in failed]
+        self.restored_generators = sorted(set(generators) - set(failed))
         live = self.state()
         missing = sorted(set(tensors) - set(live))
         if missing:
@@ -232,6 +248,7 @@ class Target:
         snap = {k: v.detach().clone() for k, v in self.state().items()}
         if self.obj is not None:
             snap.update(capture_scalars(self.obj))
+            snap.update(capture_generators(self.obj))
         return snap
 
 

@@ -67,7 +67,7 @@ def run() -> int:
                 code = -1
                 err.write(f"main() raised {e.__class__.__name__}: {e}\n")
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        res = {"code": code, "out": out.getvalue()[-4000:], "err": err.getvalue()[-4000:],
+        res = {"code": code, "out": out.getvalue()[-16000:], "err": err.getvalue()[-4000:],
                "secs": time.monotonic() - t0, "rss_mb": rss}
         real_out.write(json.dumps(res) + "\n")
         real_out.flush()
