@@ -100,7 +100,7 @@ def test_same_recordings_are_the_same(tmp_path, run_cli):
     res = run_cli("diff", a, b)
     assert res.code == 0, res.err
     first = res.out.splitlines()[0]
-    assert first.startswith("the same:") and "2 streams x 4 steps" in first
+    assert first.startswith("the same:") and "2 ranks x 4 steps" in first
     assert "weights not recorded in either run" in res.out
 
 

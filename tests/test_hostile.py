@@ -196,3 +196,15 @@ def test_running_unrecorded_is_the_users_choice(tmp_path: Path) -> None:
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 0 and marker.exists(), res.stderr
     assert len(lines) == 1 and "running" in lines[0] and "unrecorded" in lines[0], res.stderr
+
+
+def test_a_saved_result_is_named_by_what_it_has(tmp_path):
+    """A result of one rank and step names them; one of neither (a bisection over all steps of
+    all ranks) names neither, never ``rNone``/``sNone``."""
+    from replay.format.results import save_result
+
+    (tmp_path / "results").mkdir()
+    one = save_result(tmp_path, {"kind": "step", "rank": 3, "step": 10})
+    none = save_result(tmp_path, {"kind": "bisect-steps", "rank": None, "step": None})
+    assert one is not None and one.name.startswith("step-r3-s10-")
+    assert none is not None and none.name.startswith("bisect-steps-2") and "None" not in none.name

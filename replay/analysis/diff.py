@@ -309,8 +309,10 @@ def _headline(rd: RunDiff) -> str:
 def _same_headline(rd: RunDiff) -> str:
     n_steps = max((s.facts.common.size for s in rd.streams), default=0)
     plural = "s" if len(rd.streams) != 1 else ""
+    # Each compared pair is a rank of A against a rank of B ("stream" is the draft/target word of `info`).
+    unit = "rank" if all(x.same_layout and x.rank_a == x.rank_b for x in rd.streams) else "rank pair"
     unsharded = f", {len(rd.unsharded)} field(s) compared unsharded" if rd.unsharded else ""
-    return f"the same: every field of every step has the same bits ({len(rd.streams)} stream{plural} x {n_steps} steps{unsharded})"
+    return f"the same: every field of every step has the same bits ({len(rd.streams)} {unit}{plural} x {n_steps} steps{unsharded})"
 
 
 def _differing_weights(rd: RunDiff) -> Any:

@@ -145,12 +145,14 @@ def remove_inside(recording: Path, name: str) -> None:
 def save_result(recording: Path, data: dict[str, Any]) -> Path | None:
     """Write ``data`` (a result's ``to_json()``) to ``<recording>/results/``; None if it cannot be.
 
-    The name says what it is: ``<kind>-r<rank>-s<step>-<time>.json``. The file appears whole or
+    The name says what it is: ``<kind>-r<rank>-s<step>-<time>.json`` (rank and step when it has them). The file appears whole or
     not at all (written aside, then linked into place), so the report never reads half a result;
     it never follows a link out of the recording.
     """
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = f"{data['kind']}-r{data.get('rank', 'x')}-s{data.get('step', 'x')}-{stamp}"
+    # A result of no one rank or step (a bisection across ranks, over all steps) names neither.
+    where = "".join(f"-{k}{data[key]}" for k, key in (("r", "rank"), ("s", "step")) if data.get(key) is not None)
+    base = f"{data['kind']}{where}-{stamp}"
     base = "".join(c if c.isalnum() or c in "-_.," else "_" for c in base)[:200]
     body = json.dumps(data, indent=1, default=str).encode("utf-8")
     for n in range(1000):  # two results in one second: keep both
