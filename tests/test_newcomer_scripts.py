@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RERUN_ERROR = 7
@@ -120,6 +121,10 @@ def test_a_counter_the_module_keeps_is_set_back_for_a_step_found_with_no_flags(t
     for step in (0, 3):
         res = _replay("step", rec, "--rank", 0, "--step", step, "--no-save", cwd=tmp_path)
         assert res.returncode == 0 and res.stdout.startswith(f"reproduced: rank 0 step {step}"), res.stdout + res.stderr
+    if not torch.cuda.is_available():
+        # Refused before the program is started again, not after.
+        res = _replay("step", rec, "--rank", 0, "--step", 1, "--device", "cuda:0", "--no-save", cwd=tmp_path)
+        assert res.returncode == 2 and "no CUDA device here" in res.stderr and "re-launching" not in res.stderr, res.stderr
 
 
 def test_a_function_step_after_a_dataclass_is_recorded_from_its_first_call(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from replay.errors import UsageError
 from replay.format.reader import Part
 from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
 from replay.rerun.result import StepRerun
@@ -48,6 +49,11 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
         settings.modes = tuple(default_modes(part, rank, step, settings.device, relaunch=relaunch))
     if not relaunch:
         return rerun_step(part, rank, step, settings, announce=announce, progress=progress)
+    # What the re-run inside the program would refuse, refused before starting it (seconds).
+    import torch
+
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {settings.device}: no CUDA device here; use --device cpu")
     # No factory: the recorded program, started again in replay mode, is its own factory.
     spec = RelaunchSpec(recording=settings.recording, part=part.name, rank=rank, step=step, modes=list(settings.modes),
                         device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
