@@ -56,10 +56,13 @@ def program_output_to_stderr() -> Iterator[None]:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - a closed or odd stdout: nothing to keep apart
         pass
+    saved: int | None = None
     try:
         saved = os.dup(1)
         os.dup2(2, 1)
     except OSError:
+        if saved is not None:
+            os.close(saved)
         saved = None
     real = sys.stdout
     sys.stdout = sys.stderr
