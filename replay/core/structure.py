@@ -4,6 +4,7 @@ named inputs when recorded, rebuilt with their types and ``None`` holes when re-
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 from typing import Any
@@ -73,7 +74,8 @@ def object_fields(v: Any) -> dict[str, Any] | None:
     """The fields of a data object (a dataclass, a NamedTuple, a namespace, an instance of a
     class with no public methods): what a step taking ``step(batch)`` reads. None for anything
     else (a module, a class, a function, a tensor, a container, an object with behaviour)."""
-    if isinstance(v, (torch.Tensor, torch.nn.Module, type, list, dict, str, bytes)) or callable(v):
+    if isinstance(v, (*_JSON_LEAVES, bytes, torch.Tensor, torch.nn.Module, type, list, dict, torch.dtype, torch.device)) \
+            or callable(v):
         return None
     if isinstance(v, tuple):
         return dict(v._asdict()) if hasattr(v, "_asdict") else None
@@ -137,8 +139,6 @@ class RecordedObject(types.SimpleNamespace):
         fields = {k: v for k, v in vars(self).items() if k != "__replay_class__"}
         if isinstance(like, tuple) and hasattr(like, "_replace"):
             return like._replace(**fields)
-        import copy
-
         obj = copy.copy(like)
         for k, v in fields.items():
             object.__setattr__(obj, k, v)  # a frozen dataclass too

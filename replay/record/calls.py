@@ -13,7 +13,7 @@ from replay.core.outputs import name_outputs  # noqa: F401 - the vocabulary move
 from replay.core.state import module_state  # noqa: F401
 from replay.core.structure import STRUCTURE_ARG, flatten_object, flatten_tensors, rebuild_inputs  # noqa: F401 - shared with rerun
 
-__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
+__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "flatten_object", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
 
 _SCALARS = (int, float, bool, str, type(None))
 
@@ -219,7 +219,7 @@ def split_arguments(
             scalars[n] = {"target": True, "type": type(v).__name__}
         elif (attr := attribute_holding(owner, v) if not isinstance(v, (list, tuple, dict, torch.dtype)) else None):
             scalars[n] = {"attr": attr, "type": type(v).__name__}
-        elif (obj := flatten_object(n, v) if not isinstance(v, _SCALARS) else None) is not None:
+        elif (obj := flatten_object(n, v)) is not None:
             # A data object (``step(batch)``): its tensors as inputs, its shape and scalars as structure.
             tensors.update(obj[0])
             structures[n] = obj[1]

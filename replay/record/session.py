@@ -31,6 +31,7 @@ from replay.record.calls import (
     access,
     attribute_holding,
     capturing,
+    flatten_object,
     module_state,
     name_outputs,
     split_arguments,
@@ -48,18 +49,6 @@ from replay.record.recorder import Recorder
 __all__ = ["Session", "allocate_part"]
 
 log = get_logger("replay.record")
-
-# Arguments that are never data objects holding tensors (the early path's check skips them).
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
-
-
-def _holds_tensors(v: Any) -> bool:
-    """Whether ``v`` is a data object whose tensors are recorded as the step's inputs
-    (``step(batch)``): they must be copied before the call, not after."""
-    from replay.core.structure import flatten_object, object_fields
-
-    fields = object_fields(v)
-    return bool(fields) and any(isinstance(x, torch.Tensor) for x in fields.values()) and flatten_object("_", v) is not None
 
 
 
@@ -708,8 +697,10 @@ class Session(GraphEvents):
                 tensors.append(v)
             elif isinstance(v, (list, tuple, dict)):
                 return None  # containers may hold tensors: the full path looks into them
-            elif not isinstance(v, _PLAIN) and _holds_tensors(v) and attribute_holding(obj, v) is None:
-                return None  # a data object (``step(batch)``): its tensors are recorded before the call
+            elif flatten_object("_", v) is not None and attribute_holding(obj, v) is None:
+                # A data object (``step(batch)``) whose tensors ``split_arguments`` records: the
+                # full path copies them before the call.
+                return None
         # ``checked``: ``_call_step`` has just seen that no graph is being captured.
         if not tensors or rec.begin_step(checked=True) < 0:
             return None

@@ -171,10 +171,13 @@ class StepRerun:
     def raised(self) -> str | None:
         """The error the re-run raised as the step did when recorded (what it computed before
         raising compared equal, else ``problem`` says so): reported, and never an exit 0."""
-        kinds = sorted({m.error.split(":")[0] for m in self.modes.values() if m.error})
+        kinds = self._raised_kinds()
         if not kinds:
             return None
         return f"rank {self.rank} step {self.step} raised {', '.join(kinds)} in the re-run, as it did when recorded"
+
+    def _raised_kinds(self) -> list[str]:
+        return sorted({m.error.split(":")[0] for m in self.modes.values() if m.error})
 
     def exit_reason(self) -> str | None:
         """Why ``replay step`` exits non-zero for this result (None: it reproduced, and nothing raised)."""
@@ -206,7 +209,7 @@ class StepRerun:
     def _reproduced(self, where: str, same: list[str]) -> str:
         n = len({k for m in self.modes.values() for k in m.vs_recording})
         each = " in each mode" if len(same) > 1 else ""
-        raised = sorted({m.error.split(":")[0] for m in self.modes.values() if m.error})
+        raised = self._raised_kinds()
         also = f"; it raised {', '.join(raised)} as it did when recorded" if raised else ""
         return f"reproduced: {where} re-ran bit for bit in {', '.join(same)} ({n} output(s) bitwise equal to the recording{each}){also}"
 

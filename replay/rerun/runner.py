@@ -60,6 +60,12 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     return t.to(device) if device != "cpu" else t
 
 
+def check_device(device: str) -> None:
+    """Refuse a CUDA device on a machine without one (before anything is built or launched)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: no CUDA device here; use --device cpu")
+
+
 def _raw_args(rf: RankFile, step: int) -> dict[str, Any]:
     """A step's recorded JSON arguments as recorded, reserved ones (``__structure__``) included."""
     sid = int(rf.step(step).row["args"])
@@ -269,8 +275,7 @@ class Replayer:
         bisection runs two ranks' targets on the same data, so only their settings differ."""
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}: use eager, cudagraph, compiled or both")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: no CUDA device here; use --device cpu")
+        check_device(device)
         self.part = part
         self.rank = rank
         self.rf = part[rank]

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from replay.errors import UsageError
 from replay.format.reader import Part
 from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
 from replay.rerun.result import StepRerun
-from replay.rerun.runner import RerunOptions, default_modes, rerun_step
+from replay.rerun.runner import RerunOptions, check_device, default_modes, rerun_step
 from replay.rerun.streams import check_stream, target_info
 
 __all__ = ["default_device", "uses_relaunch", "run_step"]
@@ -49,11 +48,7 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
         settings.modes = tuple(default_modes(part, rank, step, settings.device, relaunch=relaunch))
     if not relaunch:
         return rerun_step(part, rank, step, settings, announce=announce, progress=progress)
-    # What the re-run inside the program would refuse, refused before starting it (seconds).
-    import torch
-
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {settings.device}: no CUDA device here; use --device cpu")
+    check_device(settings.device)  # what the re-run inside the program would refuse, before starting it
     # No factory: the recorded program, started again in replay mode, is its own factory.
     spec = RelaunchSpec(recording=settings.recording, part=part.name, rank=rank, step=step, modes=list(settings.modes),
                         device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
