@@ -193,3 +193,23 @@ def test_a_forked_process_never_writes_into_its_parent_s_recording(tmp_path):
     rec.close()
     assert rec.error is None and rec._writer.failed is False
     _assert_steps(tmp_path / "r", 6)
+
+
+def test_a_drain_that_ends_right_after_doing_what_was_waited_for_is_not_a_failure() -> None:
+    """The drain process ends once it has written the end marker. A wait that looked at the tail
+    just before the drain moved it, and at the process just after it ended, called that a failure
+    ("the drain process ended with code 0"), and a complete recording read as stopped early."""
+
+    class _Ended:
+        stderr = None
+
+        def poll(self) -> int:
+            return 0
+
+    class _Ring:
+        forked = False
+
+    drain = DrainProcess.__new__(DrainProcess)
+    drain.ring, drain._proc = _Ring(), _Ended()
+    looks = iter([False, True])  # not yet when first looked at; done by the second look
+    drain._wait(lambda: next(looks), timeout=5.0)  # must not raise

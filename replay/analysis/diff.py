@@ -327,7 +327,7 @@ def _different_headline(rd: RunDiff) -> str:
     text = f"different: {s.name} step {f.step}: {f.field} first differs; {steps} of {s.facts.common.size} steps differ"
     if rd.first_token is not None:
         t = rd.first_token[1]
-        text += f"; first token divergence step {t.step} ({t.field}, margin A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
+        text += f"; first token divergence step {t.step} ({t.field}, smallest top-2 margin of its rows A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
     elif any(x.token_fields for x in rd.streams):
         text += "; no token divergence"
     else:

@@ -45,6 +45,7 @@ _CAP = 20  # items listed per category; the count says how many there are
 
 class Category(enum.Enum):
     WEIGHTS = "weights"
+    BUFFERS = "buffers"
     CONFIG = "config"
     NUMERICS = "numerics"
     TUNER = "tuner choices"
@@ -130,6 +131,21 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
                            note="names, shapes and dtypes the same; digests are per shard, so the values cannot be "
                                 "compared across layouts")
     return _capped(Category.WEIGHTS, merged, "the runs are laid out differently: only names, shapes and dtypes compared")
+
+
+def _buffers(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> ContextDiff:
+    """Buffers as they were when each run's first step was recorded: a quantised model's weights
+    (int8 and scales), and state such as caches."""
+    ba = [_target(a).get("buffers") for a, _ in pairs]
+    bb = [_target(b).get("buffers") for _, b in pairs]
+    if not all(isinstance(x, dict) for x in ba + bb):
+        return ContextDiff(category=Category.BUFFERS, compared=False, note="buffers not recorded in both runs")
+    if not same_layout:
+        return ContextDiff(category=Category.BUFFERS, compared=False, note="digests are per shard: not compared across layouts")
+    worlds = (_world(pairs[0][0]), _world(pairs[0][1]))
+    items = [it for (ra, rb), da, db in zip(pairs, ba, bb) for name in sorted(set(da) | set(db))
+             if (it := _weight_item(name, da.get(name), db.get(name), (ra.rank, rb.rank), worlds)) is not None]
+    return _capped(Category.BUFFERS, list(_merge_ranks(items).values()), "as at each run's first recorded step")
 
 
 def _world(m: RankMeta) -> int:
@@ -361,6 +377,7 @@ def context_differences(
     a0, b0 = pairs[0]
     return [
         _weights(pairs, same_layout),
+        _buffers(pairs, same_layout),
         _config(a0, b0),
         _numerics(a0, b0, numerics_per_step),
         _tuner(pairs),

@@ -78,6 +78,17 @@ def has_fields(part: Part, prefix: str) -> bool:
     return False
 
 
+# The verdict when the ranks agree on everything recorded, and that is only what went into the steps.
+NO_OUTPUT_FIELDS = ("the steps recorded no output or token field, only what went into them (which agrees); "
+                    "name what a step computes with --output-name, or record a callable inside it with --probe")
+
+
+def computed_fields(part: Part) -> bool:
+    """Whether any rank recorded a field the steps computed (an output, a token, a probe's):
+    inputs, arguments and collectives alone cannot show that the ranks computed the same."""
+    return has_fields(part, "output.") or has_fields(part, "tokens.")
+
+
 def first_divergence(
     part: Part, *, prefix: str | None = None, ranks: Iterable[int] | None = None, steps: np.ndarray | None = None
 ) -> Divergence | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.analysis.divergence import Divergence, first_divergence, has_fields
+from replay.analysis.divergence import NO_OUTPUT_FIELDS, Divergence, computed_fields, first_divergence, has_fields
 from replay.errors import FormatVersionError, RecordingDamaged
 from replay.format.reader import Part, RankFile, Recording
 from replay.format.schema import RunMode, StepStatus
@@ -218,6 +218,8 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         "first_token_divergence": tok.to_json() if tok else None,
         # No token field recorded: "no token divergence" would be a claim nothing was compared for.
         "token_fields": tok is not None or has_fields(part, "tokens."),
+        # Only inputs (and collectives) recorded: their agreement says nothing of what the steps computed.
+        "output_fields": div is not None or computed_fields(part),
     }
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
@@ -241,6 +243,8 @@ def verdict_line(summary: dict[str, Any]) -> str:
         if any(not int(r.get("steps") or 0) for r in ranks):
             # A rank with no step shares none with the others: nothing was compared.
             return f"nothing compared{left_out}: a rank recorded no step, so the ranks share no step to compare"
+        if summary.get("output_fields") is False:
+            return f"nothing compared{left_out}: {NO_OUTPUT_FIELDS}"
         return f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step"
     text = (f"first divergence at {_at(d)}{left_out}: {d['field']} differs on rank(s) "
             f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d.get('majority') or []))})")

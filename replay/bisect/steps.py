@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from dataclasses import field as _field
 from typing import Any
 
-from replay.analysis.divergence import first_divergence
+from replay.analysis.divergence import NO_OUTPUT_FIELDS, computed_fields, first_divergence, has_fields
 from replay.errors import RerunError, UsageError
 from replay.format.reader import Part
 from replay.rerun.runner import Replayer
@@ -71,6 +71,16 @@ class StepsBisection:
     only_stream: str | None = None
     token_stream: str | None = None
     token_stream_step: int | None = None
+    # how == "ranks": whether a field the steps computed, and a token field, were recorded at all
+    # (agreement of inputs alone, or tokens never recorded, is no verdict).
+    output_fields: bool = True
+    token_fields: bool = True
+
+    def problem(self) -> str | None:
+        """Why this bisection compared nothing the steps computed (a non-zero exit), or None."""
+        if self.how == StepsHow.RANKS and self.first is None and not self.output_fields:
+            return f"nothing compared: {NO_OUTPUT_FIELDS}"
+        return None
 
     def _at(self, step: int, stream: str | None, own: int | None, detail: str = "") -> str:
         """"step 5 (stream draft, its step 3; DETAIL)", as ``replay info`` names a step of a stream."""
@@ -80,6 +90,8 @@ class StepsBisection:
     def verdict(self) -> str:
         if self.how == StepsHow.RANKS:
             who = (f"stream {self.only_stream}: " if self.only_stream else "") + "ranks " + ", ".join(map(str, self.ranks))
+            if self.first is None and not self.output_fields:
+                return f"{who}: nothing compared: {NO_OUTPUT_FIELDS}"
             if self.first is None:
                 return f"{who} agree at every common step"
             odd = f"{self.field}: rank{'s' if len(self.odd) > 1 else ''} {', '.join(map(str, self.odd))} against " \
@@ -87,6 +99,8 @@ class StepsBisection:
             line = f"{who} first disagree at {self._at(self.first, self.stream, self.stream_step, odd)}"
             if self.first_token is not None and self.first_token != self.first:
                 line += f"; tokens first differ at {self._at(self.first_token, self.token_stream, self.token_stream_step)}"
+            elif self.first_token is None and not self.token_fields:
+                line += "; no token field recorded to compare"
             elif self.first_token is None:
                 line += "; the tokens never differ"
             return line
@@ -126,6 +140,8 @@ class StepsBisection:
             "only_stream": self.only_stream,
             "token_stream": self.token_stream,
             "token_stream_step": self.token_stream_step,
+            "output_fields": self.output_fields,
+            "token_fields": self.token_fields,
         }
 
 
@@ -146,6 +162,8 @@ def bisect_steps(part: Part, *, ranks: list[int] | None = None, recording: str =
     d = first_divergence(part, ranks=chosen, steps=mine)
     t = first_divergence(part, ranks=chosen, prefix="tokens.", steps=mine)
     res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RANKS, ranks=chosen, first=None, only_stream=stream)
+    res.output_fields = d is not None or computed_fields(part)
+    res.token_fields = t is not None or has_fields(part, "tokens.")
     if d is not None:
         res.first, res.field, res.odd, res.majority = d.step, d.field, d.ranks, d.majority
         res.stream, res.stream_step = labels.label(d.step)

@@ -102,7 +102,7 @@ def _say(as_json: bool) -> Callable[[str], None]:
 def _finish(rec_path: Path, result: StepsBisection | LayersBisection | ConfigBisection, *, save: bool, as_json: bool) -> int:
     save_and_emit(rec_path, result.to_json(), "" if as_json else render(result), save=save, as_json=as_json)
     # [foreign: truthful verdicts] a layer bisection whose step raised, or that compared nothing, is not a result.
-    problem = result.problem() if isinstance(result, LayersBisection) else None
+    problem = result.problem() if isinstance(result, (LayersBisection, StepsBisection)) else None
     if problem is not None:
         click.echo(f"replay: {escape(problem)}", err=True)
         return RerunError.exit_code

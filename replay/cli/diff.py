@@ -77,7 +77,7 @@ def _margins(f: dict[str, Any] | Any) -> str:
     if ma is None and mb is None:
         return ""
     fm = lambda m: "-" if m is None else f"{m:.3g}"  # noqa: E731
-    return f" (margin A {fm(ma)}, B {fm(mb)})"
+    return f" (min margin A {fm(ma)}, B {fm(mb)})"
 
 
 def _where(f: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from replay import api
+from replay.analysis.divergence import NO_OUTPUT_FIELDS
 from replay.analysis.summary import verdict_line
 from replay.cli.render import fmt_margin, style, table
 from replay.textsafe import escape
@@ -119,6 +120,8 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
                  else "one rank: nothing to compare across ranks"]
     elif d is None and any(not int(r.get("steps") or 0) for r in s["ranks"]):
         lines = ["nothing compared: a rank recorded no step, so the ranks share no step to compare"]
+    elif d is None and s.get("output_fields") is False:
+        lines = [f"nothing compared: {NO_OUTPUT_FIELDS}"]
     elif d is None:
         read = "every rank that can be read" if s["unreadable_ranks"] else "every rank"
         lines = [style(f"no divergence: {read} recorded the same bits at every common step", fg="green")]
@@ -130,7 +133,7 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
                            f"{_ranks(t['ranks'])}", fg="red", bold=True))
         margins = s.get("margin_at_token_divergence", {})
         if margins:
-            lines.append("  top-1/top-2 margin there: " + ", ".join(f"r{r} {fmt_margin(m)}" for r, m in margins.items()))
+            lines.append("  smallest top-1/top-2 margin of the step's rows: " + ", ".join(f"r{r} {fmt_margin(m)}" for r, m in margins.items()))
     elif d is not None and s.get("token_fields") is False:
         lines.append("no token field recorded: the ranks differ in bits; what they sampled was not recorded as tokens")
     elif d is not None:

@@ -15,7 +15,7 @@ from replay.errors import ReplayError, RerunError, UsageError
 from replay.format.reader import Part
 from replay.textsafe import escape
 from replay.rerun.result import ModeRun, StepRerun
-from replay.rerun.runner import RerunOptions, default_modes
+from replay.rerun.runner import NO_KEYFRAME_NOTE, RerunOptions, default_modes
 from replay.rerun.step import run_step, uses_relaunch
 
 EPILOG = """\b
@@ -30,7 +30,7 @@ Examples:
 @click.command(epilog=EPILOG)
 @run_argument
 @part_option
-@click.option("--rank", type=int, default=None, help="The rank to re-run.")
+@click.option("--rank", type=int, default=None, help="The rank to re-run (default: the only rank of a one-rank recording).")
 @click.option("--ranks", "ranks_text", default=None, help="Several ranks (0-7 or 0,3): one process each.")
 @click.option("--step", "step_index", type=int, required=True, help="The step to re-run.")
 @click.option("--mode", type=click.Choice(["eager", "cudagraph", "compiled", "both"]), default=None,
@@ -51,12 +51,17 @@ def step(run: Path | None, root: str, part: str | None, rank: int | None, ranks_
          mode: str | None, device: str | None, devices: str | None, repeat: int, factory: str | None, stream: str | None,
          sets: tuple[str, ...], no_save: bool, as_json: bool, trust: bool = False) -> int:
     """Re-run step STEP of a rank of RUN (default: the newest recording) and compare it."""
-    if (rank is None) == (ranks_text is None):
-        raise UsageError("give --rank R (one rank) or --ranks LIST (several)")
+    if rank is not None and ranks_text is not None:
+        raise UsageError("give --rank R (one rank) or --ranks LIST (several), not both")
     options = parse_options(sets)
     modes = ["eager", "cudagraph"] if mode == "both" else [mode] if mode else None
     with open_run(run, root, quiet=as_json) as rec:
         chosen = choose_part(rec, part)
+        if rank is None and ranks_text is None:
+            if len(chosen) != 1:
+                raise UsageError(f"give --rank R (one rank) or --ranks LIST (several): part {chosen.name} has ranks "
+                                 f"{', '.join(map(str, chosen))}")
+            rank = next(iter(chosen))  # a one-rank recording: that rank
         from replay.trust import admit_part  # issue 16: one line before anything is imported
 
         admit_part(chosen, factory=factory, trust=trust, recording=rec.path,
@@ -126,12 +131,17 @@ def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, mod
     return 0
 
 
+def _no_keyframe(r: StepRerun) -> bool:
+    return NO_KEYFRAME_NOTE in r.notes
+
+
 def render_step(r: StepRerun) -> str:
     stream = f", stream {escape(r.stream)}" if r.stream else ""
     verdict = r.headline()
     lines = [style(escape(verdict), fg="green" if verdict.startswith("reproduced") else "red"),
              f"rank {r.rank}, step {r.step} of {escape(r.recording)} (part {escape(r.part)}{stream}) on {r.device}, "
-             f"from the keyframe at step {r.keyframe}"]
+             + (f"from step {r.keyframe} (no state keyframe recorded: a fresh target)" if _no_keyframe(r)
+              else f"from the keyframe at step {r.keyframe}")]
     if r.weights is not None and (any(_departs(m) for m in r.modes.values()) or not r.weights.same):
         lines.append(style(f"  {escape(r.weights)}", fg=None if r.weights.same else "yellow"))
     for m in r.modes.values():

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["name_outputs"]
+__all__ = ["name_outputs", "tensor_version", "written_arguments", "written_outputs"]
 
 
 def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torch.Tensor]:
@@ -41,3 +41,31 @@ def _sequence_pairs(out: list | tuple, names: tuple[str, ...] | list[str]) -> li
         # the one floating output shaped like logits is named so, as a lone tensor would be.
         pairs[shaped[0]] = ("logits", out[shaped[0]])
     return pairs
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (moved by every in-place or ``out=`` write), or None: an
+    inference tensor keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def written_arguments(tensors: dict[str, Any], scalars: dict[str, Any],
+                      versions: dict[int, int | None] | None = None) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """The tensor arguments a step may write into, each with its version before the call (from
+    ``versions`` by ``id`` when it was read earlier); a generator's recorded state is left out."""
+    out = {}
+    for n, t in tensors.items():
+        if isinstance(t, torch.Tensor) and not (isinstance(scalars.get(n), dict) and "generator" in scalars[n]):
+            out[n] = (t, versions.get(id(t)) if versions is not None else tensor_version(t))
+    return out
+
+
+def written_outputs(arguments: dict[str, tuple[torch.Tensor, int | None]]) -> dict[str, torch.Tensor]:
+    """The outputs of a step that returned nothing (``step(ids, out=logits)``): the arguments it
+    wrote into, by their input names, as they are after the call. Only those whose version moved:
+    an argument the step left alone is its input again, and comparing it would compare nothing the
+    step computed; an inference tensor, whose writes cannot be told, is left out for that reason."""
+    return {n: t for n, (t, v) in arguments.items() if v is not None and tensor_version(t) != v}

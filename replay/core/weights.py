@@ -24,7 +24,7 @@ import torch
 
 from replay.digest import digest_many, format_digest, local_tensor
 
-__all__ = ["param_layout", "weight_digests"]
+__all__ = ["buffer_digests", "param_layout", "weight_digests"]
 
 
 def weight_digests(module: torch.nn.Module, declared: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
@@ -40,6 +40,19 @@ def weight_digests(module: torch.nn.Module, declared: Mapping[str, int] | None =
         if lay is not None:
             out[n]["layout"] = lay
     return out
+
+
+def buffer_digests(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Per-buffer digests, as they are when taken (``"buffers"`` in the target info): the weights
+    of a quantised model (int8 ``wq`` and its scales) live in buffers, and so do caches, which
+    is why they are kept apart from the parameters."""
+    names, tensors = [], []
+    for name, b in module.named_buffers(remove_duplicate=True):
+        if isinstance(b, torch.Tensor):
+            names.append(name)
+            tensors.append(local_tensor(b.detach()))
+    return {n: {"digest": format_digest(d), "shape": list(t.shape), "dtype": str(t.dtype)}
+            for n, t, d in zip(names, tensors, digest_many(tensors), strict=True)}
 
 
 def param_layout(name: str, p: torch.Tensor, declared: Mapping[str, int] | None = None) -> dict[str, Any] | None:

@@ -219,6 +219,11 @@ def split_arguments(
             scalars[n] = {"target": True, "type": type(v).__name__}
         elif (attr := attribute_holding(owner, v) if not isinstance(v, (list, tuple, dict, torch.dtype)) else None):
             scalars[n] = {"attr": attr, "type": type(v).__name__}
+        elif isinstance(v, torch.Generator):
+            # A generator the step draws from (``torch.multinomial(p, 1, generator=g)``): its
+            # state before the call, so that a re-run draws the same numbers.
+            tensors[n] = v.get_state()
+            scalars[n] = {"generator": str(v.device)}
         elif (obj := flatten_object(n, v)) is not None:
             # A data object (``step(batch)``): its tensors as inputs, its shape and scalars as structure.
             tensors.update(obj[0])

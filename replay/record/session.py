@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from replay import numerics
+from replay.core.outputs import tensor_version, written_arguments, written_outputs
 from replay.log import get_logger
 from replay.record.config import RecordConfig, RecorderConfig
 from replay.record.calls import (
@@ -59,6 +60,7 @@ class _Early:
     rec: Recorder
     obj: Any
     snaps: dict[int, torch.Tensor]
+    versions: dict[int, int | None]  # the arguments' versions before the call (what a step returning None wrote)
 
 
 def normalize_step(target: str) -> str:
@@ -273,7 +275,9 @@ class Session(GraphEvents):
 
         sig = inspect.signature(fn)
         params = list(sig.parameters)
-        is_method = bool(params) and params[0] in ("self", "cls") or "." in target.partition(":")[2]
+        # A module's forward is a method whatever its first parameter is called (``def forward(s, x)``).
+        is_method = (bool(params) and params[0] in ("self", "cls") or "." in target.partition(":")[2]
+                     or spec.kind == "module_forward")
         if spec.kind:
             kind = spec.kind
         elif is_compiled_callable(fn):
@@ -467,8 +471,10 @@ class Session(GraphEvents):
         config, config_attr = self._config_of(spec, obj)
         info["config"] = config
         info["config_attr"] = config_attr
-        devices = {str(t.device) for t in inputs.values()}
-        info["device"] = sorted(devices)[0] if devices else "cpu"
+        # A model's inputs on an accelerator say where it runs; a CPU tensor beside them (a
+        # generator's state, a host-side index) does not.
+        devices = sorted({str(t.device) for t in inputs.values()}, key=lambda d: (d == "cpu", d))
+        info["device"] = devices[0] if devices else "cpu"
         probes = [[t, []] for t in self.settings.probes]
         if spec.profile in PROFILES:
             probes += [[t, list(names)] for t, names in PROFILES[spec.profile].probes]
@@ -479,9 +485,10 @@ class Session(GraphEvents):
             if not spec.state:
                 info["state_from"] = "module_buffers"
             try:
-                from replay.core.weights import weight_digests
+                from replay.core.weights import buffer_digests, weight_digests
 
                 info["weights"] = weight_digests(obj)
+                info["buffers"] = buffer_digests(obj)
             except Exception as e:  # noqa: BLE001
                 self.warn_once(f"weights:{spec.step}", f"cannot digest the weights of {spec.step} ({e})")
         return info
@@ -627,7 +634,7 @@ class Session(GraphEvents):
         except TypeError:
             return fn(*args, **kwargs)  # let the program see its own error
         try:
-            rec, obj = self._before_step(spec, bound, is_method, args)
+            rec, obj, tensors = self._before_step(spec, bound, is_method, args)
         except Exception as e:  # noqa: BLE001 - never into the program
             self._recorder_failed(e)
             return fn(*args, **kwargs)
@@ -637,10 +644,11 @@ class Session(GraphEvents):
         def after_call() -> None:
             rec.record_args(**{numerics.NUMERICS_ARG: self._numerics_digest(rec)})
 
-        return self._call_and_record(spec, fn, args, kwargs, rec, obj, after_call)
+        return self._call_and_record(spec, fn, args, kwargs, rec, obj, after_call, written=lambda: tensors)
 
     def _call_and_record(self, spec: StepSpec, fn: Callable[..., Any], args: tuple, kwargs: dict, rec: Recorder, obj: Any,
-                         after_call: Callable[[], None] | None = None) -> Any:
+                         after_call: Callable[[], None] | None = None,
+                         written: Callable[[], dict[str, tuple[torch.Tensor, int | None]]] | None = None) -> Any:
         self._step_replays = 0
         try:
             out = fn(*args, **kwargs)
@@ -654,6 +662,10 @@ class Session(GraphEvents):
             return out
         try:
             outs = name_outputs(out, spec.outputs or tuple(self.settings.output_names))
+            if out is None and written is not None:
+                # A step that returns nothing writes its results into its arguments
+                # (``step(ids, out=logits)``): they are its outputs, as they are after the call.
+                outs = written_outputs(written())
             rec.record_outputs(**outs)
             self._set_run(rec, spec, obj)
             if self._tuner_dirty:
@@ -695,8 +707,10 @@ class Session(GraphEvents):
                 if type(v) is not torch.Tensor or not v.is_cuda:
                     return None
                 tensors.append(v)
-            elif isinstance(v, (list, tuple, dict)):
-                return None  # containers may hold tensors: the full path looks into them
+            elif isinstance(v, (list, tuple, dict, torch.Generator)):
+                # Containers may hold tensors: the full path looks into them; a generator's
+                # state is taken before the call.
+                return None
             elif flatten_object("_", v) is not None and attribute_holding(obj, v) is None:
                 # A data object (``step(batch)``) whose tensors ``split_arguments`` records: the
                 # full path copies them before the call.
@@ -706,16 +720,20 @@ class Session(GraphEvents):
             return None
         self._ran[spec.step] += 1
         copies = rec.snapshot_arguments(tensors)
-        return _Early(rec=rec, obj=obj, snaps={id(t): c for t, c in zip(tensors, copies)})
+        return _Early(rec=rec, obj=obj, snaps={id(t): c for t, c in zip(tensors, copies)},
+                      versions={id(t): tensor_version(t) for t in tensors})
 
     def _run_early(self, spec: StepSpec, fn: Callable[..., Any], binder: Binder, is_method: bool, args: tuple,
                    kwargs: dict, early: _Early) -> Any:
+        arg_tensors: dict[str, tuple[torch.Tensor, int | None]] = {}
+
         def after_call() -> None:
             try:
                 bound = binder.bind(*args, **kwargs)
             except TypeError:
                 return  # the program's own error (the call raised it too): the step ends as raised
             tensors, scalars = split_arguments(bound, skip_first=is_method, owner=early.obj)
+            arg_tensors.update(written_arguments(tensors, scalars, early.versions))
             for copy in early.snaps.values():
                 early.rec.adopt_snapshot(copy)
             early.rec.record_inputs(**{n: early.snaps.get(id(t), t) for n, t in tensors.items()})
@@ -725,11 +743,11 @@ class Session(GraphEvents):
                 scalars[numerics.STREAM_ARG] = stream.name
             early.rec.record_args(**scalars)
 
-        return self._call_and_record(spec, fn, args, kwargs, early.rec, early.obj, after_call)
+        return self._call_and_record(spec, fn, args, kwargs, early.rec, early.obj, after_call, written=lambda: arg_tensors)
 
-    def _before_step(self, spec: StepSpec, bound: inspect.BoundArguments, is_method: bool, args: tuple) -> tuple[Recorder | None, Any]:
+    def _before_step(self, spec: StepSpec, bound: inspect.BoundArguments, is_method: bool, args: tuple) -> tuple[Recorder | None, Any, dict[str, torch.Tensor]]:
         """Everything recorded before the call: the target (and its stream), inputs, arguments
-        (the numerics context comes after the call). (None, obj) when this step is not recorded."""
+        (the numerics context comes after the call). (None, obj, {}) when this step is not recorded; the tensors are the step's arguments."""
         self._ran[spec.step] += 1
         object_arg = None
         if is_method:
@@ -746,13 +764,13 @@ class Session(GraphEvents):
                                            target_arg=obj if object_arg else None)
         rec, stream = self._recorder_for(spec, obj, tensors, object_arg)
         if rec is None or not rec.enabled:
-            return None, obj
+            return None, obj, {}
         rec.begin_step()
         rec.record_inputs(**tensors)
         if len(self._streams.streams) > 1 and stream is not None:
             scalars[numerics.STREAM_ARG] = stream.name
         rec.record_args(**scalars)
-        return rec, obj
+        return rec, obj, written_arguments(tensors, scalars)
 
     def _numerics_digest(self, rec: Recorder) -> str:
         """The digest of the numerics context now; a context not seen in this part is written

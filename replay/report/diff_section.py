@@ -39,7 +39,7 @@ def _where(f: dict[str, Any] | None) -> str:
     ma, mb = f.get("margin_a"), f.get("margin_b")
     if ma is not None or mb is not None:
         fm = lambda m: "–" if m is None else f"{m:.3g}"  # noqa: E731
-        text += f" (margin A {fm(ma)}, B {fm(mb)})"
+        text += f" (min margin A {fm(ma)}, B {fm(mb)})"
     return text
 
 

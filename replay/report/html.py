@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from replay.analysis.divergence import NO_OUTPUT_FIELDS
 from replay.errors import ReplayError
 from replay.report import plots
 from replay.report.data import Report, check_report_path
@@ -146,6 +147,9 @@ def _verdict(rep: Report) -> str:
         cls = "warn"
         lines.append("<b>One rank</b>: nothing to compare across ranks; re-run a step against its recording with "
                      "<code>replay step</code> to check it.")
+    elif d is None and rep.summary.get("output_fields") is False:
+        cls = "warn"
+        lines.append(f"<b>Nothing compared</b>: {_e(NO_OUTPUT_FIELDS)}.")
     elif d is None:
         cls = "good"
         lines.append("<b>No divergence</b>: every rank recorded the same bits at every common step.")
@@ -163,7 +167,7 @@ def _verdict(rep: Report) -> str:
     if at is not None:
         per = ", ".join(f"r{r} {_fmt(m)}" for r, m in list(at["per_rank"].items())[:16])
         rank_of = "the smallest of the whole run" if at["percentile"] == 0 else f"{at['percentile']:.1f}% of steps had a smaller one"
-        lines.append(f"Top-1/top-2 logit margin there: {_fmt(at['margin'])} ({per}); {rank_of}.")
+        lines.append(f"Smallest top-1/top-2 logit margin of the step's rows: {_fmt(at['margin'])} ({per}); {rank_of}.")
     s = rep.summary
     for td in s.get("tuner_differences", [])[:3]:
         lines.append(f"Tuner choice differs for <code>{_e(td['op'])}</code>: " + ", ".join(f"r{_e(r)} {_e(c)}" for r, c in td["choices"].items()))

@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -238,10 +239,13 @@ class _Takeover:
         self.done = False
         self._real_compile: Any = None
         self._checked: dict[int, bool] = {}
+        self._claim_lock = threading.Lock()
 
     def arm(self) -> None:
         self._patch_compile()
         sys.setprofile(self._profile)
+        # Threads the program starts from now on too: a decode loop may run in a worker thread.
+        threading.setprofile(self._profile)
 
     def _patch_compile(self) -> None:
         """In replay mode torch.compile hands the step function back uncompiled (the re-run
@@ -343,6 +347,7 @@ class _Takeover:
         """The first call is ours: no more hooks; the re-run's torch.compile is torch's own."""
         self.done = True
         sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
         for module in self._forwards:
             module.__dict__.pop("forward", None)  # the modules as the program built them
         if self._real_compile is not None:
@@ -362,7 +367,10 @@ class _Takeover:
             return
         if not self._is_stream(frame.f_locals):
             return  # another model of the loop (the draft, say) through the same callable
-        self._claim()
+        with self._claim_lock:  # two threads of the program may reach the step at once
+            if self.done:
+                return
+            self._claim()
         live = dict(frame.f_locals)
         self._take(lambda: self._rerun(self._function(frame, live), live))
 

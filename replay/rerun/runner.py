@@ -60,6 +60,9 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     return t.to(device) if device != "cpu" else t
 
 
+NO_KEYFRAME_NOTE = "the recording holds no state keyframe: steps were re-run from a fresh target"
+
+
 def check_device(device: str) -> None:
     """Refuse a CUDA device on a machine without one (before anything is built or launched)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -78,10 +81,13 @@ def _raw_args(rf: RankFile, step: int) -> dict[str, Any]:
     return args if isinstance(args, dict) else {}
 
 
-def _step_inputs(rf: RankFile, step: int, device: str) -> dict[str, Any]:
+def _step_inputs(rf: RankFile, step: int, device: str, flat: dict[str, Any] | None = None) -> dict[str, Any]:
     """A step's recorded tensor inputs as the step takes them: nested containers (an HF
-    ``past_key_values`` tuple of tuples) rebuilt with their recorded shape."""
+    ``past_key_values`` tuple of tuples) rebuilt with their recorded shape. ``flat`` receives
+    the same tensors by their recorded names."""
     inputs = {k: _to_device(v, device) for k, v in rf.step(step).inputs.items()}
+    if flat is not None:
+        flat.update(inputs)
     structures = _raw_args(rf, step).get(STRUCTURE_ARG)
     return rebuild_inputs(inputs, structures if isinstance(structures, dict) else None)
 
@@ -93,8 +99,8 @@ def _step_args(rf: RankFile, step: int, obj: Any = None, live: dict[str, Any] | 
     args = strip_reserved(_raw_args(rf, step))
     live = live or {}
     for k, v in args.items():
-        if not isinstance(v, dict):
-            continue
+        if not isinstance(v, dict) or "generator" in v:
+            continue  # a generator: set to its recorded state by ``_generator_args``
         if v.get("target") is True and obj is not None:
             args[k] = obj
         elif isinstance(v.get("attr"), str) and obj is not None and hasattr(obj, v["attr"]):
@@ -105,6 +111,35 @@ def _step_args(rf: RankFile, step: int, obj: Any = None, live: dict[str, Any] | 
     if bad:
         raise RerunError(f"step {step} was called with arguments that cannot be recorded ({', '.join(bad)}): it cannot be re-run")
     return args
+
+
+def _written(flat: dict[str, Any], fields: dict[str, int]) -> dict[str, torch.Tensor]:
+    """What a step that returned nothing wrote into its arguments, under the names the recording
+    gave them (``replay.core.outputs.written_outputs``)."""
+    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor) and (f"output.{k}" in fields or f"tokens.{k}" in fields)}
+
+
+def _generator_args(args: dict[str, Any], inputs: dict[str, Any], live: dict[str, Any], step: int,
+                    flat: dict[str, Any]) -> None:
+    """Generators the step was given, in their recorded state (the state is recorded as the
+    argument's input, taken out of ``inputs`` and ``flat``): the program's own generator when
+    re-launched, a new one otherwise."""
+    for k, v in list(args.items()):
+        if not (isinstance(v, dict) and isinstance(v.get("generator"), str) and isinstance(inputs.get(k), torch.Tensor)):
+            continue
+        state = inputs.pop(k).to("cpu")
+        flat.pop(k, None)  # the state went in; it is not something the step writes
+        gen = live.get(k)
+        if not isinstance(gen, torch.Generator):
+            device = torch.device(v["generator"])
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise RerunError(f"step {step} draws from a CUDA generator ({k}): re-run it on a machine with CUDA")
+            gen = torch.Generator(device=device)
+        try:
+            gen.set_state(state)
+        except RuntimeError as e:
+            raise RerunError(f"step {step}: the recorded state of generator {k} cannot be set here ({e})") from None
+        args[k] = gen
 
 
 def _recorded_fields(rf: RankFile, step: int) -> dict[str, int]:
@@ -149,12 +184,14 @@ class _StepDriver:
 
     def _call(self, step: int) -> dict[str, torch.Tensor]:
         view = self.rf.step(step)
-        inputs = _step_inputs(self.rf, step, self.device)
+        flat: dict[str, Any] = {}
+        inputs = _step_inputs(self.rf, step, self.device, flat)
         live = self.target.live_args
         for k, v in inputs.items():
             if isinstance(v, RecordedObject) and k in live:
                 inputs[k] = v.as_instance(live[k])  # the program's own class, with the recorded fields
         args = _step_args(self.rf, step, self.target.obj, live)
+        _generator_args(args, inputs, live, step, flat)
         rng = view.tensors(TensorKind.RNG)
         if rng:
             restore_rng(rng)
@@ -170,7 +207,8 @@ class _StepDriver:
             out = fn(**inputs, **args)
         if self.collectives is not None:
             self.collectives.end_step()
-        outs = _named_outputs(out, tuple(self.outputs_names), _recorded_fields(self.rf, step))
+        fields = _recorded_fields(self.rf, step)
+        outs = _named_outputs(out, tuple(self.outputs_names), fields) if out is not None else _written(flat, fields)
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         return {k: local_tensor(v).detach().to("cpu", copy=True) for k, v in outs.items()}
@@ -550,7 +588,7 @@ def rerun_step(
         result.modes[rp.mode] = run
     _compare_across(result, part, rank, step, modes)
     if first.rf.keyframe(step) is None:
-        result.notes.append("the recording holds no state keyframe: steps were re-run from a fresh target")
+        result.notes.append(NO_KEYFRAME_NOTE)
     return result
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from replay.format.reader import Part
+from replay.errors import UsageError
+from replay.format.reader import Part, RankFile
+from replay.format.schema import RunMode
 from replay.rerun.relaunch import RelaunchSpec, needs_relaunch, recorded_args, relaunch_step
 from replay.rerun.result import StepRerun
 from replay.rerun.runner import RerunOptions, check_device, default_modes, rerun_step
@@ -49,6 +51,7 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     if not relaunch:
         return rerun_step(part, rank, step, settings, announce=announce, progress=progress)
     check_device(settings.device)  # what the re-run inside the program would refuse, before starting it
+    check_graph_mode(rf, settings.modes, settings.device)
     # No factory: the recorded program, started again in replay mode, is its own factory.
     spec = RelaunchSpec(recording=settings.recording, part=part.name, rank=rank, step=step, modes=list(settings.modes),
                         device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
@@ -57,3 +60,14 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     if settings.options:
         result.notes.append(SET_IGNORED)
     return result
+
+
+def check_graph_mode(rf: RankFile, modes: Iterable[str], device: str) -> None:
+    """Refuse cudagraph mode off CUDA before the program is re-launched, when the rank never ran
+    a step under a graph runner of its own (the only kind of cudagraph run a CPU can do): the
+    re-launched program would refuse it after seconds of start-up."""
+    if "cudagraph" not in modes or device.startswith("cuda"):
+        return
+    if not (rf.tables.steps["mode"] == RunMode.GRAPH).any():
+        raise UsageError(f"cudagraph mode needs --device cuda: rank {rf.rank} ran no step under a graph runner of its "
+                         "own, and a CUDA graph cannot be captured on the CPU; re-run with --mode eager")
