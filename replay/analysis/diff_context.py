@@ -119,10 +119,7 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
     if not have_a or not have_b:
         which = "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
         return ContextDiff(category=Category.WEIGHTS, compared=False, note=f"weights not recorded in {which}")
-    worlds = (_world(pairs[0][0]), _world(pairs[0][1]))
-    items = [it for (ra, rb), da, db in zip(pairs, wa, wb) for name in sorted(set(da) | set(db))
-             if (it := _weight_item(name, da.get(name), db.get(name), (ra.rank, rb.rank), worlds)) is not None]
-    merged = list(_merge_ranks(items).values())
+    merged = _digest_items(pairs, wa, wb)
     if same_layout:
         return _capped(Category.WEIGHTS, merged)
     if not merged:
@@ -142,10 +139,15 @@ def _buffers(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
         return ContextDiff(category=Category.BUFFERS, compared=False, note="buffers not recorded in both runs")
     if not same_layout:
         return ContextDiff(category=Category.BUFFERS, compared=False, note="digests are per shard: not compared across layouts")
+    return _capped(Category.BUFFERS, _digest_items(pairs, ba, bb), "as at each run's first recorded step")
+
+
+def _digest_items(pairs: list[tuple[RankMeta, RankMeta]], da: list[dict[str, Any]], db: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tensors (by name, per rank pair) whose recorded digests, shapes or dtypes differ."""
     worlds = (_world(pairs[0][0]), _world(pairs[0][1]))
-    items = [it for (ra, rb), da, db in zip(pairs, ba, bb) for name in sorted(set(da) | set(db))
-             if (it := _weight_item(name, da.get(name), db.get(name), (ra.rank, rb.rank), worlds)) is not None]
-    return _capped(Category.BUFFERS, list(_merge_ranks(items).values()), "as at each run's first recorded step")
+    items = [it for (ra, rb), a, b in zip(pairs, da, db) for name in sorted(set(a) | set(b))
+             if (it := _weight_item(name, a.get(name), b.get(name), (ra.rank, rb.rank), worlds)) is not None]
+    return list(_merge_ranks(items).values())
 
 
 def _world(m: RankMeta) -> int:

@@ -68,14 +68,19 @@ def _field_ids(rf: RankFile, names: dict[str, int], prefix: str | None,
     return steps, gid, digests
 
 
-def has_fields(part: Part, prefix: str) -> bool:
-    """Whether any rank recorded a field whose name starts with ``prefix`` (``"tokens."``):
-    without one, no divergence of such fields can be claimed or denied."""
+def field_names(part: Part) -> set[str]:
+    """The names of the fields any rank recorded (one scan of each rank's field table)."""
+    names: set[str] = set()
     for rf in part.values():
         t = rf.tables
-        if any(t.string(int(i)).startswith(prefix) for i in np.unique(t.fields["field"])):
-            return True
-    return False
+        names.update(t.string(int(i)) for i in np.unique(t.fields["field"]))
+    return names
+
+
+def has_fields(names: set[str], prefix: str) -> bool:
+    """Whether a field of ``names`` (``field_names``) starts with ``prefix`` (``"tokens."``):
+    without one, no divergence of such fields can be claimed or denied."""
+    return any(n.startswith(prefix) for n in names)
 
 
 # The verdict when the ranks agree on everything recorded, and that is only what went into the steps.
@@ -83,10 +88,10 @@ NO_OUTPUT_FIELDS = ("the steps recorded no output or token field, only what went
                     "name what a step computes with --output-name, or record a callable inside it with --probe")
 
 
-def computed_fields(part: Part) -> bool:
+def computed_fields(names: set[str]) -> bool:
     """Whether any rank recorded a field the steps computed (an output, a token, a probe's):
     inputs, arguments and collectives alone cannot show that the ranks computed the same."""
-    return has_fields(part, "output.") or has_fields(part, "tokens.")
+    return has_fields(names, "output.") or has_fields(names, "tokens.")
 
 
 def first_divergence(

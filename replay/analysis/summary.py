@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from replay.analysis.divergence import NO_OUTPUT_FIELDS, Divergence, computed_fields, first_divergence, has_fields
+from replay.analysis.divergence import NO_OUTPUT_FIELDS, Divergence, computed_fields, field_names, first_divergence, has_fields
 from replay.errors import FormatVersionError, RecordingDamaged
 from replay.format.reader import Part, RankFile, Recording
 from replay.format.schema import RunMode, StepStatus
@@ -208,6 +208,7 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     part, unreadable = readable(part)
     ranks = [summarize_rank(rf) for rf in part.values()]
     div, tok = part_divergence(part)
+    names = field_names(part) if div is None or tok is None else set()
     out: dict[str, Any] = {
         "part": part.name,
         "world_size": world,
@@ -217,9 +218,9 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         "first_divergence": div.to_json() if div else None,
         "first_token_divergence": tok.to_json() if tok else None,
         # No token field recorded: "no token divergence" would be a claim nothing was compared for.
-        "token_fields": tok is not None or has_fields(part, "tokens."),
+        "token_fields": tok is not None or has_fields(names, "tokens."),
         # Only inputs (and collectives) recorded: their agreement says nothing of what the steps computed.
-        "output_fields": div is not None or computed_fields(part),
+        "output_fields": div is not None or computed_fields(names),
     }
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)

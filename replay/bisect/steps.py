@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from dataclasses import field as _field
 from typing import Any
 
-from replay.analysis.divergence import NO_OUTPUT_FIELDS, computed_fields, first_divergence, has_fields
+from replay.analysis.divergence import NO_OUTPUT_FIELDS, computed_fields, field_names, first_divergence, has_fields
 from replay.errors import RerunError, UsageError
 from replay.format.reader import Part
 from replay.rerun.runner import Replayer
@@ -162,8 +162,9 @@ def bisect_steps(part: Part, *, ranks: list[int] | None = None, recording: str =
     d = first_divergence(part, ranks=chosen, steps=mine)
     t = first_divergence(part, ranks=chosen, prefix="tokens.", steps=mine)
     res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RANKS, ranks=chosen, first=None, only_stream=stream)
-    res.output_fields = d is not None or computed_fields(part)
-    res.token_fields = t is not None or has_fields(part, "tokens.")
+    names = field_names(part) if d is None or t is None else set()
+    res.output_fields = d is not None or computed_fields(names)
+    res.token_fields = t is not None or has_fields(names, "tokens.")
     if d is not None:
         res.first, res.field, res.odd, res.majority = d.step, d.field, d.ranks, d.majority
         res.stream, res.stream_step = labels.label(d.step)
