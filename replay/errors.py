@@ -70,6 +70,18 @@ class RerunError(ReplayError):
     exit_code = 7
 
 
+class CatchUpRaised(RerunError):
+    """A catch-up step raised in the re-run, not as recorded: the requested step cannot be reached.
+
+    For ``replay step`` that is a failure; for a bisection it is an answer (the re-run departs
+    at ``step``), so the step and the keyframe it was caught up from travel with the message."""
+
+    def __init__(self, message: str, *, step: int, keyframe: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.keyframe = keyframe
+
+
 # issue 16: the trust model (replay/trust.py, docs/security.md)
 class UntrustedRecording(ReplayError):
     """A re-run would import code that a recording names, and nothing says the user trusts it:

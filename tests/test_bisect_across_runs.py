@@ -142,3 +142,20 @@ def test_through_the_api(runs):
         result = api.bisect_runs(ra["run-000"], rb["run-000"])
     assert result.step == 0 and result.maker is not None and result.maker.module == "block.mix"
     assert result.problem() is None and result.maker_params() == ["block.mix.weight"]
+
+
+def test_a_factory_that_rebuilds_one_model_for_both_runs_is_called_out(runs, run_cli):
+    """The factory ignores the recorded config and builds run A's weights for run B too: the
+    re-runs then agree module by module, which says nothing of what B ran. The first line says
+    B's rebuilt weights are not the weights it ran with (it used to say only "bitwise equal")."""
+    res = _bisect(run_cli, "--between", f"run:{runs['a']},run:{runs['b']}", "--factory", "tests.runs_engine:build_base",
+                  "--json")
+    assert res.code == 0, res.err
+    data = res.json()
+    b = data["sides"][1]
+    assert b["weights"]["same"] is False and b["weights"]["differ"] == ["block.mix.weight"]
+    assert data["sides"][0]["weights"]["same"] is True
+    head = _bisect(run_cli, "--between", f"run:{runs['a']},run:{runs['b']}", "--factory",
+                   "tests.runs_engine:build_base").out.splitlines()[0]
+    assert "run B's rebuilt weights are not the weights it ran with (1 differ: block.mix.weight)" in head, head
+    assert "run A's rebuilt" not in head

@@ -283,3 +283,18 @@ def test_program_that_spawns_its_ranks_reruns_one_rank(tmp_path: Path) -> None:
     eager = _eager(data)
     assert eager["caught_up"] and eager["departed"] is None
     assert eager["vs_recording"] and all(v["verdict"] == "bitwise equal" for v in eager["vs_recording"].values())
+
+
+def test_digest_only_collectives_without_a_factory_name_a_remedy_that_works(tmp_path: Path) -> None:
+    """Without a factory, ``--ranks`` re-launches each rank alone on its recorded collectives, so a
+    digest-only recording cannot be re-run that way: the line says so and names what does work
+    (it used to advise ``--ranks``, the very command that failed)."""
+    out = tmp_path / "digests"
+    cmd = [sys.executable, "-m", "replay", "record", "--out", str(out), "--quiet", "--step", "__main__:MyEngine.step",
+           "--state", "state", "--collectives", "digest", "--", sys.executable, "tests/plain_engine_script.py", "4"]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    code, _, err = _step(out, tmp_path, "--ranks", "0-1", "--step", 2)
+    assert code == 7
+    line = err.strip().splitlines()[-1]
+    assert "--collectives full" in line and "--factory" in line

@@ -1088,3 +1088,22 @@ def test_table_in_tiny_chunks_is_refused(worker: Worker, bases: dict[str, Path],
     res = worker.run(["info", str(case)], cwd=tmp_path)
     assert judge(res, worker) is None and res["code"] == 4, res
     assert "split into 5000 chunks" in res["out"], res["out"]
+
+
+@pytest.mark.parametrize("args, code", [
+    pytest.param(["info", "{missing}", "--json"], 3, id="missing"),
+    pytest.param(["step", "{rec}", "--rank", "0", "--step", "99", "--json"], 2, id="step-out-of-range"),
+    pytest.param(["info", "{rec}", "--part", "nosuch", "--json"], 2, id="part-nosuch"),
+])
+def test_json_errors_are_json_on_stdout(run_cli: Any, small: dict[str, Path], args: list[str], code: int) -> None:
+    """A script that reads ``--json`` from stdout gets an error it can parse (it used to get
+    nothing), and the one line on stderr stays."""
+    res = run_cli(*[a.format(**{k: str(v) for k, v in small.items()}) for a in args])
+    assert res.code == code and res.err.startswith("replay: error:"), (res.code, res.err)
+    data = json.loads(res.out)
+    assert data["kind"] == "error" and data["exit_code"] == code and data["error"] in res.err
+
+
+def test_a_json_flag_of_the_recorded_program_is_not_replay_s(run_cli: Any) -> None:
+    res = run_cli("record", "--collectives", "bogus", "--", "prog", "--json")
+    assert res.code == 2 and res.out == ""

@@ -39,7 +39,8 @@ from replay.bisect.taps import TapCapture, TapEvent, Taps
 from replay.digest import digest
 from replay.errors import ReplayError, UsageError
 from replay.format.reader import Part
-from replay.rerun.runner import Replayer
+from replay.rerun.result import WeightCheck
+from replay.rerun.runner import Replayer, check_weights
 from replay.rerun.streams import stream_of
 from replay.rerun.target import Target, TargetSpec
 
@@ -78,12 +79,17 @@ class SideRun:
     params: dict[str, "ParamSig"]
     seconds: float
     error: str | None = None  # the step raised in this re-run (and not as it did when recorded)
+    weights: WeightCheck | None = None  # the rebuilt parameters against the digests of those that ran
+
+    @property
+    def weights_differ(self) -> bool:
+        return self.weights is not None and not self.weights.same
 
     def to_json(self) -> dict[str, Any]:
         cap = self.capture
         return {
             "label": self.side.label, "rank": self.side.rank, "mode": self.side.mode, "keyframe": self.keyframe,
-            "where": self.side.where or None,
+            "where": self.side.where or None, "weights": self.weights.to_json() if self.weights is not None else None,
             "reproduces_recording": self.reproduces, "departed": self.departed, "ran_as": self.ran_as,
             "tapped": len(cap.tapped), "fired": len(cap.fired), "events": len(cap.events),
             "graph_events": sum(1 for e in cap.events if e.source == "graph"),
@@ -170,7 +176,7 @@ class LayersBisection:
         """The first line: the module that makes the difference first, then the first that differs."""
         head = self._head()
         if self.first is None:
-            return head + self._no_first()
+            return head + self._no_first() + self._weights_tail()
         n_eq = sum(1 for m in self.before_first() if not m.differs)
         first = f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
         # Lead with the module that makes the difference: the first one to differ may only pass
@@ -183,7 +189,17 @@ class LayersBisection:
         raised = self._raised()
         if raised is not None:
             line += f"; {raised.side.label} raised {raised.error} in the step"
-        return line
+        return line + self._weights_tail()
+
+    def _weights_tail(self) -> str:
+        """A side rebuilt with other weights than it ran with (a factory that loads one checkpoint
+        for both runs) does not stand for its run: said on the first line, whatever the verdict."""
+        off = [r for r in self.sides if r.weights_differ]
+        if not off:
+            return ""
+        return "; but " + "; ".join(f"{r.side.label}'s rebuilt weights are not the weights it ran with "
+                                    f"({_weights_summary(r.weights)})" for r in off) + \
+            ": its re-run does not stand for what it ran (check the factory)"
 
     def _swapped_maker(self) -> ModuleVerdict | None:
         """From equal inputs (run B's model on run A's data), the module that makes the difference."""
@@ -346,6 +362,7 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
 
     try:
         target = rp.build(install=install)
+        weights = check_weights(target)
         departed = rp.goto(step, progress=progress)
         taps.arm()
         try:
@@ -375,7 +392,7 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
         taps.close()
     return SideRun(side=side, capture=capture, outputs=outs, reproduces=reproduces,
                    departed=str(departed) if departed else None, keyframe=kf, ran_as=ran_as or side.mode,
-                   params=params, seconds=time.perf_counter() - t0, error=error)
+                   params=params, seconds=time.perf_counter() - t0, error=error, weights=weights)
 
 
 def _align(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -698,7 +715,10 @@ def _param_notes(ra: SideRun, rb: SideRun, param_diffs: list[str]) -> list[str]:
         return [f"{len(param_diffs)} parameter(s) differ between {a.label} and {b.label}: {', '.join(param_diffs[:6])}"
                 + (", ..." if len(param_diffs) > 6 else "")]
     if a.part is not None or b.part is not None:
-        return [f"every parameter has the same bits in {a.label} and {b.label} ({len(ra.params)} compared)"] if ra.params else []
+        if not ra.params:
+            return []
+        rebuilt = " as rebuilt, not as recorded" if ra.weights_differ or rb.weights_differ else ""
+        return [f"every parameter has the same bits in {a.label} and {b.label}{rebuilt} ({len(ra.params)} compared)"]
     if a.rank == b.rank:
         return []
     odd = replicated_differing(ra.params, rb.params)
@@ -717,3 +737,12 @@ def _row_notes(rows: list[ModuleVerdict]) -> list[str]:
     if local:
         notes.append(f"{local} outputs are rank-local (shards of a tensor-parallel model before their reduction): shown, not named first")
     return notes
+
+
+def _weights_summary(w: WeightCheck | None) -> str:
+    if w is None:
+        return ""
+    parts = [f"{len(names)} {what}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+             for what, names in (("differ", w.differ), ("missing", w.missing), ("not recorded", w.extra)) if names]
+    return "; ".join(parts)
+

@@ -20,8 +20,9 @@ from dataclasses import field as _field
 from typing import Any
 
 from replay.analysis.divergence import NO_OUTPUT_FIELDS, computed_fields, field_names, first_divergence, has_fields
-from replay.errors import RerunError, UsageError
+from replay.errors import CatchUpRaised, RerunError, UsageError
 from replay.format.reader import Part
+from replay.rerun.result import RAISED_FIELD
 from replay.rerun.runner import Replayer
 from replay.rerun.step import uses_relaunch
 from replay.rerun.streams import stream_of, streams_of
@@ -111,7 +112,8 @@ class StepsBisection:
         if self.first is None:
             scope = "any" if self.exhaustive else "the last"
             return f"rank {r} re-run {self.mode}: no departure from the recording found ({scope} interval re-ran as recorded)"
-        return (f"rank {r} re-run {self.mode} first departs from the recording at {self._at(self.first, self.stream, self.stream_step, str(self.field))}, "
+        what = "it raised in the re-run, not as when recorded" if self.field == RAISED_FIELD else str(self.field)
+        return (f"rank {r} re-run {self.mode} first departs from the recording at {self._at(self.first, self.stream, self.stream_step, what)}, "
                 f"found with {len(self.probes)} interval re-runs ({self.steps_rerun} of {self.steps_total} steps)")
 
     def to_json(self) -> dict[str, Any]:
@@ -312,15 +314,27 @@ def _relaunched_scan(a: _StreamBisect, res: StepsBisection, announce: Callable[[
     t0 = time.perf_counter()
     settings = RerunOptions(modes=(a.mode,), device=a.device, options=a.options, recording=a.recording,
                             stream=a.stream, keyframe_at=a.lo)
-    result = run_step(a.part, a.rank, a.hi, settings, announce=announce)
+    try:
+        result = run_step(a.part, a.rank, a.hi, settings, announce=announce)
+    except CatchUpRaised as e:
+        # A step that completed when recorded raises in the re-run: the re-run departs there
+        # (as a factory's scan says), and nothing after it can be reached.
+        iv = Interval(e.keyframe, a.hi, seconds=time.perf_counter() - t0, departed=e.step, field=RAISED_FIELD)
+        res.probes.append(iv)
+        res.exhaustive = res.exhaustive or e.keyframe <= a.lo
+        res.steps_rerun += e.step - e.keyframe + 1
+        res.notes.append(f"catch-up step {e.step} raised in the re-run: {e}")
+        return iv
     run = result.modes[a.mode]
-    problem = result.problem()
-    if problem is not None:
-        raise RerunError(f"rank {a.rank}: step {a.hi} could not be re-run to bisect: {problem}")
     iv = Interval(result.keyframe, a.hi, seconds=time.perf_counter() - t0)
     if run.departed is not None:
         iv.departed, iv.field = run.departed.step, run.departed.field
-    else:
+    elif _raised_anew(run):
+        iv.departed, iv.field = a.hi, RAISED_FIELD
+    elif run.error is None or run.vs_recording:
+        problem = result.problem()
+        if problem is not None and run.error is None:
+            raise RerunError(f"rank {a.rank}: step {a.hi} could not be re-run to bisect: {problem}")
         bad = next((k for k, c in run.vs_recording.items() if not c.equal), None)
         if bad is not None:
             iv.departed, iv.field = a.hi, bad
@@ -329,8 +343,16 @@ def _relaunched_scan(a: _StreamBisect, res: StepsBisection, announce: Callable[[
     res.steps_rerun += len(run.caught_up) + 1
     res.notes.append(f"re-run inside the re-launched program (no factory): {'stream ' + a.stream + ', ' if a.stream else ''}"
                      f"steps {result.keyframe}..{a.hi} scanned in one launch")
-    res.uncompared = sorted(set(res.uncompared) | set(run.uncompared))
+    res.uncompared = sorted(set(res.uncompared) | set(run.uncompared)
+                            | ({a.hi} if run.error is not None and not run.vs_recording else set()))
     return iv if iv.departed is not None else None
+
+
+def _raised_anew(run: Any) -> bool:
+    """The step raised in the re-run where it completed, or raised another kind of error, when recorded."""
+    if run.error is None:
+        return False
+    return run.recorded_error is None or run.error.split(":")[0] != run.recorded_error.split(":")[0]
 
 
 def _bisect_stream(a: _StreamBisect, res: StepsBisection, announce: Callable[[str], None],

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import click
 
+from replay.cli.jsonout import emit_json
 from replay.errors import RecordingDamaged, UsageError
 from replay.format.reader import Recording, resolve_recording
 from replay.states import RESULTS_FORMAT_VERSION
@@ -86,10 +87,6 @@ def open_run(run: Path | None, root: str, *, quiet: bool = False) -> Recording:
     if defaulted and not quiet:
         click.echo(f"replay: using the newest recording, {path}", err=True)
     return rec
-
-
-def emit_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
 def report_unreadable(part: str, bad: list[dict[str, Any]]) -> int:

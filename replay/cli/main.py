@@ -17,6 +17,7 @@ import click
 
 from replay._version import __version__
 from replay.textsafe import escape
+from replay.cli.jsonout import begin_command, emit_json_error
 from replay.errors import ReplayError
 
 __all__ = ["cli", "main"]
@@ -62,53 +63,50 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return the exit code (never raises, never prints a traceback)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    begin_command()
+
+    def fail(message: str, code: int) -> int:
+        click.echo(f"replay: {message}", err=True)
+        emit_json_error(args, message.removeprefix("error: "), code)
+        return code
+
     try:
-        rv: Any = cli.main(args=argv, prog_name="replay", standalone_mode=False)
+        rv: Any = cli.main(args=args, prog_name="replay", standalone_mode=False)
     except ReplayError as e:
         # Error messages may quote the recording (a part, a field, a factory, an exception text).
-        click.echo(f"replay: error: {escape(e)}", err=True)
-        return e.exit_code
+        return fail(f"error: {escape(e)}", e.exit_code)
     except click.exceptions.Abort:
-        click.echo("replay: interrupted", err=True)
-        return 130
+        return fail("interrupted", 130)
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.UsageError as e:
         # One line, as for every other error: what is wrong, and where the valid choices are.
         where = e.ctx.command_path if e.ctx is not None else "replay"
-        click.echo(f"replay: error: {escape(_one_line(e.format_message()))} (see `{where} --help`)", err=True)
-        return e.exit_code
+        return fail(f"error: {escape(_one_line(e.format_message()))} (see `{where} --help`)", e.exit_code)
     except click.ClickException as e:
-        click.echo(f"replay: error: {escape(_one_line(e.format_message()))}", err=True)
-        return e.exit_code
+        return fail(f"error: {escape(_one_line(e.format_message()))}", e.exit_code)
     except KeyboardInterrupt:
-        click.echo("replay: interrupted", err=True)
-        return 130
+        return fail("interrupted", 130)
     except BrokenPipeError:
         return 0
     except MemoryError:
         # issue 16: never an internal error. What ran out is this process's memory; a damaged or
         # hostile recording that claims more than it stores is refused before it gets here.
-        click.echo("replay: error: out of memory (this command needs more memory than the process may use; "
-                   "`replay verify` checks the recording's files)", err=True)
-        return 4
+        return fail("error: out of memory (this command needs more memory than the process may use; "
+                    "`replay verify` checks the recording's files)", 4)
     except OSError as e:
         # The file system said no (permissions, a full disk, a path that is not a directory):
         # the user's environment, not a bug, so one line that names the path.
         if os.environ.get("REPLAY_DEBUG"):
             traceback.print_exc()
         where = f"{e.filename}: " if e.filename else ""
-        click.echo(f"replay: error: {escape(where)}{escape(e.strerror or e)}", err=True)
-        return 74  # EX_IOERR
+        return fail(f"error: {escape(where)}{escape(e.strerror or e)}", 74)  # EX_IOERR
     except Exception as e:  # noqa: BLE001 - the last line of defence against a traceback
         if os.environ.get("REPLAY_DEBUG"):
             traceback.print_exc()
-        click.echo(
-            f"replay: internal error: {e.__class__.__name__}: {escape(str(e).splitlines()[0]) if str(e) else ''} "
-            "(set REPLAY_DEBUG=1 for the traceback, and please report it)",
-            err=True,
-        )
-        return 70
+        return fail(f"internal error: {e.__class__.__name__}: {escape(str(e).splitlines()[0]) if str(e) else ''} "
+                    "(set REPLAY_DEBUG=1 for the traceback, and please report it)", 70)
     return rv if isinstance(rv, int) else 0
 
 

@@ -22,6 +22,10 @@ from replay.format.reader import RankFile
 from replay.format.tables import combine_digests
 from replay.core.collectives import COLLECTIVES, FUNCTIONAL, FUNCTIONAL_PREFIX
 
+# Without a factory, `--ranks` re-launches each rank alone on its recorded collectives; only ranks
+# rebuilt by a factory form a real process group, so that is the advice that works.
+TOGETHER = "re-run every rank together with `replay step --ranks 0-N --factory F` (collectives then run live)"
+
 __all__ = ["RecordedCollectives", "CollectiveMismatch"]
 
 
@@ -89,8 +93,7 @@ class RecordedCollectives:
             if op.startswith(FUNCTIONAL_PREFIX) or COLLECTIVES.get(op, COLLECTIVES["barrier"]).outputs:
                 raise RerunError(
                     f"step {int(row['step'])}: {op} was recorded as a digest only, so rank {self.rank} cannot be "
-                    "replayed alone; record with `replay record --collectives full`, or re-run all ranks together "
-                    "with --ranks"
+                    f"replayed alone; record with `replay record --collectives full`, or {TOGETHER}"
                 )
 
     def begin_step(self, step: int) -> None:
@@ -117,8 +120,7 @@ class RecordedCollectives:
             raise RerunError(
                 f"step {self._step}: the re-run called {op}, but the recording holds no collective for this step: it ran "
                 f"compiled on {self.world_size} ranks, and collectives inside a compiled graph are not recorded, so "
-                f"rank {self.rank} cannot be re-run with recorded answers (all ranks together, with --ranks and "
-                "--factory, run their collectives live)"
+                f"rank {self.rank} cannot be re-run with recorded answers; {TOGETHER}"
             )
         if not self._queue:
             raise RerunError(
@@ -141,8 +143,7 @@ class RecordedCollectives:
         if i < 0:
             raise RerunError(
                 f"step {self._step}: {op} (collective #{self._index - 1}) was recorded as a digest only, so rank "
-                f"{self.rank} cannot be replayed alone; record with `replay record --collectives full`, or re-run all "
-                "ranks together with --ranks"
+                f"{self.rank} cannot be replayed alone; record with `replay record --collectives full`, or {TOGETHER}"
             )
         t = self.rank_file.full()
         return self.rank_file.read_tensor(t.tensors[i])
@@ -191,7 +192,7 @@ class RecordedCollectives:
             if not isinstance(first, torch.Tensor):
                 raise RerunError(
                     f"step {self._step}: {op} (collective #{self._index}) takes a list of tensors, which a one-rank "
-                    "re-run cannot replay yet; re-run all ranks together with --ranks"
+                    f"re-run cannot replay yet; {TOGETHER}"
                 )
             x = local_tensor(first)
             row = self._next(op, [x])
@@ -267,6 +268,6 @@ def _init_fake_process_group(rank: int, world: int) -> None:
     except ImportError as e:
         raise RerunError(
             f"rank {rank} made functional collectives (DTensor), which a one-rank re-run replays on torch's fake "
-            f"process group, not importable here ({e}); re-run all ranks together with --ranks"
+            f"process group, not importable here ({e}); {TOGETHER}"
         ) from None
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from replay.errors import RerunError
+from replay.errors import CatchUpRaised, RerunError
 
 if TYPE_CHECKING:
     from replay.rerun.result import StepRerun
@@ -149,7 +149,9 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
                              f"step; it cannot be re-run this way" + (f": {tail}" if tail else ""))
         data = json.loads(out.read_text())
     if data.get("kind") == "error":
-        err = RerunError(str(data.get("error")))
+        at = data.get("catch_up")
+        err = (CatchUpRaised(str(data.get("error")), step=int(at["step"]), keyframe=int(at["keyframe"]))
+               if isinstance(at, dict) else RerunError(str(data.get("error"))))
         err.exit_code = int(data.get("exit_code") or RerunError.exit_code)
         raise err
     from replay.rerun.result import StepRerun
@@ -407,6 +409,8 @@ class _Takeover:
             code = e.exit_code if isinstance(e, ReplayError) else RerunError.exit_code
             msg = str(e) if isinstance(e, ReplayError) else f"the re-run raised {e.__class__.__name__}: {e}"
             data = {"kind": "error", "error": msg, "exit_code": code}
+            if isinstance(e, CatchUpRaised):
+                data["catch_up"] = {"step": e.step, "keyframe": e.keyframe}
         tmp = Path(self.spec.out + f".{os.getpid()}")
         tmp.write_text(json.dumps(data, default=str))
         os.replace(tmp, self.spec.out)  # whole or not at all

@@ -34,10 +34,14 @@ def comparison_from_json(d: dict[str, Any]) -> Comparison:
                       extra={k: v for k, v in d.items() if k not in known and k != "output"})
 
 
+# The departure field of a step that raised in the re-run where it completed when recorded.
+RAISED_FIELD = "error"
+
+
 @dataclass(slots=True)
 class StepDeparture:
     step: int
-    field: str
+    field: str  # the first output that left the recording, or RAISED_FIELD
 
     def __str__(self) -> str:
         return f"step {self.step} ({self.field})"

@@ -22,7 +22,7 @@ import torch
 
 from replay.analysis.compare import Comparison, Verdict, compare_digests, compare_tensors
 from replay.digest import digest, local_tensor
-from replay.errors import OutOfRange, RerunError, UsageError
+from replay.errors import CatchUpRaised, OutOfRange, RerunError, UsageError
 from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
 from replay.core.outputs import name_outputs
@@ -37,7 +37,7 @@ from replay.rerun.imports import import_context
 from replay.rerun.streams import check_stream, stream_of, stream_state
 from replay.rerun.target import StepKind, Target, TargetSpec, build_target
 
-from replay.rerun.result import ModeRun, StepDeparture, StepRerun, WeightCheck
+from replay.rerun.result import RAISED_FIELD, ModeRun, StepDeparture, StepRerun, WeightCheck
 
 __all__ = ["MODES", "ModeRun", "Replayer", "RerunOptions", "StepRerun", "default_modes", "rerun_step", "StepDeparture", "WeightCheck"]
 
@@ -448,9 +448,10 @@ class Replayer:
         if not view.ok and err.split(":")[0] == view.reason.split(":")[0]:
             return
         when = "completed" if view.ok else f"raised {view.reason}"
-        raise RerunError(
+        raise CatchUpRaised(
             f"rank {self.rank} ({self.mode}): catch-up step {s} raised {err} in the re-run (when recorded it {when}); "
-            f"step {step} cannot be re-run from the keyframe at step {self.keyframe}"
+            f"step {step} cannot be re-run from the keyframe at step {self.keyframe}",
+            step=s, keyframe=self.keyframe,
         )
 
     def run(self, step: int) -> dict[str, torch.Tensor]:
@@ -473,7 +474,7 @@ class Replayer:
         A step that raised in the re-run but not when recorded departs too (field ``error``).
         """
         if self.last_error is not None and self.rf.step(step).ok:
-            return StepDeparture(step, "error")  # it raised (its outputs are missing because of that)
+            return StepDeparture(step, RAISED_FIELD)  # it raised (its outputs are missing because of that)
         bad = _departure(outs, _recorded_fields(self.rf, step))
         return StepDeparture(step, bad) if bad else None
 
