@@ -150,14 +150,20 @@ def main() -> int:
     print(f"recorded step     {mr * 1e3:8.3f} ms  ({100 * (mr - mp) / mp:+.1f}%)")
     print(f"  original step inside the wrapper {mi * 1e3:8.3f} ms (host time until it returned)")
     print(f"  end_step submit (+ wait)          {statistics.median(waits_rec) * 1e3:8.3f} ms")
-    print(f"  writer thread, one step's job     {statistics.median(jobs_rec) * 1e3:8.3f} ms (event wait included)")
+    if jobs_rec:  # the writer-thread path (--no-ring) only: the ring's drain has no per-step job here
+        print(f"  writer thread, one step's job     {statistics.median(jobs_rec) * 1e3:8.3f} ms (event wait included)")
     profiles = [("step thread" if per_thread else "all threads", main_prof)]
-    if writer_prof is not None:
+    if writer_prof is not None and writer_prof.getstats():  # empty on the ring path: no writer thread ran
         profiles.append(("writer thread", writer_prof))
     for title, prof in profiles:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
         print(f"\n== {title} (cProfile, {args.steps} recorded steps) ==")
+        print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:6000])
+        # The recorder's own functions by cumulative time: what a step pays for being recorded.
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(r"replay/(record|core|digest|format)", args.top)
+        print(f"\n== {title}: the recorder's functions (cumulative) ==")
         print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:6000])
     return 0
 
