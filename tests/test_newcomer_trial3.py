@@ -4,6 +4,8 @@ test that failed before its fix. Nothing in the scripts was adapted to replay.""
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,64 @@ def test_bisect_against_the_rerun_names_a_catch_up_step_that_raises_anew(tmp_pat
     assert (data["first"], data["field"]) == (3, "error"), data
     text = _replay("bisect", "steps", rec, "--against-rerun", "--rank", 0, "--no-save", cwd=tmp_path).stdout
     assert "first departs from the recording at step 3 (it raised in the re-run" in text.splitlines()[0], text
+
+
+_DIRECT = """
+    import torch, torch.nn as nn
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__(); self.l = nn.Linear(16, 16)
+        def forward(self, h):
+            return torch.relu(self.l(h)) + h
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(40, 16); self.blocks = nn.ModuleList([Block(), Block()]); self.head = nn.Linear(16, 40)
+        def forward(self, ids):
+            h = self.emb(ids).mean(1)
+            for b in self.blocks:
+                h = b(h)
+            return self.head(h)
+
+    m = M().eval()
+    fwd = m.forward
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for pos in range(6):
+            tok = CALL(ids).argmax(-1, keepdim=True)
+            ids = torch.cat([ids[:, 1:], tok], 1)
+    print(ids.tolist())
+"""
+
+
+@pytest.mark.smoke
+def test_a_model_whose_forward_is_called_directly_is_the_step(tmp_path: Path) -> None:
+    """``model.forward(ids)`` skips nn.Module.__call__, so the hooks saw the embedding as the
+    outermost module and recorded it as the step: the logits were never recorded or compared."""
+    _script(tmp_path, "direct", _DIRECT.replace("CALL", "m.forward"))
+    rec = tmp_path / "rec-direct"
+    p = _replay("record", "--out", rec, "--", sys.executable, "direct.py", cwd=tmp_path)
+    assert "step found with no flags: direct:M (the outermost nn.Module, its forward called directly" in p.stderr, p.stderr
+    res = _replay("step", rec, "--step", 3, "--json", "--no-save", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    vs = json.loads(res.stdout)["modes"]["eager"]["vs_recording"]
+    assert list(vs) == ["logits"] and vs["logits"]["verdict"] == "bitwise equal", vs
+
+
+def test_a_forward_bound_before_recording_is_named_with_the_flag_that_records_it(tmp_path: Path) -> None:
+    """``fwd = model.forward`` holds the class's forward as it was: no step can be patched in
+    with no flags, and the line says which --step records it (both spellings of the script)."""
+    _script(tmp_path, "bound", _DIRECT.replace("CALL", "fwd"))
+    out = tmp_path / "rec-bound"
+    p = _replay("record", "--quiet", "--out", out, "--", sys.executable, "bound.py", cwd=tmp_path)
+    assert "the program calls it through a method bound before recording could patch it" in p.stderr, p.stderr
+    assert "--step bound:M.forward" in p.stderr
+    shutil.rmtree(out)
+    for name in ("bound:M.forward", "__main__:M.forward"):
+        rec, _ = _record(tmp_path, "bound", "--step", name)
+        text = _replay("info", rec, cwd=tmp_path).stdout
+        assert "  0     6      yes" in text, (name, text)
+        shutil.rmtree(rec)

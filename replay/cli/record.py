@@ -63,7 +63,7 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
               help="Run CMD even when nothing can be recorded (the recording directory cannot be written).")
 @click.option("--permissions", type=click.Choice(["private", "group", "world"]), default=None,  # issue 16
               help="Who may read the recording: private (0600/0700, the default), group, world. [tool.replay] permissions.")
-@click.option("--quiet", is_flag=True, help="Do not print the summary at the end.")
+@click.option("--quiet", is_flag=True, help="Do not print the summary at the end (a run that recorded nothing still says so, and why).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout at the end.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(out, name, steps, profile, state, config_attr, factory, tuner, modules, graph_capture, graph_replay, probes, outputs,
@@ -166,8 +166,11 @@ def _report(path: Path, result: object, *, quiet: bool, as_json: bool) -> None:
         emit_json({"recording": str(path), "exit_code": result.exit_code, "signal": result.signal,
                    "still_live": result.still_live, "info": summary, "steps": steps, "nothing_recorded": nothing})
         return
-    if quiet:
+    if quiet and summary is not None:
+        _say_still_live(result.still_live)
         return
+    # Even with --quiet: a run that recorded nothing says so, and why (a script must not take an
+    # empty directory for a recording).
     if summary is not None:
         click.echo(f"\nreplay: recorded {escape(str(path))} (command exit code {result.exit_code})", err=True)
     else:
@@ -177,7 +180,11 @@ def _report(path: Path, result: object, *, quiet: bool, as_json: bool) -> None:
         click.echo(line, err=True)
     if summary is not None:
         click.echo(render_info(summary), err=True)
-    for j in result.still_live:
+    _say_still_live(result.still_live)
+
+
+def _say_still_live(files: list[str]) -> None:
+    for j in files:
         click.echo(f"replay: {j} is still being written by a running process; seal it later with `replay seal`", err=True)
 
 

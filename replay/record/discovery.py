@@ -147,7 +147,42 @@ def on_outermost(session: Any, module: torch.nn.Module) -> str:
         return "keep"  # compiled, scripted or traced modules and local classes cannot be patched: keep looking
     if tracing():
         return "keep"  # torch.jit.trace / fx calling the module to build a graph: not the program's loop
+    owner = direct_forward_owner(module)
+    if owner is not None:
+        # ``model.forward(ids)`` (or ``fwd = model.forward``) skips nn.Module.__call__, so the
+        # hooks see the model's first submodule as the outermost call: the model is the step.
+        ocls = type(owner)
+        if ocls.__name__ == "OptimizedModule" or "<locals>" in ocls.__qualname__:
+            return "keep"
+        choose_module(session, ocls, direct="forward")
+        return "stop"
     return "chosen" if choose_module(session, cls) else "stop"
+
+
+_MAX_FRAMES = 64
+
+
+def direct_forward_owner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The outermost module whose ``forward`` is running on this thread's stack and holds
+    ``module``, called directly (the hooks saw no module call around this one); None if none."""
+    import sys
+
+    owner = None
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount >= 1:
+            first = frame.f_locals.get(code.co_varnames[0])
+            if isinstance(first, torch.nn.Module) and first is not module and _holds(first, module):
+                owner = first
+        frame = frame.f_back
+    return owner
+
+
+def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
 
 
 def choose_module(session: Any, cls: type, **note: str) -> bool:
@@ -285,15 +320,24 @@ def _chosen_line(step: str, c: dict[str, Any], n: int) -> str:
 
     kind = str(c.get("kind"))
     how = _HOW.get(kind, kind)
+    if kind == "module_forward" and c.get("direct"):
+        how = "the outermost nn.Module, its forward called directly"
     if kind == "module_forward" and c.get("inside"):
         how = f"the nn.Module called repeatedly inside {escape(str(c['inside']))}, which runs the loop"
     return (f"replay: step found with no flags: {escape(step)} ({how}, {n} call{'s' if n != 1 else ''} recorded);"
             f" to record another callable: replay record --step MODULE:QUALNAME -- ...")
 
 
-def _nothing_found(seen: Counter[str], chosen: str | None = None) -> str:
+def _nothing_found(seen: Counter[str], chosen: str | None = None, direct: bool = False) -> str:
     from replay.textsafe import escape
 
+    if chosen is not None and direct:
+        # ``fwd = model.forward`` before recording began: the bound method keeps the class's
+        # forward as it was, so the patched one never runs. A --step patches the class as it
+        # is defined, before the program binds the method.
+        return (f"replay: no step recorded: {escape(chosen)} is the model (its forward is called directly), but the "
+                f"program calls it through a method bound before recording could patch it (`fwd = model.forward`); "
+                f"name it: replay record --step {escape(chosen)}.forward -- ...")
     if chosen is not None:
         # Found at its first call, which was already running: it never ran again (the program
         # went on with a traced or scripted copy, say), so no step of it is in the recording.
@@ -321,7 +365,7 @@ def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
         for mod_step, at in inside.items()
     ]
     lines += [_chosen_line(step, c, ran.get(step, 0)) if ran.get(step) or c.get("kind") != "module_forward"
-              else _nothing_found(seen, step) for step, c in chosen.items() if c.get("kind") != "boundary"]
+              else _nothing_found(seen, step, bool(c.get("direct"))) for step, c in chosen.items() if c.get("kind") != "boundary"]
     lines += [f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)"
               for step in sorted(named) if not ran.get(step) and step not in inside]
     if not chosen and not named and not ran and reports:

@@ -104,7 +104,8 @@ def _build_class(func: Any, name: str, *bases: Any, **kw: Any) -> Any:
         stem = _main_stem()
         for module, cb in cbs:
             # ``python -m pkg.mod`` runs pkg/mod.py as __main__: match on the last component.
-            if stem is not None and (module == stem or module.rsplit(".", 1)[-1] == stem):
+            # ``--step __main__:Model.forward`` names it as the script calls itself.
+            if module in ("__main__", "__mp_main__") or (stem is not None and (module == stem or module.rsplit(".", 1)[-1] == stem)):
                 try:
                     cb(cls)
                 except Exception as e:  # noqa: BLE001
