@@ -294,6 +294,21 @@ def test_a_step_that_raised_in_both_is_not_called_the_same(tmp_path):
     assert r.headline.startswith("not shown to be the same: rank 0: 1 step raised in A (first: step 0: RuntimeError: boom)")
 
 
+def test_runs_that_recorded_only_inputs_are_not_called_the_same(tmp_path):
+    """Equal inputs say nothing of what the steps computed: no output or token field, no "same"."""
+    for name in ("a", "b"):
+        rec = Recorder(RecorderConfig(out=tmp_path / name))
+        for s in range(3):
+            rec.begin_step()
+            rec.record_inputs(**step_inputs(s))
+            rec.end_step()
+        rec.close()
+    r = diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert r.verdict is DiffVerdict.INCOMPLETE and r.exit_code == 1
+    assert r.headline == ("not shown to be the same: only what went into the steps was recorded (no output or token "
+                          "field): what the steps computed was not compared"), r.headline
+
+
 # -- output, errors ---------------------------------------------------------------------------
 
 

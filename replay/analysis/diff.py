@@ -33,11 +33,16 @@ from replay.analysis.diff_records import (
 )
 from replay.analysis.diff_sides import Side, open_sides
 from replay.analysis.diff_streams import Names, compare_stream, used_ids, within_tolerance
+from replay.analysis.divergence import computed_fields
 from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_shape, whole_tensor
 from replay.format.reader import RankFile
 
 __all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "RecordingDiff",
            "diff_runs", "diff", "first_difference"]
+
+
+# Equal inputs, arguments and collectives alone never make two runs "the same".
+NOTHING_COMPUTED = "only what went into the steps was recorded (no output or token field)"
 
 
 # -- fields laid out differently ----------------------------------------------------------------
@@ -215,6 +220,11 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     verdict = worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
                     + ([DiffVerdict.DIFFERENT] if weights.differs else [])
                     + ([DiffVerdict.INCOMPLETE] if missing else []))
+    if verdict in (DiffVerdict.SAME, DiffVerdict.WITHIN_TOLERANCE) and \
+            not computed_fields({n for pair in files for rf in pair for n in _field_names(rf)}):
+        # Equal inputs and collectives do not show that the runs computed the same.
+        notes.append(f"{NOTHING_COMPUTED}: what the steps computed was not compared")
+        verdict = DiffVerdict.INCOMPLETE
     rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
                  layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
                  batching=batching if batching.batched_differently else None, context=context, notes=notes)
