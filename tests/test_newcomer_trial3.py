@@ -112,3 +112,42 @@ def test_a_forward_bound_before_recording_is_named_with_the_flag_that_records_it
         text = _replay("info", rec, cwd=tmp_path).stdout
         assert "  0     6      yes" in text, (name, text)
         shutil.rmtree(rec)
+
+
+def test_tensors_returned_inside_a_list_are_outputs_and_a_large_container_is_named(tmp_path: Path) -> None:
+    """``return logits, [h0, h1]``: the list was dropped without a word, so a re-run whose h0
+    changed said "bit for bit". Its tensors are now outputs (``out1.0``, ``out1.1``); a container
+    over 1 MiB (a cache handed back) is named by the summary as not recorded."""
+    _script(tmp_path, "nested", """
+        import os, torch, torch.nn as nn
+        torch.manual_seed(0)
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(40, 16); self.l = nn.Linear(16, 16); self.head = nn.Linear(16, 40)
+                self.cache = torch.zeros(300_000)
+            def forward(self, ids):
+                h0 = self.emb(ids).mean(1); h1 = self.l(h0)
+                if os.path.exists("perturb"):
+                    h0 = h0 + 1e-3
+                return self.head(h1), [h0, h1], (self.cache,)
+
+        m = M().eval()
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            for pos in range(5):
+                logits, hs, cache = m(ids)
+                ids = torch.cat([ids[:, 1:], logits.argmax(-1, keepdim=True)], 1)
+    """)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--out", rec, "--", sys.executable, "nested.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "replay: nested:M also returned out2 (a tuple of 1 tensor): not recorded or compared" in p.stderr, p.stderr
+    assert "out1" not in p.stderr
+    ok = _replay("step", rec, "--step", 2, "--json", "--no-save", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(json.loads(ok.stdout)["modes"]["eager"]["vs_recording"]) == ["logits", "out1.0", "out1.1"]
+    (tmp_path / "perturb").write_text("")
+    bad = _replay("step", rec, "--step", 2, "--no-save", cwd=tmp_path)
+    assert bad.stdout.startswith("not reproduced") and "out1.0" in bad.stdout.splitlines()[0], bad.stdout

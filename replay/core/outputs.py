@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["name_outputs", "tensor_version", "written_arguments", "written_outputs"]
+__all__ = ["NESTED_OUTPUT_BYTES", "name_outputs", "nested_outputs", "tensor_version", "written_arguments", "written_outputs"]
 
 
 def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torch.Tensor]:
@@ -28,7 +28,61 @@ def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torc
         pairs = _sequence_pairs(out, names)
     else:
         return {}
-    return {k: v for k, v in pairs if isinstance(v, torch.Tensor)}
+    named: dict[str, torch.Tensor] = {}
+    for k, v in pairs:
+        if isinstance(v, torch.Tensor):
+            named[k] = v
+        elif isinstance(v, (list, tuple, dict)):
+            named.update(_small_container(k, v) or {})
+    return named
+
+
+# Tensors returned inside a container (``(logits, [h0, h1])``) are outputs too, named ``out1.0``,
+# up to this many bytes a container: a larger one is usually the KV cache handed back every step,
+# which copying or digesting every step would cost more than the step (the summary names it).
+NESTED_OUTPUT_BYTES = 1 << 20
+
+
+def _small_container(name: str, v: Any) -> dict[str, torch.Tensor] | None:
+    from replay.core.structure import flatten_tensors
+
+    found = flatten_tensors(name, v)
+    if found is None or sum(t.numel() * t.element_size() for t in found[0].values()) > NESTED_OUTPUT_BYTES:
+        return None
+    return found[0]
+
+
+def nested_outputs(out: Any, names: tuple[str, ...] | list[str]) -> list[str]:
+    """What a step returned that ``name_outputs`` leaves out: a container holding tensors over
+    ``NESTED_OUTPUT_BYTES`` (a ``past_key_values`` tuple), or one holding something besides
+    tensors, e.g. ``"out1 (a list of 2 tensors)"``: said once at record time, never compared."""
+    if isinstance(out, dict):
+        pairs = [(str(k), v) for k, v in out.items()]
+    elif hasattr(out, "_fields"):
+        pairs = list(zip(out._fields, out))
+    elif hasattr(out, "__dataclass_fields__"):
+        pairs = [(k, getattr(out, k, None)) for k in out.__dataclass_fields__]
+    elif isinstance(out, (list, tuple)):
+        pairs = _sequence_pairs(out, names)
+    else:
+        return []
+    said = []
+    for k, v in pairs:
+        if isinstance(v, (list, tuple, dict)) and _small_container(k, v) is None:
+            n = _count_tensors(v, 0)
+            if n:
+                kind = "dict" if isinstance(v, dict) else "tuple" if isinstance(v, tuple) else "list"
+                said.append(f"{k} (a {kind} of {n} tensor{'s' if n != 1 else ''})")
+    return said
+
+
+def _count_tensors(v: Any, depth: int) -> int:
+    if isinstance(v, torch.Tensor):
+        return 1
+    if depth > 4:
+        return 0
+    items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ()
+    return sum(_count_tensors(x, depth + 1) for x in items)
 
 
 def _sequence_pairs(out: list | tuple, names: tuple[str, ...] | list[str]) -> list[tuple[str, Any]]:

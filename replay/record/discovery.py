@@ -371,7 +371,22 @@ def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
     if not chosen and not named and not ran and reports:
         lines.append(_nothing_found(seen))
     lines += _compiled_collectives(reports, chosen, ran)
+    lines += _nested_outputs(reports)
     return lines
+
+
+def _nested_outputs(reports: list[dict[str, Any]]) -> list[str]:
+    """Tensors a step returned inside a container (a list, a cache tuple): not recorded, said so."""
+    from replay.textsafe import escape
+
+    said: dict[str, list[str]] = {}
+    for r in reports:
+        for step, items in (r.get("nested_outputs") or {}).items():
+            if isinstance(items, list) and items:
+                said.setdefault(str(step), [str(i) for i in items])
+    return [f"replay: {escape(step)} also returned {escape(', '.join(items[:4]))}{', ...' if len(items) > 4 else ''}: "
+            "not recorded or compared (only tensors at the top level of a step's result are; a cache passed back "
+            "each step usually is one of these)" for step, items in said.items()]
 
 
 def _compiled_collectives(reports: list[dict[str, Any]], chosen: dict[str, dict[str, Any]], ran: Counter[str]) -> list[str]:

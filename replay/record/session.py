@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from replay import numerics
-from replay.core.outputs import tensor_version, written_arguments, written_outputs
+from replay.core.outputs import nested_outputs, tensor_version, written_arguments, written_outputs
 from replay.log import get_logger
 from replay.record.config import RecordConfig, RecorderConfig
 from replay.record.calls import (
@@ -106,6 +106,7 @@ class Session(GraphEvents):
         self._tuner_sources: list[Callable[[], dict[str, str]]] = []
         self.lockstep: Any = None
         self._warned: set[str] = set()
+        self._nested_said: dict[str, list[str]] = {}  # step -> returned containers of tensors, not recorded
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -662,6 +663,8 @@ class Session(GraphEvents):
             return out
         try:
             outs = name_outputs(out, spec.outputs or tuple(self.settings.output_names))
+            if spec.step not in self._nested_said:
+                self._nested_said[spec.step] = nested_outputs(out, spec.outputs or tuple(self.settings.output_names))
             if out is None and written is not None:
                 # A step that returns nothing writes its results into its arguments
                 # (``step(ids, out=logits)``): they are its outputs, as they are after the call.
@@ -868,6 +871,7 @@ class Session(GraphEvents):
             "ran": dict(self._ran),
             "chosen": list(self._chosen),
             "seen": dict(self._watcher.seen) if self._watcher is not None else {},
+            "nested_outputs": {k: v for k, v in self._nested_said.items() if v},
         }
 
     def shutdown(self) -> None:
