@@ -151,3 +151,59 @@ def test_tensors_returned_inside_a_list_are_outputs_and_a_large_container_is_nam
     (tmp_path / "perturb").write_text("")
     bad = _replay("step", rec, "--step", 2, "--no-save", cwd=tmp_path)
     assert bad.stdout.startswith("not reproduced") and "out1.0" in bad.stdout.splitlines()[0], bad.stdout
+
+
+def test_a_function_of_the_script_is_re_run_in_the_re_launched_program(tmp_path: Path) -> None:
+    """``--step loop:decode`` names a plain function of the script: the re-run imported the
+    script, running its whole loop with replay's own argv (here: KeyError on its argument)."""
+    _script(tmp_path, "loop", """
+        import sys, torch
+        torch.manual_seed(0)
+        SIZES = {"small": 16, "big": 32}
+        D = SIZES[sys.argv[1]]
+        W = torch.randn(D, D) / D ** 0.5
+
+        def decode(w, h):
+            return torch.tanh(h @ w)
+
+        h = torch.randn(2, D)
+        for i in range(6):
+            h = decode(W, h)
+        print("done", float(h.sum()))
+    """)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--step", "loop:decode", "--", sys.executable, "loop.py", "small",
+                cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    res = _replay("step", rec, "--step", 3, "--no-save", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("reproduced: rank 0 step 3"), res.stdout
+    assert "re-launching the recorded program" in res.stderr and "done" not in res.stdout
+
+
+def test_a_program_that_changes_directory_is_re_launched_from_where_it_started(tmp_path: Path) -> None:
+    """The program chdir()s before its loop: the re-launch ran ``python3 loop.py`` in the new
+    directory (no such file), and the re-launched program could not find a relative recording."""
+    (tmp_path / "work").mkdir()
+    _script(tmp_path, "moving", """
+        import os, torch, torch.nn as nn
+        torch.manual_seed(0)
+        os.chdir("work")
+
+        class LM(nn.Module):
+            def __init__(s):
+                super().__init__(); s.emb = nn.Embedding(50, 16); s.head = nn.Linear(16, 50)
+            def forward(s, x):
+                return s.head(s.emb(x)).mean(0, keepdim=True)
+
+        m = LM().eval()
+        tok = torch.tensor([1, 2])
+        with torch.no_grad():
+            for i in range(6):
+                tok = torch.cat([tok, m(tok).argmax(-1)])
+    """)
+    p = _replay("record", "--quiet", "--out", "rec", "--", sys.executable, "moving.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    res = _replay("step", "rec", "--step", 3, "--no-save", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("reproduced: rank 0 step 3"), res.stdout

@@ -44,13 +44,19 @@ def module_name(mod: str) -> str:
     return mod
 
 
+# Where the program was started: imported by the recorder's bootstrap before the program runs, so
+# a program that calls os.chdir() before its loop is still re-launched from where it started
+# (its argv names the script relative to this).
+_START_CWD = os.getcwd()
+
+
 def launch_info() -> dict[str, Any]:
     main = sys.modules.get("__main__")
     f = getattr(main, "__file__", None)
     return {
         "argv": list(sys.argv),
         "executable": sys.executable,
-        "cwd": os.getcwd(),
+        "cwd": _START_CWD,
         "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
         "main_file": os.path.abspath(f) if f else None,
         "main_name": main_name(),

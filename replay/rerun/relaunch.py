@@ -74,10 +74,21 @@ def needs_relaunch(target: dict[str, Any] | None, args: dict[str, Any] | None = 
         return True
     if kind == "compiled" and isinstance(target.get("weights"), dict) and target["weights"]:
         return True  # a compiled module (``torch.compile(model)``): its object is an nn.Module the program builds
-    qual = str(target.get("step", "")).partition(":")[2]
+    module, _, qual = str(target.get("step", "")).partition(":")
     if kind is None and "." in qual:
         return True
+    if _in_script(module, target.get("launch")):
+        # A function of the script run as __main__: importing it here would run the script's
+        # top level (its whole loop) with replay's own argv; the program is its own factory.
+        return True
     return any(isinstance(v, dict) for v in (args or {}).values())
+
+
+def _in_script(module: str, launch: Any) -> bool:
+    if module in ("__main__", "__mp_main__"):
+        return True
+    name = launch.get("main_name") if isinstance(launch, dict) else None
+    return isinstance(name, str) and bool(name) and module in (name, name.rsplit(".", 1)[-1])
 
 
 # -- the parent: `replay step` ---------------------------------------------------------------
@@ -133,6 +144,9 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
     with tempfile.TemporaryDirectory(prefix="replay-relaunch-") as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec.out = str(Path(tmp) / "result.json")
+        # The program runs elsewhere (its own cwd, and it may chdir): it finds the recording by
+        # its absolute path.
+        spec.recording = os.path.abspath(spec.recording) if spec.recording else spec.recording
         spec_path.write_text(json.dumps({f: getattr(spec, f) for f in RelaunchSpec.__slots__}))
         # Shown before the program's code runs: the trust gate (replay.trust) goes here too.
         announce(f"re-launching the recorded program (the recording names no factory): {' '.join(cmd)} in {cwd}")
