@@ -207,3 +207,39 @@ def test_a_program_that_changes_directory_is_re_launched_from_where_it_started(t
     res = _replay("step", "rec", "--step", 3, "--no-save", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("reproduced: rank 0 step 3"), res.stdout
+
+
+def test_state_the_loop_changes_between_steps_gets_a_hint_and_keyframes_reproduce_it(tmp_path: Path) -> None:
+    """A beam search reorders the model's cache between steps, outside the step: the re-run's
+    catch-up cannot see that. It said only "departed at step 1"; it now names the cause and the
+    flag, and with a keyframe every step the step reproduces."""
+    _script(tmp_path, "beam", """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(50, 16); self.head = nn.Linear(16, 50)
+                self.register_buffer("cache", torch.zeros(3, 16))
+            def forward(self, tok):
+                self.cache.mul_(0.5).add_(self.emb(tok))
+                return self.head(self.cache)
+
+        m = LM().eval()
+        tok = torch.tensor([1, 2, 3])
+        with torch.no_grad():
+            for i in range(6):
+                logits = m(tok)
+                tok = logits.argmax(-1)
+                order = torch.argsort(logits.max(-1).values, descending=True)
+                m.cache.copy_(m.cache.index_select(0, order))
+    """)
+    rec, _ = _record(tmp_path, "beam")
+    res = _replay("step", rec, "--step", 4, "--no-save", cwd=tmp_path)
+    assert res.stdout.startswith("not reproduced"), res.stdout
+    assert "a keyframe every step restores it: replay record --keyframe-every 1" in res.stdout, res.stdout
+    shutil.rmtree(rec)
+    rec, _ = _record(tmp_path, "beam", "--keyframe-every", "1")
+    ok = _replay("step", rec, "--step", 4, "--no-save", cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr

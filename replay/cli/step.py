@@ -149,7 +149,8 @@ def render_step(r: StepRerun) -> str:
     lines += _verdict_table(r)
     lines += [f"  {c}" for c in r.comparisons]
     lines += [style(f"  {m.mode}: repeated runs of the same step from the same state gave different bits: "
-                    "a nondeterministic kernel", fg="red") for m in r.modes.values() if m.repeats_equal is False]
+                    "a nondeterministic kernel, or host code that reads something other than its inputs (a clock, a file, "
+                    "an unseeded random source)", fg="red") for m in r.modes.values() if m.repeats_equal is False]
     lines += [f"  note: {escape(n)}" for n in r.notes]
     return "\n".join(lines)
 
@@ -177,7 +178,12 @@ def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
     span = (f"steps {r.keyframe}..{r.step - 1}" if n == r.step - r.keyframe else
             f"{n} step{'s' if n > 1 else ''} of stream {escape(r.stream)} in {r.keyframe}..{r.step - 1} ({_steps(m.caught_up)})")
     if m.departed is not None:
-        return style(f"  {m.mode}: the re-run departed from the recording at {escape(m.departed)} (teacher-forced from there)", fg="yellow")
+        # The catch-up feeds recorded inputs to the rebuilt state; state the program changes
+        # between steps (a beam search reordering its cache) is only seen at a keyframe.
+        hint = ("; if the program changes the model's state between steps (a beam search reordering its cache, a "
+                "reset), a keyframe every step restores it: replay record --keyframe-every 1") if m.departed.step < r.step else ""
+        return style(f"  {m.mode}: the re-run departed from the recording at {escape(m.departed)} (teacher-forced from there)"
+                     + hint, fg="yellow")
     if not m.uncompared:
         return f"  {m.mode}: {span} re-ran bit for bit as recorded"
     return style(f"  {m.mode}: {span} re-ran; {n - len(m.uncompared)} of {n} matched their recorded outputs bit for bit, "

@@ -70,7 +70,10 @@ class WeightCheck:
 
     def __str__(self) -> str:
         if self.same:
-            return f"weights: all {self.checked} parameters have the digests of the weights that ran"
+            # Digested once, at the rank's first step: a program that changes its weights later
+            # (a hot swap, an in-place update) is not seen here, so say what was checked.
+            return (f"weights: all {self.checked} parameters have the digests recorded at the rank's first step "
+                    "(weights are digested once: a change the program made to them later is not checked)")
         parts = []
         for what, names in (("differ", self.differ), ("are not in the rebuilt model", self.missing),
                             ("were not recorded", self.extra)):
