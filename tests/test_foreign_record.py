@@ -567,6 +567,13 @@ def test_summary_lines_say_what_was_chosen_and_what_could_not_be_seen() -> None:
                                       " name the step with --step MODULE:QUALNAME"]
     never = [{"rank": 0, "named": ["m:f"], "ran": {}, "chosen": [], "seen": {}}]
     assert summary_lines(never) == ["replay: --step m:f never ran: no call of it was seen (check the module and qualname)"]
+    # Chosen in the parent, run in a forked child that left through os._exit (no report): the
+    # recording holds 8 steps, so the line never says the step did not run again.
+    forked = [{"rank": 0, "named": [], "ran": {}, "chosen": [{"step": "loop:LM", "kind": "module_forward"}], "seen": {"loop:LM": 1}}]
+    assert "never ran again" in summary_lines(forked)[0]
+    line = summary_lines(forked, recorded_steps=8)[0]
+    assert line.startswith("replay: step found with no flags: loop:LM (the outermost nn.Module's forward, 8 steps in the "
+                           "recording); recorded by a process that ended without reporting (os._exit"), line
 
 
 JIT_PROGRAM = """

@@ -103,7 +103,8 @@ def _check_end(c: RankCheck, attrs: dict[str, Any], *, live: bool) -> None:
             c.lost_tail("killed before it wrote its header: nothing was recorded")
         else:
             c.lost_tail(
-                "ended without its end marker (the process was killed or crashed) "
+                "ended without its end marker (the process was killed, crashed, or left through os._exit, as a "
+                "forked child does) "
                 + (f"after step {last}: {kept}; anything it did after that was not recorded" if last is not None
                    else "before its first step: no step was recorded")
             )

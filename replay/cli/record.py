@@ -161,7 +161,10 @@ def _report(path: Path, result: object, *, quiet: bool, as_json: bool) -> None:
             summary = api.info(rec).to_json()
     except ReplayError as e:
         nothing = str(e)
-    steps = summary_lines(read_reports(path))
+    # Steps the recording holds: a process that ended through os._exit (a forked child does)
+    # wrote no report, and the summary must not say its step never ran.
+    held = sum(int(r.get("steps") or 0) for r in (summary or {}).get("ranks") or [])
+    steps = summary_lines(read_reports(path), recorded_steps=held)
     if as_json:
         emit_json({"recording": str(path), "exit_code": result.exit_code, "signal": result.signal,
                    "still_live": result.still_live, "info": summary, "steps": steps, "nothing_recorded": nothing})

@@ -328,6 +328,15 @@ def _chosen_line(step: str, c: dict[str, Any], n: int) -> str:
             f" to record another callable: replay record --step MODULE:QUALNAME -- ...")
 
 
+def _unreported_line(step: str, c: dict[str, Any], held: int) -> str:
+    """The step was chosen, and the recording holds steps, but no process reported running it: the
+    one that did ended without its exit hooks (``os._exit``, as a forked child ends, or a kill)."""
+    return (_chosen_line(step, c, held).replace(f"{held} call{'s' if held != 1 else ''} recorded",
+                                                f"{held} step{'s' if held != 1 else ''} in the recording")
+            .replace("; to record another", "; recorded by a process that ended without reporting (os._exit, as a "
+                     "forked child ends, or a kill); to record another"))
+
+
 def _nothing_found(seen: Counter[str], chosen: str | None = None, direct: bool = False) -> str:
     from replay.textsafe import escape
 
@@ -351,7 +360,7 @@ def _nothing_found(seen: Counter[str], chosen: str | None = None, direct: bool =
             " name the step with --step MODULE:QUALNAME")
 
 
-def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
+def summary_lines(reports: list[dict[str, Any]], *, recorded_steps: int = 0) -> list[str]:
     """What ``replay record`` says about steps: which was chosen and how to choose another, or
     what was seen when none was found, and every named step that never ran."""
     from replay.textsafe import escape
@@ -364,7 +373,9 @@ def summary_lines(reports: list[dict[str, Any]]) -> list[str]:
         f" recorded at that boundary ({ran.get(at, 0)} calls)"
         for mod_step, at in inside.items()
     ]
+    unreported = not sum(ran.values()) and recorded_steps > 0
     lines += [_chosen_line(step, c, ran.get(step, 0)) if ran.get(step) or c.get("kind") != "module_forward"
+              else _unreported_line(step, c, recorded_steps) if unreported
               else _nothing_found(seen, step, bool(c.get("direct"))) for step, c in chosen.items() if c.get("kind") != "boundary"]
     lines += [f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)"
               for step in sorted(named) if not ran.get(step) and step not in inside]
