@@ -152,6 +152,9 @@ class StepRerun:
     notes: list[str] = field(default_factory=list)
     stream: str | None = None  # the model of the part that was rebuilt (several in one loop)
     weights: WeightCheck | None = None  # the rebuilt weights against the recorded digests
+    # Arguments of the step recorded by class name only ("cache (DynamicCache)"): an object with
+    # behaviour (a cache object) whose contents the re-run could not set back.
+    unrecorded: list[str] = field(default_factory=list)
 
     def problem(self) -> str | None:
         """Why step ``step`` could not be re-run or checked against the recording; None if it was.
@@ -211,6 +214,11 @@ class StepRerun:
             line += f"; also in {', '.join(m.mode for m in differ[1:])}"
         if same:
             line += f"; {', '.join(same)} reproduce{'s' if len(same) == 1 else ''} it bit for bit"
+        if self.unrecorded:
+            # Not evidence against the program: the re-run may have run with other contents.
+            line += (f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
+                     "used the program's own object as it was at the step's first call: the difference may be "
+                     "that object's contents, not the program (see 'Objects a step takes' in docs/your-engine.md)")
         return line
 
     def _reproduced(self, where: str, same: list[str]) -> str:
@@ -239,6 +247,7 @@ class StepRerun:
             "notes": self.notes,
             "stream": self.stream,
             "weights": self.weights.to_json() if self.weights is not None else None,
+            "unrecorded_arguments": self.unrecorded,
             "problem": self.problem(),
             "raised": self.raised(),
             "headline": self.headline(),
@@ -256,6 +265,7 @@ class StepRerun:
         return cls(recording=str(d.get("recording") or ""), part=str(d.get("part") or ""), rank=int(d["rank"]),
                    step=int(d["step"]), keyframe=int(d.get("keyframe") or 0), device=str(d.get("device") or ""),
                    factory=d.get("factory"), modes=modes, comparisons=across, notes=list(d.get("notes") or []),
-                   stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None)
+                   stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None,
+                   unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []])
 
 

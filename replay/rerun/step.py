@@ -49,7 +49,9 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     if not settings.modes:
         settings.modes = tuple(default_modes(part, rank, step, settings.device, relaunch=relaunch))
     if not relaunch:
-        return rerun_step(part, rank, step, settings, announce=announce, progress=progress)
+        result = rerun_step(part, rank, step, settings, announce=announce, progress=progress)
+        result.unrecorded = unrecorded_arguments(rf, result.keyframe, step)
+        return result
     check_device(settings.device)  # what the re-run inside the program would refuse, before starting it
     check_graph_mode(rf, settings.modes, settings.device)
     # No factory: the recorded program, started again in replay mode, is its own factory.
@@ -57,9 +59,27 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
                         device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
                         keyframe_at=settings.keyframe_at)
     result = relaunch_step(spec, target.get("launch") or {}, world=part.world_size, announce=announce)
+    result.unrecorded = unrecorded_arguments(rf, result.keyframe, step)
     if settings.options:
         result.notes.append(SET_IGNORED)
     return result
+
+
+def unrecorded_arguments(rf: RankFile, first: int, last: int) -> list[str]:
+    """The arguments of steps ``first``..``last`` recorded by class name only (an object with
+    behaviour, a cache object): ``["cache (DynamicCache)"]``."""
+    from replay.rerun.relaunch import recorded_args
+
+    found: dict[str, str] = {}
+    for s in range(first, last + 1):
+        try:
+            args = recorded_args(rf, s)
+        except Exception:  # noqa: BLE001 - a step the rank did not record (another stream's)
+            continue
+        for name, v in args.items():
+            if isinstance(v, dict) and isinstance(v.get("unrecorded"), str):
+                found.setdefault(str(name), f"{name} (a {v['unrecorded']})")
+    return list(found.values())
 
 
 def check_graph_mode(rf: RankFile, modes: Iterable[str], device: str) -> None:
