@@ -243,3 +243,38 @@ def test_state_the_loop_changes_between_steps_gets_a_hint_and_keyframes_reproduc
     rec, _ = _record(tmp_path, "beam", "--keyframe-every", "1")
     ok = _replay("step", rec, "--step", 4, "--no-save", cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr
+
+
+def test_a_difference_over_a_cache_object_recorded_by_name_says_so(tmp_path: Path) -> None:
+    """``model(tok, cache)`` with a cache object that has methods (as HF's DynamicCache under
+    ``generate()``): recorded by class name only, so the re-launched program's own cache, as it
+    was at the step's first call, is what the re-run gets. "Not reproduced" alone blamed a
+    deterministic program; the line now says the difference may be that object's contents."""
+    _script(tmp_path, "cacheobj", """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+
+        class Cache:
+            def __init__(self):
+                self.kv = torch.zeros(1, 16)
+            def update(self, x):
+                self.kv = self.kv + x
+                return self.kv
+
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__(); self.emb = nn.Embedding(50, 16); self.head = nn.Linear(16, 50)
+            def forward(self, tok, cache):
+                return self.head(cache.update(self.emb(tok)))
+
+        m, cache = LM().eval(), Cache()
+        tok = torch.tensor([1])
+        with torch.no_grad():
+            for i in range(6):
+                tok = m(tok, cache).argmax(-1)
+    """)
+    rec, _ = _record(tmp_path, "cacheobj")
+    res = _replay("step", rec, "--step", 3, "--no-save", cwd=tmp_path)
+    head = res.stdout.splitlines()[0]
+    assert head.startswith("not reproduced"), head
+    assert "the step's argument cache (a Cache) was not recorded" in head, head
