@@ -220,17 +220,23 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     verdict = worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
                     + ([DiffVerdict.DIFFERENT] if weights.differs else [])
                     + ([DiffVerdict.INCOMPLETE] if missing else []))
-    if verdict in (DiffVerdict.SAME, DiffVerdict.WITHIN_TOLERANCE) and \
-            not computed_fields({n for pair in files for rf in pair for n in _field_names(rf)}):
-        # Equal inputs and collectives do not show that the runs computed the same.
-        notes.append(f"{NOTHING_COMPUTED}: what the steps computed was not compared")
-        verdict = DiffVerdict.INCOMPLETE
+    verdict = _unless_nothing_computed(verdict, files, notes)
     rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
                  layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
                  batching=batching if batching.batched_differently else None, context=context, notes=notes)
     rd.headline = _headline(rd)
     rd.next = _next_command(rd, a, b)
     return rd
+
+
+def _unless_nothing_computed(verdict: DiffVerdict, files: list[tuple[RankFile, RankFile]], notes: list[str]) -> DiffVerdict:
+    """Equal inputs and collectives do not show that the runs computed the same."""
+    if verdict not in (DiffVerdict.SAME, DiffVerdict.WITHIN_TOLERANCE):
+        return verdict
+    if computed_fields({n for pair in files for rf in pair for n in _field_names(rf)}):
+        return verdict
+    notes.append(f"{NOTHING_COMPUTED}: what the steps computed was not compared")
+    return DiffVerdict.INCOMPLETE
 
 
 def _next_command(rd: RunDiff, a: Side, b: Side) -> str:
