@@ -179,8 +179,9 @@ def test_the_program_s_own_tracer_is_left_in_place(tmp_path: Path) -> None:
 
 
 def test_json_output_is_only_json_when_the_step_s_module_prints(tmp_path: Path) -> None:
-    """A function step of a script with no ``__main__`` guard: re-running imports the script,
-    which runs (and prints) in replay's process. stdout stays the verdict or the JSON."""
+    """A function step of a script that prints, with no ``__main__`` guard: the re-run runs it in
+    the re-launched program (importing it here ran its whole loop); stdout stays the verdict or
+    the JSON."""
     _script(tmp_path, "loud", """
         import torch
         w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
@@ -195,7 +196,7 @@ def test_json_output_is_only_json_when_the_step_s_module_prints(tmp_path: Path) 
     res = _replay("step", rec, "--rank", 0, "--step", 2, "--no-save", "--json", cwd=tmp_path)
     data = json.loads(res.stdout)
     assert data["headline"].startswith("reproduced"), data["headline"]
-    assert "the program's own output" in res.stderr
+    assert "the program's own output" not in res.stdout
     text = _replay("step", rec, "--rank", 0, "--step", 2, "--no-save", cwd=tmp_path)
     assert text.stdout.startswith("reproduced: rank 0 step 2"), text.stdout
 
