@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import types
 from typing import Any
 
 import torch
 
-__all__ = ["STRUCTURE_ARG", "MAX_OBJECT_BYTES", "flatten_tensors", "flatten_object", "rebuild_inputs", "RecordedObject", "object_fields"]
+__all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "MAX_OBJECT_BYTES", "flatten_tensors", "flatten_object", "rebuild_inputs",
+           "RecordedObject", "object_fields", "positional_names", "call_arguments"]
 
 # The recorded arguments' reserved key holding the shape of nested tensor arguments.
 STRUCTURE_ARG = "__structure__"
+# The recorded arguments' reserved key naming, in order, the arguments a re-run passes by
+# position (``*args`` items as ``args.0``, ``args.1``, ...); absent when keywords do.
+POSITIONAL_ARG = "__positional__"
 _MAX_NESTED = 1 << 16
 
 
@@ -145,19 +150,63 @@ class RecordedObject(types.SimpleNamespace):
         return obj
 
 
-def rebuild_inputs(inputs: dict[str, torch.Tensor], structures: dict[str, Any] | None = None) -> dict[str, Any]:
+def positional_names(bound: inspect.BoundArguments, skip_first: bool = False) -> list[str]:
+    """The recorded names of a call's arguments that a re-run must pass by position, in order:
+    positional-only parameters and, when the call filled ``*args``, every parameter before it
+    and ``*args``'s items (``args.0``, ``args.1``, ... as ``split_arguments`` names them).
+    Empty for a call that keywords repeat (the usual one). ``skip_first``: the method's object."""
+    params = bound.signature.parameters
+    items = list(bound.arguments.items())[1 if skip_first else 0:]
+    filled = any(params[n].kind is inspect.Parameter.VAR_POSITIONAL and v for n, v in items)
+    names: list[str] = []
+    for n, v in items:
+        kind = params[n].kind
+        if kind is inspect.Parameter.POSITIONAL_ONLY or (filled and kind is inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(n)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            names += [f"{n}.{i}" for i in range(len(v))]
+    return names
+
+
+def call_arguments(values: dict[str, Any], positional: Any) -> tuple[list[Any], dict[str, Any]]:
+    """A recorded step's arguments (``values``, by recorded name) as the call made them: those
+    named by ``positional`` (the recorded ``__positional__``), in order, and the rest by keyword."""
+    if not isinstance(positional, list) or not positional:
+        return [], values
+    kwargs = dict(values)
+    missing = [n for n in positional if not isinstance(n, str) or n not in kwargs]
+    if missing:
+        raise KeyError(f"recorded positional argument(s) {', '.join(map(str, missing))} not recorded")
+    return [kwargs.pop(n) for n in positional], kwargs
+
+
+def _argument_of(key: str, dotted: tuple[str, ...]) -> tuple[str, str]:
+    """(argument, rest) of an input's recorded name: ``cache.0`` -> (cache, 0); with ``args.2``
+    an argument of its own (an ``*args`` item), ``args.2.0`` -> (args.2, 0)."""
+    for n in dotted:
+        if key == n or key.startswith(n + "."):
+            return n, key[len(n) + 1:]
+    base, _, sub = key.partition(".")
+    return base, sub
+
+
+def rebuild_inputs(inputs: dict[str, torch.Tensor], structures: dict[str, Any] | None = None,
+                   positional: Any = None) -> dict[str, Any]:
     """Inverse of ``split_arguments``'s flattening: ``{name: tensor or container}``.
 
     ``structures`` (the recorded ``__structure__`` argument) gives nested containers their
-    types and ``None`` holes; without it, one level: digit keys make a list, others a dict."""
+    types and ``None`` holes; without it, one level: digit keys make a list, others a dict.
+    ``positional`` (the recorded ``__positional__``): arguments whose names hold a dot
+    (``*args`` items, ``args.0``) are arguments of their own, not items of a container ``args``."""
     structures = structures or {}
+    dotted = tuple(sorted((n for n in positional or () if isinstance(n, str) and "." in n), key=len, reverse=True))
     out: dict[str, Any] = {}
     flat: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in inputs.items():
-        base, dot, sub = k.partition(".")
+        base, sub = _argument_of(k, dotted)
         if base in structures:
             continue
-        if dot:
+        if sub:
             flat.setdefault(base, {})[sub] = v
         else:
             out[k] = v

@@ -11,7 +11,8 @@ import torch
 
 from replay.core.outputs import name_outputs  # noqa: F401 - the vocabulary moved below record and rerun
 from replay.core.state import module_state  # noqa: F401
-from replay.core.structure import STRUCTURE_ARG, flatten_object, flatten_tensors, rebuild_inputs  # noqa: F401 - shared with rerun
+from replay.core.structure import (POSITIONAL_ARG, STRUCTURE_ARG, flatten_object, flatten_tensors,  # noqa: F401 - shared with rerun
+                                   positional_names, rebuild_inputs)
 
 __all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "flatten_object", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
 
@@ -200,7 +201,9 @@ def split_arguments(
     holes with their shape under ``__structure__``, see ``rebuild_inputs``). An object that is
     an attribute of ``owner`` (the step's object) is recorded as ``{"attr": name}``;
     ``target_arg`` (the step's object when it is an argument of a function step) as
-    ``{"target": true}``; anything else as ``{"unrecorded": type}``."""
+    ``{"target": true}``; anything else as ``{"unrecorded": type}``. The arguments a re-run
+    must pass by position (``*args``'s items, positional-only ones) are named, in order, under
+    ``__positional__``."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     structures: dict[str, Any] = {}
@@ -232,6 +235,9 @@ def split_arguments(
             scalars[n] = _jsonable(v)
     if structures:
         scalars[STRUCTURE_ARG] = structures
+    positional = positional_names(bound, skip_first)
+    if positional:
+        scalars[POSITIONAL_ARG] = positional
     return tensors, scalars
 
 

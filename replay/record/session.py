@@ -63,6 +63,21 @@ class _Early:
     versions: dict[int, int | None]  # the arguments' versions before the call (what a step returning None wrote)
 
 
+def _binding_of(target: str, root: Any) -> str | None:
+    """"staticmethod" or "classmethod" when ``target`` names one (as the class holds it), else None."""
+    if "." not in target.partition(":")[2]:
+        return None
+    try:
+        from replay.record.hooks import resolve
+
+        value = resolve(target, root)[2]
+    except Exception:  # noqa: BLE001 - patch_callable says why it cannot patch
+        return None
+    if isinstance(value, staticmethod):
+        return "staticmethod"
+    return "classmethod" if isinstance(value, classmethod) else None
+
+
 def normalize_step(target: str) -> str:
     """``__main__:f`` -> ``generate:f`` for ``python generate.py``: one name for one callable."""
     mod, sep, qual = target.partition(":")
@@ -107,6 +122,8 @@ class Session(GraphEvents):
         self.lockstep: Any = None
         self._warned: set[str] = set()
         self._nested_said: dict[str, list[str]] = {}  # step -> returned containers of tensors, not recorded
+        # target -> "staticmethod" or "classmethod" when it names one (how its calls bind, see _wrap_step)
+        self._binding: dict[str, str | None] = {}
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -158,6 +175,7 @@ class Session(GraphEvents):
 
     def _patch(self, target: str, make: Callable[[Callable[..., Any], str], Callable[..., Any]], root: Any = None) -> None:
         try:
+            self._binding[target] = _binding_of(target, root)
             patch_callable(target, make, root=root)
         except Exception as e:  # noqa: BLE001
             self.warn_once(f"patch:{target}", f"cannot record {target}: {e}")
@@ -276,10 +294,15 @@ class Session(GraphEvents):
 
         sig = inspect.signature(fn)
         params = list(sig.parameters)
+        binding = self._binding.get(target)
         # A module's forward is a method whatever its first parameter is called (``def forward(s, x)``).
-        is_method = (bool(params) and params[0] in ("self", "cls") or "." in target.partition(":")[2]
-                     or spec.kind == "module_forward")
-        if spec.kind:
+        # A classmethod's object is its class (its first argument); a staticmethod has none: its
+        # first argument is data, which would make every call a new object (a new part).
+        is_method = binding != "staticmethod" and (
+            bool(params) and params[0] in ("self", "cls") or "." in target.partition(":")[2] or spec.kind == "module_forward")
+        if binding == "staticmethod" and spec.kind in ("", "method"):
+            kind = "function"
+        elif spec.kind:
             kind = spec.kind
         elif is_compiled_callable(fn):
             kind = "compiled"

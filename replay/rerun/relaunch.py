@@ -484,12 +484,17 @@ class _Takeover:
         if len(parts) == 1:
             fn = frame.f_globals.get(parts[0])
         else:
-            first = next(iter(live.values()), None)  # self
-            owner: Any = type(first) if first is not None else None
+            first = next(iter(live.values()), None)  # self (a classmethod's: its class)
+            named: Any = frame.f_globals.get(parts[0])  # the class by its qualname (a staticmethod has no self)
+            for p in parts[1:-1]:
+                named = getattr(named, p, None)
+            owners = (type(first) if first is not None else None, first if isinstance(first, type) else None, named)
             fn = None
-            for klass in getattr(owner, "__mro__", ()):
-                if parts[-1] in vars(klass) and getattr(vars(klass)[parts[-1]], "__qualname__", "") == self.qualname:
-                    fn = vars(klass)[parts[-1]]
+            for klass in (k for o in owners for k in getattr(o, "__mro__", ())):
+                v = vars(klass).get(parts[-1])
+                v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v  # the function: _rerun binds it
+                if getattr(v, "__qualname__", "") == self.qualname:
+                    fn = v
                     break
         fn = getattr(fn, "_torchdynamo_orig_callable", fn)
         # The program's callable as it calls it (its own decorators kept), if it leads to this frame.

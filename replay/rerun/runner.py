@@ -27,7 +27,7 @@ from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
 from replay.core.outputs import name_outputs
 from replay.core.rng import restore_rng
-from replay.core.structure import STRUCTURE_ARG, RecordedObject, rebuild_inputs
+from replay.core.structure import POSITIONAL_ARG, STRUCTURE_ARG, RecordedObject, call_arguments, rebuild_inputs
 from replay.core.weights import weight_digests
 from replay.rerun.collectives import RecordedCollectives
 from replay import numerics
@@ -88,8 +88,39 @@ def _step_inputs(rf: RankFile, step: int, device: str, flat: dict[str, Any] | No
     inputs = {k: _to_device(v, device) for k, v in rf.step(step).inputs.items()}
     if flat is not None:
         flat.update(inputs)
-    structures = _raw_args(rf, step).get(STRUCTURE_ARG)
-    return rebuild_inputs(inputs, structures if isinstance(structures, dict) else None)
+    raw = _raw_args(rf, step)
+    structures = raw.get(STRUCTURE_ARG)
+    return rebuild_inputs(inputs, structures if isinstance(structures, dict) else None, raw.get(POSITIONAL_ARG))
+
+
+def _live_value(live: dict[str, Any], name: str) -> tuple[bool, Any]:
+    """(found, value) of a recorded argument among a re-launched program's live ones: by name,
+    or an ``*args`` item (``args.2``) in the tuple the program passed."""
+    if name in live:
+        return True, live[name]
+    base, _, index = name.rpartition(".")
+    seq = live.get(base)
+    if index.isdigit() and isinstance(seq, tuple) and int(index) < len(seq):
+        return True, seq[int(index)]
+    return False, None
+
+
+def _positional(rf: RankFile, step: int) -> list[str]:
+    """The recorded names of the step's arguments passed by position (``*args``), in order."""
+    names = _raw_args(rf, step).get(POSITIONAL_ARG)
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+class _CallAsRecorded:
+    """The step callable behind ``GraphedStep`` (which passes keywords only), calling the step
+    with the arguments named under ``POSITIONAL_ARG`` by position, as recorded."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, **kwargs: Any) -> Any:
+        args, kwargs = call_arguments(kwargs, kwargs.pop(POSITIONAL_ARG, None))
+        return self.fn(*args, **kwargs)
 
 
 def _step_args(rf: RankFile, step: int, obj: Any = None, live: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -105,8 +136,8 @@ def _step_args(rf: RankFile, step: int, obj: Any = None, live: dict[str, Any] | 
             args[k] = obj
         elif isinstance(v.get("attr"), str) and obj is not None and hasattr(obj, v["attr"]):
             args[k] = getattr(obj, v["attr"])
-        elif k in live:
-            args[k] = live[k]
+        elif (found := _live_value(live, k))[0]:
+            args[k] = found[1]
     bad = [k for k, v in args.items() if isinstance(v, dict) and (v.get("target") is True or "attr" in v or "unrecorded" in v)]
     if bad:
         raise RerunError(f"step {step} was called with arguments that cannot be recorded ({', '.join(bad)}): it cannot be re-run")
@@ -129,7 +160,7 @@ def _generator_args(args: dict[str, Any], inputs: dict[str, Any], live: dict[str
             continue
         state = inputs.pop(k).to("cpu")
         flat.pop(k, None)  # the state went in; it is not something the step writes
-        gen = live.get(k)
+        gen = _live_value(live, k)[1]
         if not isinstance(gen, torch.Generator):
             device = torch.device(v["generator"])
             if device.type == "cuda" and not torch.cuda.is_available():
@@ -182,14 +213,28 @@ class _StepDriver:
             outs = {}
         return {**self.probed, **outs}
 
+    def _invoke(self, fn: Callable[..., Any], step: int, values: dict[str, Any]) -> Any:
+        """Call the step with its recorded arguments as the program called it: by keyword, and
+        those it passed by position (``*args``, positional-only parameters) by position."""
+        positional = _positional(self.rf, step)
+        if not positional:
+            return fn(**values)
+        if fn is self.graphed:
+            return fn(**values, **{POSITIONAL_ARG: positional})  # to ``_CallAsRecorded`` behind it
+        try:
+            args, kwargs = call_arguments(values, positional)
+        except KeyError as e:
+            raise RerunError(f"step {step}: {e.args[0]}: it cannot be re-run") from None
+        return fn(*args, **kwargs)
+
     def _call(self, step: int) -> dict[str, torch.Tensor]:
         view = self.rf.step(step)
         flat: dict[str, Any] = {}
         inputs = _step_inputs(self.rf, step, self.device, flat)
         live = self.target.live_args
         for k, v in inputs.items():
-            if isinstance(v, RecordedObject) and k in live:
-                inputs[k] = v.as_instance(live[k])  # the program's own class, with the recorded fields
+            if isinstance(v, RecordedObject) and (found := _live_value(live, k))[0]:
+                inputs[k] = v.as_instance(found[1])  # the program's own class, with the recorded fields
         args = _step_args(self.rf, step, self.target.obj, live)
         _generator_args(args, inputs, live, step, flat)
         rng = view.tensors(TensorKind.RNG)
@@ -204,7 +249,7 @@ class _StepDriver:
             # Compared inside the context: what the step really ran under, setting by setting.
             self.context_differences = numerics.differences(recorded, numerics.capture()) if recorded else []
             self.context_differences += [f"{n}: could not be set here" for n in failed]
-            out = fn(**inputs, **args)
+            out = self._invoke(fn, step, {**inputs, **args})
         if self.collectives is not None:
             self.collectives.end_step()
         fields = _recorded_fields(self.rf, step)
@@ -398,6 +443,8 @@ class Replayer:
             if not self.device.startswith("cuda"):
                 raise UsageError("cudagraph mode for a target without its own graph runner needs --device cuda")
             graphed = GraphedStep(target)
+            # GraphedStep calls the step with keywords: ``*args`` are passed on by position.
+            target.step_fn = _CallAsRecorded(target.step_fn)
         if install is not None:
             install(target)
         self._driver = _StepDriver(self.rf, target, self.device, self.collectives, self.spec.outputs, graphed)
