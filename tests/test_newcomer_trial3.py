@@ -273,7 +273,9 @@ def test_a_difference_over_a_cache_object_recorded_by_name_says_so(tmp_path: Pat
             for i in range(6):
                 tok = m(tok, cache).argmax(-1)
     """)
-    rec, _ = _record(tmp_path, "cacheobj")
+    rec = tmp_path / "rec"
+    p = _replay("record", "--out", rec, "--", sys.executable, "cacheobj.py", cwd=tmp_path)
+    assert "replay: cacheobj:LM takes cache (a Cache), recorded by class name only" in p.stderr, p.stderr
     res = _replay("step", rec, "--step", 3, "--no-save", cwd=tmp_path)
     head = res.stdout.splitlines()[0]
     assert head.startswith("not reproduced"), head

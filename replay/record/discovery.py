@@ -383,7 +383,23 @@ def summary_lines(reports: list[dict[str, Any]], *, recorded_steps: int = 0) -> 
         lines.append(_nothing_found(seen))
     lines += _compiled_collectives(reports, chosen, ran)
     lines += _nested_outputs(reports)
+    lines += _unrecorded_arguments(reports)
     return lines
+
+
+def _unrecorded_arguments(reports: list[dict[str, Any]]) -> list[str]:
+    """Arguments recorded by class name only (a cache object with methods): said at record time,
+    as a re-run cannot set back what they hold."""
+    from replay.textsafe import escape
+
+    said: dict[str, list[str]] = {}
+    for r in reports:
+        for step, items in (r.get("unrecorded_arguments") or {}).items():
+            if isinstance(items, list) and items:
+                said.setdefault(str(step), [str(i) for i in items])
+    return [f"replay: {escape(step)} takes {escape(', '.join(items[:4]))}, recorded by class name only: a re-run "
+            "cannot set back what it holds, so a step that depends on it may not reproduce (see 'Objects a step "
+            "takes' in docs/your-engine.md)" for step, items in said.items()]
 
 
 def _nested_outputs(reports: list[dict[str, Any]]) -> list[str]:

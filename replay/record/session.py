@@ -122,6 +122,7 @@ class Session(GraphEvents):
         self.lockstep: Any = None
         self._warned: set[str] = set()
         self._nested_said: dict[str, list[str]] = {}  # step -> returned containers of tensors, not recorded
+        self._unrecorded_said: dict[str, list[str]] = {}  # step -> arguments recorded by class name only
         # target -> "staticmethod" or "classmethod" when it names one (how its calls bind, see _wrap_step)
         self._binding: dict[str, str | None] = {}
 
@@ -768,6 +769,7 @@ class Session(GraphEvents):
             if len(self._streams.streams) > 1 and stream is not None:
                 scalars[numerics.STREAM_ARG] = stream.name
             early.rec.record_args(**scalars)
+            self._note_unrecorded(spec.step, scalars)
 
         return self._call_and_record(spec, fn, args, kwargs, early.rec, early.obj, after_call, written=lambda: arg_tensors)
 
@@ -796,7 +798,15 @@ class Session(GraphEvents):
         if len(self._streams.streams) > 1 and stream is not None:
             scalars[numerics.STREAM_ARG] = stream.name
         rec.record_args(**scalars)
+        self._note_unrecorded(spec.step, scalars)
         return rec, obj, written_arguments(tensors, scalars)
+
+    def _note_unrecorded(self, step: str, scalars: dict[str, Any]) -> None:
+        """Once per step: its arguments recorded by class name only (a cache object with methods,
+        HF's DynamicCache), which a re-run cannot set back, for ``replay record``'s summary."""
+        if step not in self._unrecorded_said:
+            self._unrecorded_said[step] = [f"{k} (a {v['unrecorded']})" for k, v in scalars.items()
+                                           if isinstance(v, dict) and isinstance(v.get("unrecorded"), str)]
 
     def _numerics_digest(self, rec: Recorder) -> str:
         """The digest of the numerics context now; a context not seen in this part is written
@@ -895,6 +905,7 @@ class Session(GraphEvents):
             "chosen": list(self._chosen),
             "seen": dict(self._watcher.seen) if self._watcher is not None else {},
             "nested_outputs": {k: v for k, v in self._nested_said.items() if v},
+            "unrecorded_arguments": {k: v for k, v in self._unrecorded_said.items() if v},
         }
 
     def shutdown(self) -> None:
