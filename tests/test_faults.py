@@ -76,7 +76,8 @@ class Run:
         if not path.exists():
             return []
         out = []
-        for line in path.read_text().splitlines():
+        # A SIGKILL can cut the last line's write short: only whole lines (as n_completed counts).
+        for line in path.read_text().split("\n")[:-1]:
             s, x, y = line.split()
             out.append((int(s), bytes.fromhex(x), bytes.fromhex(y)))
         return out
