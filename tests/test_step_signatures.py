@@ -205,3 +205,50 @@ def test_static_and_class_method_steps_are_one_part_and_re_run(tmp_path: Path, b
         r = _replay("step", out, "--rank", 0, "--step", step, "--no-save", cwd=tmp_path)
         assert r.returncode == 0, r.stdout + r.stderr[-2000:]
         assert r.stdout.startswith("reproduced") and "bit for bit" in r.stdout, r.stdout
+
+
+_GRAPHED_VARARGS = """
+    import torch, torch.nn as nn
+    torch.manual_seed(0)
+    V, D, T = 50, 16, 12
+
+    class AR(nn.Module):
+        def __init__(s):
+            super().__init__(); s.emb = nn.Embedding(V, D); s.qkv = nn.Linear(D, 3 * D); s.head = nn.Linear(D, V)
+        def forward(s, *args):  # (ids, pos, cache, logits): writes the logits, returns nothing
+            ids, pos, cache, logits = args
+            x = s.emb(ids); q, k, v = s.qkv(x).chunk(3, -1)
+            cache[0][:, pos] = k; cache[1][:, pos] = v
+            a = torch.softmax(torch.einsum('bd,btd->bt', q, cache[0][:, :pos + 1]) * D ** -0.5, -1)
+            torch.matmul(x + torch.einsum('bt,btd->bd', a, cache[1][:, :pos + 1]), s.head.weight.T, out=logits)
+
+    m = AR().cuda().eval()
+    cache = [torch.zeros(2, T, D, device="cuda"), torch.zeros(2, T, D, device="cuda")]
+    logits = torch.empty(2, V, device="cuda"); tok = torch.tensor([1, 2], device="cuda")
+    with torch.no_grad():
+        for pos in range(7):
+            m(tok, pos, cache, logits)
+            tok = logits.argmax(-1)
+    print(tok.tolist())
+"""
+
+
+@pytest.mark.gpu
+def test_cudagraph_mode_re_runs_a_var_positional_step_that_writes_into_its_arguments(tmp_path: Path) -> None:
+    """``--mode cudagraph`` on a step of no graph runner of its own (``GraphedStep``), taking
+    ``*args`` with a KV cache as a list and writing its logits into an ``out=`` buffer: the
+    graphed re-run gets its arguments by position, the list's tensors as this step's, and is
+    compared on what it wrote (before, on the static copies' inputs: never reproduced)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _script(tmp_path, "graphed", _GRAPHED_VARARGS)
+    out = tmp_path / "rec-graphed"
+    p = _replay("record", "--quiet", "--out", out, "--", sys.executable, "graphed.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    for mode in ("eager", "cudagraph"):
+        r = _replay("step", out, "--rank", 0, "--step", 4, "--mode", mode, "--device", "cuda", "--no-save", "--json", cwd=tmp_path)
+        assert r.returncode == 0, mode + r.stdout + r.stderr[-2000:]
+        run = json.loads(r.stdout)["modes"][mode]
+        verdicts = {k: v["verdict"] for k, v in run["vs_recording"].items()}
+        assert verdicts and set(verdicts.values()) == {"bitwise equal"}, (mode, verdicts)
+        assert run["departed"] is None, (mode, run)
