@@ -245,38 +245,83 @@ def test_state_the_loop_changes_between_steps_gets_a_hint_and_keyframes_reproduc
     assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr
 
 
-def test_a_difference_over_a_cache_object_recorded_by_name_says_so(tmp_path: Path) -> None:
-    """``model(tok, cache)`` with a cache object that has methods (as HF's DynamicCache under
-    ``generate()``): recorded by class name only, so the re-launched program's own cache, as it
-    was at the step's first call, is what the re-run gets. "Not reproduced" alone blamed a
-    deterministic program; the line now says the difference may be that object's contents."""
-    _script(tmp_path, "cacheobj", """
-        import torch, torch.nn as nn
-        torch.manual_seed(0)
+_CACHE_OBJECT = """
+    import sys, torch, torch.nn as nn
+    torch.manual_seed(0)
 
-        class Cache:
-            def __init__(self):
-                self.kv = torch.zeros(1, 16)
-            def update(self, x):
-                self.kv = self.kv + x
-                return self.kv
+    class Cache:
+        def __init__(self):
+            self.kv = torch.zeros(1, 16)
+        def update(self, x):
+            self.kv = self.kv + x
+            return self.kv
 
-        class LM(nn.Module):
-            def __init__(self):
-                super().__init__(); self.emb = nn.Embedding(50, 16); self.head = nn.Linear(16, 50)
-            def forward(self, tok, cache):
-                return self.head(cache.update(self.emb(tok)))
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__(); self.emb = nn.Embedding(50, 16); self.head = nn.Linear(16, 50)
+        def forward(self, tok, cache):
+            return self.head(cache.update(self.emb(tok)))
 
-        m, cache = LM().eval(), Cache()
-        tok = torch.tensor([1])
-        with torch.no_grad():
-            for i in range(6):
-                tok = m(tok, cache).argmax(-1)
-    """)
+    m, cache = LM().eval(), Cache()
+    tok = torch.tensor([1])
+    with torch.no_grad():
+        for i in range(12):
+            tok = m(tok, cache).argmax(-1)
+            if sys.argv[1:] == ["between"]:
+                cache.kv = cache.kv * 0.5  # the loop changes the object between steps
+"""
+
+
+@pytest.mark.smoke
+def test_a_cache_object_argument_is_filled_by_re_running_the_steps_from_step_0(tmp_path: Path) -> None:
+    """``model(tok, cache)`` with a cache object that has methods (HF's DynamicCache under
+    ``generate()``), found with no flags: recorded by class name only. The re-launched program
+    runs the call discovery chose the step at (not recorded) itself, and the re-run fills the
+    program's own cache by re-running steps 0.. (past the keyframe at step 8). Before: the
+    re-run took the program's first call as step 0 and restored the keyframe: never reproduced."""
+    _script(tmp_path, "cacheobj", _CACHE_OBJECT)
     rec = tmp_path / "rec"
-    p = _replay("record", "--out", rec, "--", sys.executable, "cacheobj.py", cwd=tmp_path)
+    p = _replay("record", "--keyframe-every", 4, "--out", rec, "--", sys.executable, "cacheobj.py", cwd=tmp_path)
     assert "replay: cacheobj:LM takes cache (a Cache), recorded by class name only" in p.stderr, p.stderr
+    res = _replay("step", rec, "--step", 9, "--no-save", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert res.stdout.startswith("reproduced") and "bit for bit" in res.stdout, res.stdout
+    assert "caught up from step 0: cache (a Cache) is the program's own object" in res.stdout, res.stdout
+
+
+def test_a_difference_over_a_cache_object_changed_between_steps_says_so(tmp_path: Path) -> None:
+    """The same loop changing the cache between steps (outside the step, as a beam search
+    reorders its cache): not reproduced, and the line says the difference may be that object's
+    contents, not the program's."""
+    _script(tmp_path, "cacheobj", _CACHE_OBJECT)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--", sys.executable, "cacheobj.py", "between", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
     res = _replay("step", rec, "--step", 3, "--no-save", cwd=tmp_path)
     head = res.stdout.splitlines()[0]
-    assert head.startswith("not reproduced"), head
+    assert res.returncode == 0 and head.startswith("not reproduced"), head  # compared: a difference is a result
     assert "the step's argument cache (a Cache) was not recorded" in head, head
+
+
+@pytest.mark.smoke
+def test_hf_generate_with_no_flags_re_runs_a_decode_step_bit_for_bit(tmp_path: Path) -> None:
+    """``model.generate()`` of a small random Llama, recorded with no flags: the prefill chooses
+    the step, its DynamicCache is the program's own at the re-run, and a decode step past the
+    first keyframe re-runs bit for bit. Before: "not reproduced" for a deterministic program."""
+    pytest.importorskip("transformers")
+    _script(tmp_path, "gen", """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        m = LlamaForCausalLM(cfg).eval()
+        out = m.generate(torch.randint(0, 128, (2, 5)), max_new_tokens=14, do_sample=False, pad_token_id=0)
+        print(out[:, -3:].tolist())
+    """)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--keyframe-every", 5, "--out", rec, "--", sys.executable, "gen.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = _replay("step", rec, "--step", 11, "--no-save", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert res.stdout.startswith("reproduced") and "bit for bit" in res.stdout, res.stdout

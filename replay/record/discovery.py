@@ -47,10 +47,11 @@ class Watcher:
     step now), ``"keep"`` (keep looking) or ``"stop"``. While the call that chose runs, the
     watcher looks one level in: a module instance (with submodules) called twice there means
     the chosen module runs the whole loop (a wrapper called once, the model inside it many
-    times), and ``on_loop(outer, inner)`` is told; discovery stops when that call returns."""
+    times), and ``on_loop(outer, inner, calls)`` is told (``calls``: the inner module's calls
+    so far, the last one running); discovery stops when that call returns."""
 
     def __init__(self, *, on_outermost: Callable[[torch.nn.Module], str] | None, scan: Callable[[], bool] | None,
-                 on_loop: Callable[[torch.nn.Module, torch.nn.Module], None] | None = None) -> None:
+                 on_loop: Callable[[torch.nn.Module, torch.nn.Module, int], None] | None = None) -> None:
         self.on_outermost = on_outermost
         self.on_loop = on_loop
         self.scan = scan
@@ -121,7 +122,7 @@ class Watcher:
             outer = self._inside
             self.done_discovering()
             if self.on_loop is not None and outer is not None:
-                self.on_loop(outer, module)
+                self.on_loop(outer, module, self._inner[id(module)])
 
     def _post(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
         if torch.compiler.is_compiling():
@@ -154,9 +155,9 @@ def on_outermost(session: Any, module: torch.nn.Module) -> str:
         ocls = type(owner)
         if ocls.__name__ == "OptimizedModule" or "<locals>" in ocls.__qualname__:
             return "keep"
-        choose_module(session, ocls, direct="forward")
+        choose_module(session, ocls, running=owner, direct="forward")
         return "stop"
-    return "chosen" if choose_module(session, cls) else "stop"
+    return "chosen" if choose_module(session, cls, running=module) else "stop"
 
 
 _MAX_FRAMES = 64
@@ -185,7 +186,11 @@ def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
 
-def choose_module(session: Any, cls: type, **note: str) -> bool:
+def choose_module(session: Any, cls: type, *, running: torch.nn.Module, calls: int = 1, **note: str) -> bool:
+    """``cls``'s forward is the step from its next call on. ``running`` is the instance whose
+    ``calls`` calls (the last one running now) the recording misses: a re-run inside the
+    re-launched program lets that many calls run before it takes one (``unrecorded_calls``),
+    so that the program's own objects (a KV cache the prefill filled) are as at step 0."""
     target = step_name(cls)
     spec = session._spec_from_settings(target, "module_forward")
     session._chosen.append({"step": target, "kind": "module_forward", **note})
@@ -195,6 +200,7 @@ def choose_module(session: Any, cls: type, **note: str) -> bool:
         session._chosen.pop()
         session.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
         return False
+    session.calls_before_recording[id(running)] = calls
     return True
 
 
@@ -250,7 +256,7 @@ def choose_compiled(chosen: list[dict[str, str]], target: str) -> None:
         chosen.append({"step": target, "kind": "compiled"})
 
 
-def on_loop(session: Any, outer: torch.nn.Module, inner: torch.nn.Module) -> None:
+def on_loop(session: Any, outer: torch.nn.Module, inner: torch.nn.Module, calls: int) -> None:
     """``outer`` (chosen at its first call) runs the loop: the module it calls repeatedly is
     the step instead (every instance of its class, a draft and its target being streams)."""
     outer_target = step_name(type(outer))
@@ -263,7 +269,7 @@ def on_loop(session: Any, outer: torch.nn.Module, inner: torch.nn.Module) -> Non
     if cls.__name__ == "OptimizedModule":
         return  # its compiled forward's boundary records it
     if "<locals>" not in cls.__qualname__:
-        choose_module(session, cls, inside=outer_target)
+        choose_module(session, cls, running=inner, calls=calls, inside=outer_target)
 
 
 def write_report(out: Path, data: dict[str, Any]) -> None:
@@ -389,7 +395,7 @@ def summary_lines(reports: list[dict[str, Any]], *, recorded_steps: int = 0) -> 
 
 def _unrecorded_arguments(reports: list[dict[str, Any]]) -> list[str]:
     """Arguments recorded by class name only (a cache object with methods): said at record time,
-    as a re-run cannot set back what they hold."""
+    as a re-run cannot set back what they hold, only re-run the steps that fill them."""
     from replay.textsafe import escape
 
     said: dict[str, list[str]] = {}
@@ -398,8 +404,9 @@ def _unrecorded_arguments(reports: list[dict[str, Any]]) -> list[str]:
             if isinstance(items, list) and items:
                 said.setdefault(str(step), [str(i) for i in items])
     return [f"replay: {escape(step)} takes {escape(', '.join(items[:4]))}, recorded by class name only: a re-run "
-            "cannot set back what it holds, so a step that depends on it may not reproduce (see 'Objects a step "
-            "takes' in docs/your-engine.md)" for step, items in said.items()]
+            "uses the re-launched program's own object and re-runs every step before the one asked for to fill it; "
+            "what the program changes in it between steps is not reproduced (see 'Objects a step takes' in "
+            "docs/your-engine.md)" for step, items in said.items()]
 
 
 def _nested_outputs(reports: list[dict[str, Any]]) -> list[str]:

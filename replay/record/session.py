@@ -123,6 +123,9 @@ class Session(GraphEvents):
         self._warned: set[str] = set()
         self._nested_said: dict[str, list[str]] = {}  # step -> returned containers of tensors, not recorded
         self._unrecorded_said: dict[str, list[str]] = {}  # step -> arguments recorded by class name only
+        # id(model) -> its calls that ran before its step was chosen (discovery chose it at one
+        # of them): the recording's step 0 is the program's call after those.
+        self.calls_before_recording: dict[int, int] = {}
         # target -> "staticmethod" or "classmethod" when it names one (how its calls bind, see _wrap_step)
         self._binding: dict[str, str | None] = {}
 
@@ -153,7 +156,7 @@ class Session(GraphEvents):
         self._watcher = Watcher(
             on_outermost=self._on_outermost if self._discover else None,
             scan=self._scan_main if self._main_pending else None,
-            on_loop=lambda outer, inner: discovery.on_loop(self, outer, inner),
+            on_loop=lambda outer, inner, calls: discovery.on_loop(self, outer, inner, calls),
         )
         if self._discover or self._main_pending:
             self._watcher.install()
@@ -505,6 +508,8 @@ class Session(GraphEvents):
             probes += [[t, list(names)] for t, names in PROFILES[spec.profile].probes]
         info["probes"] = probes
         info["object_arg"] = object_arg
+        # Taken once: the first stream of this object; a later one (a new part) starts at a call.
+        info["unrecorded_calls"] = self.calls_before_recording.pop(id(obj), 0) if obj is not None else 0
         info["state_from"] = "attribute" if spec.state else None
         if isinstance(obj, torch.nn.Module):
             if not spec.state:

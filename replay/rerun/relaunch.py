@@ -196,6 +196,11 @@ def start_in_program() -> None:
     return None
 
 
+def _count(v: Any) -> int:
+    """A small non-negative count from the recording (data only; anything else is 0)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000 else 0
+
+
 def _fake_process_group(rank: int, world: int) -> None:
     """``init_process_group`` for one rank alone: a group that communicates nothing."""
     if world <= 1:
@@ -256,6 +261,9 @@ class _Takeover:
         self._real_compile: Any = None
         self._checked: dict[int, bool] = {}
         self._claim_lock = threading.Lock()
+        # Calls of the step the recording missed (discovery chose the step at the first): they
+        # run as the program runs them, and the next one is the recording's step 0.
+        self.skip = _count(target.get("unrecorded_calls"))
 
     def arm(self) -> None:
         self._patch_compile()
@@ -386,6 +394,9 @@ class _Takeover:
         with self._claim_lock:  # two threads of the program may reach the step at once
             if self.done:
                 return
+            if self.skip > 0:
+                self.skip -= 1
+                return  # a call made before the recording's step 0: the program runs it
             self._claim()
         live = dict(frame.f_locals)
         self._take(lambda: self._rerun(self._function(frame, live), live))

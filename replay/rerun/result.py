@@ -217,8 +217,9 @@ class StepRerun:
         if self.unrecorded:
             # Not evidence against the program: the re-run may have run with other contents.
             line += (f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
-                     "used the program's own object as it was at the step's first call: the difference may be "
-                     "that object's contents, not the program (see 'Objects a step takes' in docs/your-engine.md)")
+                     "used the program's own object, brought to this step by re-running the steps before it: the "
+                     "difference may be that object's contents, not the program (see 'Objects a step takes' in "
+                     "docs/your-engine.md)")
         return line
 
     def _reproduced(self, where: str, same: list[str]) -> str:

@@ -55,11 +55,19 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     check_device(settings.device)  # what the re-run inside the program would refuse, before starting it
     check_graph_mode(rf, settings.modes, settings.device)
     # No factory: the recorded program, started again in replay mode, is its own factory.
+    # An object argument recorded by class name only (a KV cache object) is the program's own,
+    # taken at the recording's step 0: only the steps before this one bring it here, so the
+    # re-run catches up from step 0, not from a later keyframe.
+    objects = unrecorded_arguments(rf, 0, step)
+    keyframe_at = 0 if objects else settings.keyframe_at
     spec = RelaunchSpec(recording=settings.recording, part=part.name, rank=rank, step=step, modes=list(settings.modes),
                         device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
-                        keyframe_at=settings.keyframe_at)
+                        keyframe_at=keyframe_at)
     result = relaunch_step(spec, target.get("launch") or {}, world=part.world_size, announce=announce)
     result.unrecorded = unrecorded_arguments(rf, result.keyframe, step)
+    if objects and step > 0:
+        result.notes.append(f"caught up from step 0: {', '.join(objects[:3])} is the program's own object, recorded by "
+                            "class name only, which the steps before this one bring to its state here")
     if settings.options:
         result.notes.append(SET_IGNORED)
     return result
