@@ -101,6 +101,19 @@ def test_a_graphed_step_gets_its_var_positional_arguments_by_position() -> None:
     assert _same(seen, [(t, (3, None), 0.5), (t, (), 1.0)])
 
 
+def test_a_graphed_step_writes_back_into_its_arguments_except_an_expanded_one() -> None:
+    """What a graph replay wrote into its static copy goes back into the caller's tensor; an
+    ``expand``ed argument (which no eager step can write into) is left alone, never an error."""
+    from replay.rerun.graphs import _write_back
+
+    out, wrote = torch.zeros(2, 3), torch.arange(6.0).view(2, 3)
+    _write_back(out, wrote)
+    assert torch.equal(out, wrote)
+    shared = torch.zeros(3).expand(2, 3)
+    _write_back(shared, wrote)
+    assert torch.equal(shared, torch.zeros(2, 3))
+
+
 _VARARGS = """
     import sys, torch, torch.nn as nn
     torch.manual_seed(0)

@@ -509,7 +509,9 @@ class Session(GraphEvents):
         info["probes"] = probes
         info["object_arg"] = object_arg
         # Taken once: the first stream of this object; a later one (a new part) starts at a call.
-        info["unrecorded_calls"] = self.calls_before_recording.pop(id(obj), 0) if obj is not None else 0
+        # Only a module's forward is taken at a counted call (a compiled step at its first).
+        missed = self.calls_before_recording.pop(id(obj), 0) if obj is not None else 0
+        info["unrecorded_calls"] = missed if spec.kind == "module_forward" else 0
         info["state_from"] = "attribute" if spec.state else None
         if isinstance(obj, torch.nn.Module):
             if not spec.state:
