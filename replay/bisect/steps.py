@@ -76,6 +76,9 @@ class StepsBisection:
     # (agreement of inputs alone, or tokens never recorded, is no verdict).
     output_fields: bool = True
     token_fields: bool = True
+    # The departure's step takes these objects recorded by class name only (a cache object):
+    # the re-run used the program's own, so the departure may be theirs, not the program's.
+    unrecorded: list[str] = _field(default_factory=list)
 
     def problem(self) -> str | None:
         """Why this bisection compared nothing the steps computed (a non-zero exit), or None."""
@@ -113,8 +116,13 @@ class StepsBisection:
             scope = "any" if self.exhaustive else "the last"
             return f"rank {r} re-run {self.mode}: no departure from the recording found ({scope} interval re-ran as recorded)"
         what = "it raised in the re-run, not as when recorded" if self.field == RAISED_FIELD else str(self.field)
-        return (f"rank {r} re-run {self.mode} first departs from the recording at {self._at(self.first, self.stream, self.stream_step, what)}, "
+        line = (f"rank {r} re-run {self.mode} first departs from the recording at {self._at(self.first, self.stream, self.stream_step, what)}, "
                 f"found with {len(self.probes)} interval re-runs ({self.steps_rerun} of {self.steps_total} steps)")
+        if self.unrecorded:
+            line += (f"; but the step takes {', '.join(self.unrecorded[:3])}, recorded by class name only: the re-run used "
+                     "the program's own object, and the departure may be that object's contents (what the program "
+                     "changes in it between steps is not re-run), not the program")
+        return line
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -126,6 +134,7 @@ class StepsBisection:
             "first": self.first,
             "step": self.first,
             "field": self.field,
+            "unrecorded_arguments": self.unrecorded,
             "odd": self.odd,
             "majority": self.majority,
             "first_token": self.first_token,
@@ -307,45 +316,66 @@ class _StreamBisect:
 
 def _relaunched_scan(a: _StreamBisect, res: StepsBisection, announce: Callable[[str], None]) -> Interval | None:
     """No factory: one re-launch of the program re-runs ``lo``..``hi`` from the keyframe at
-    ``lo``, comparing every step; the first that departs (catch-up or the last step) is the hit."""
+    ``lo``, comparing every step; the first that departs (catch-up or the last step) is the hit.
+    Steps that take an object recorded by class name only (a cache object) are scanned one
+    launch per object: the program makes each new one itself (a second ``generate()``)."""
+    from replay.rerun.step import object_segments
+
+    every = True
+    for lo, hi in object_segments(a.part[a.rank], a.lo, a.hi, a.stream):
+        iv, from_lo = _relaunched_scan_one(a, lo, hi, res, announce)
+        every = every and from_lo
+        if iv is not None:
+            res.exhaustive = res.exhaustive or every
+            return iv
+    res.exhaustive = res.exhaustive or every  # every step from lo was compared, in order
+    return None
+
+
+def _relaunched_scan_one(a: _StreamBisect, lo: int, hi: int, res: StepsBisection,
+                         announce: Callable[[str], None]) -> tuple[Interval | None, bool]:
+    """One launch over ``lo``..``hi``: (the departure, if any; whether it began at ``lo``)."""
     from replay.rerun.runner import RerunOptions
     from replay.rerun.step import run_step
 
     t0 = time.perf_counter()
     settings = RerunOptions(modes=(a.mode,), device=a.device, options=a.options, recording=a.recording,
-                            stream=a.stream, keyframe_at=a.lo)
+                            stream=a.stream, keyframe_at=lo)
     try:
-        result = run_step(a.part, a.rank, a.hi, settings, announce=announce)
+        result = run_step(a.part, a.rank, hi, settings, announce=announce)
     except CatchUpRaised as e:
         # A step that completed when recorded raises in the re-run: the re-run departs there
         # (as a factory's scan says), and nothing after it can be reached.
-        iv = Interval(e.keyframe, a.hi, seconds=time.perf_counter() - t0, departed=e.step, field=RAISED_FIELD)
+        iv = Interval(e.keyframe, hi, seconds=time.perf_counter() - t0, departed=e.step, field=RAISED_FIELD)
         res.probes.append(iv)
-        res.exhaustive = res.exhaustive or e.keyframe <= a.lo
         res.steps_rerun += e.step - e.keyframe + 1
         res.notes.append(f"catch-up step {e.step} raised in the re-run: {e}")
-        return iv
+        return iv, e.keyframe <= lo
     run = result.modes[a.mode]
-    iv = Interval(result.keyframe, a.hi, seconds=time.perf_counter() - t0)
+    iv = Interval(result.keyframe, hi, seconds=time.perf_counter() - t0)
     if run.departed is not None:
         iv.departed, iv.field = run.departed.step, run.departed.field
     elif _raised_anew(run):
-        iv.departed, iv.field = a.hi, RAISED_FIELD
+        iv.departed, iv.field = hi, RAISED_FIELD
     elif run.error is None or run.vs_recording:
         problem = result.problem()
         if problem is not None and run.error is None:
-            raise RerunError(f"rank {a.rank}: step {a.hi} could not be re-run to bisect: {problem}")
+            raise RerunError(f"rank {a.rank}: step {hi} could not be re-run to bisect: {problem}")
         bad = next((k for k, c in run.vs_recording.items() if not c.equal), None)
         if bad is not None:
-            iv.departed, iv.field = a.hi, bad
+            iv.departed, iv.field = hi, bad
     res.probes.append(iv)
-    res.exhaustive = res.exhaustive or result.keyframe <= a.lo  # every step from lo was compared, in order
     res.steps_rerun += len(run.caught_up) + 1
     res.notes.append(f"re-run inside the re-launched program (no factory): {'stream ' + a.stream + ', ' if a.stream else ''}"
-                     f"steps {result.keyframe}..{a.hi} scanned in one launch")
+                     f"steps {result.keyframe}..{hi} scanned in one launch")
+    for note in result.notes:
+        if note.startswith(("started from the program's own state", "caught up from step 0")) and note not in res.notes:
+            res.notes.append(note)
+    if iv.departed is not None:
+        res.unrecorded = list(result.unrecorded)  # as ``replay step`` says it: not evidence against the program alone
     res.uncompared = sorted(set(res.uncompared) | set(run.uncompared)
-                            | ({a.hi} if run.error is not None and not run.vs_recording else set()))
-    return iv if iv.departed is not None else None
+                            | ({hi} if run.error is not None and not run.vs_recording else set()))
+    return (iv if iv.departed is not None else None), result.keyframe <= lo
 
 
 def _raised_anew(run: Any) -> bool:

@@ -140,7 +140,8 @@ def render_step(r: StepRerun) -> str:
     verdict = r.headline()
     lines = [style(escape(verdict), fg="green" if verdict.startswith("reproduced") else "red"),
              f"rank {r.rank}, step {r.step} of {escape(r.recording)} (part {escape(r.part)}{stream}) on {r.device}, "
-             + (f"from step {r.keyframe} (no state keyframe recorded: a fresh target)" if _no_keyframe(r)
+             + (f"from the program's own state at step {r.keyframe} (no keyframe restored)" if r.live_start
+              else f"from step {r.keyframe} (no state keyframe recorded: a fresh target)" if _no_keyframe(r)
               else f"from the keyframe at step {r.keyframe}")]
     if r.weights is not None and (any(_departs(m) for m in r.modes.values()) or not r.weights.same):
         lines.append(style(f"  {escape(r.weights)}", fg=None if r.weights.same else "yellow"))
@@ -180,8 +181,10 @@ def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
     if m.departed is not None:
         # The catch-up feeds recorded inputs to the rebuilt state; state the program changes
         # between steps (a beam search reordering its cache) is only seen at a keyframe.
+        # A keyframe cannot restore an object recorded by class name only: no hint then.
         hint = ("; if the program changes the model's state between steps (a beam search reordering its cache, a "
-                "reset), a keyframe every step restores it: replay record --keyframe-every 1") if m.departed.step < r.step else ""
+                "reset), a keyframe every step restores it: replay record --keyframe-every 1") if (
+            m.departed.step < r.step and not r.unrecorded) else ""
         return style(f"  {m.mode}: the re-run departed from the recording at {escape(m.departed)} (teacher-forced from there)"
                      + hint, fg="yellow")
     if not m.uncompared:

@@ -4,6 +4,7 @@ and how a graph key is read off a capture call. Shared by recording and re-runni
 from __future__ import annotations
 
 import inspect
+import threading
 import weakref
 from typing import Any
 
@@ -26,7 +27,37 @@ def _jsonable(v: Any) -> Any:
         return list(v)
     if isinstance(v, torch.dtype):
         return {"dtype": str(v)}
-    return {"unrecorded": type(v).__name__}
+    return {"unrecorded": type(v).__name__, "object": _OBJECTS.ordinal(v)}
+
+
+class _ObjectOrdinals:
+    """A number for each object recorded by class name only, in the order the process first
+    passed one to a step: a re-run tells the steps that took one cache object from those that
+    took the next (a second ``generate()`` makes a new ``DynamicCache``). Weak: a cache the
+    program drops is not kept alive by the recorder."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[Any, int]] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def ordinal(self, v: Any) -> int:
+        key = id(v)
+        with self._lock:
+            got = self._seen.get(key)
+            if got is not None and (got[0] is None or got[0]() is v):
+                return got[1]
+            try:
+                ref = weakref.ref(v, lambda _r, key=key: self._seen.pop(key, None))
+            except TypeError:
+                ref = None  # not weak-referenceable: known by its id
+            n = self._next
+            self._next += 1
+            self._seen[key] = (ref, n)
+            return n
+
+
+_OBJECTS = _ObjectOrdinals()
 
 
 class NotJSON(TypeError):

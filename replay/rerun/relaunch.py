@@ -61,6 +61,9 @@ class RelaunchSpec:
     options: dict[str, Any] = field(default_factory=dict)
     stream: str | None = None  # the model of the part to take (several in one loop)
     keyframe_at: int | None = None  # restore the keyframe at or before this step (bisect: scan from there)
+    # Take over the program's call that was this step (the program runs the steps before it
+    # itself) and start from its own state there, restoring no keyframe.
+    take_at: int | None = None
     out: str = ""  # where the child writes its result JSON
 
 
@@ -196,6 +199,16 @@ def start_in_program() -> None:
     return None
 
 
+def _stream_steps_before(rf: Any, step: int | None, stream: str | None) -> int:
+    """How many of the rank's steps before ``step`` are the stream's (the program's calls of
+    that model's step callable before it)."""
+    if not step:
+        return 0
+    from replay.rerun.streams import stream_of
+
+    return sum(1 for s in range(step) if stream is None or stream_of(rf, s) == stream)
+
+
 def _count(v: Any) -> int:
     """A small non-negative count from the recording (data only; anything else is 0)."""
     return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1_000_000 else 0
@@ -262,8 +275,9 @@ class _Takeover:
         self._checked: dict[int, bool] = {}
         self._claim_lock = threading.Lock()
         # Calls of the step the recording missed (discovery chose the step at the first): they
-        # run as the program runs them, and the next one is the recording's step 0.
-        self.skip = _count(target.get("unrecorded_calls"))
+        # run as the program runs them, and the next one is the recording's step 0. With
+        # ``take_at``, the program's calls of this stream's steps before that step run too.
+        self.skip = _count(target.get("unrecorded_calls")) + _stream_steps_before(part[spec.rank], spec.take_at, spec.stream)
 
     def arm(self) -> None:
         self._patch_compile()
@@ -483,10 +497,13 @@ class _Takeover:
 
         settings = RerunOptions(modes=tuple(self.spec.modes), device=self.spec.device, repeat=self.spec.repeat,
                                 options=self.spec.options, recording=self.spec.recording, make_target=make_target,
-                                spec=spec, stream=self.spec.stream, keyframe_at=self.spec.keyframe_at)
+                                spec=spec, stream=self.spec.stream, keyframe_at=self.spec.keyframe_at,
+                                live_from=self.spec.take_at or None)
         result = rerun_step(self.part, self.spec.rank, self.spec.step, settings)
         result.notes.append("re-run inside the re-launched program (no factory): its objects at the step's first call, "
-                            "state and RNG from the recording")
+                            "state and RNG from the recording" if not self.spec.take_at else
+                            "re-run inside the re-launched program (no factory): its objects and state as the program "
+                            f"left them at step {self.spec.take_at}'s call, RNG from the recording")
         return result.to_json()
 
     def _function(self, frame: Any, live: dict[str, Any]) -> Any:

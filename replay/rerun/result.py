@@ -155,6 +155,9 @@ class StepRerun:
     # Arguments of the step recorded by class name only ("cache (DynamicCache)"): an object with
     # behaviour (a cache object) whose contents the re-run could not set back.
     unrecorded: list[str] = field(default_factory=list)
+    # The re-run started from the re-launched program's own state at step ``keyframe`` (the
+    # program ran the steps before it itself), not from a restored keyframe.
+    live_start: bool = False
 
     def problem(self) -> str | None:
         """Why step ``step`` could not be re-run or checked against the recording; None if it was.
@@ -249,6 +252,7 @@ class StepRerun:
             "stream": self.stream,
             "weights": self.weights.to_json() if self.weights is not None else None,
             "unrecorded_arguments": self.unrecorded,
+            "live_start": self.live_start,
             "problem": self.problem(),
             "raised": self.raised(),
             "headline": self.headline(),
@@ -267,6 +271,6 @@ class StepRerun:
                    step=int(d["step"]), keyframe=int(d.get("keyframe") or 0), device=str(d.get("device") or ""),
                    factory=d.get("factory"), modes=modes, comparisons=across, notes=list(d.get("notes") or []),
                    stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None,
-                   unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []])
+                   unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []], live_start=d.get("live_start") is True)
 
 

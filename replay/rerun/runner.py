@@ -457,15 +457,20 @@ class Replayer:
         self.target = target
         return target
 
-    def goto(self, step: int, *, keyframe_at: int | None = None, progress: Callable[..., Iterable[int]] = lambda it, label="": it) -> StepDeparture | None:
-        """Restore the keyframe at or before ``step`` (or ``keyframe_at``) and fast-forward to it."""
+    def goto(self, step: int, *, keyframe_at: int | None = None, progress: Callable[..., Iterable[int]] = lambda it, label="": it,
+             live: bool = False) -> StepDeparture | None:
+        """Restore the keyframe at or before ``step`` (or ``keyframe_at``) and fast-forward to it.
+        ``live``: the target's own state is step ``keyframe_at``'s already; restore nothing."""
         if self.target is None:
             self.build()
         assert self.target is not None and self._driver is not None
-        kf_step, kf_state = self.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
-        kf_state = stream_state(self.rf, kf_state, self.stream)
-        if kf_state:
-            self.target.load_state(kf_state)
+        if live and keyframe_at is not None:
+            kf_step = min(keyframe_at, step)
+        else:
+            kf_step, kf_state = self.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
+            kf_state = stream_state(self.rf, kf_state, self.stream)
+            if kf_state:
+                self.target.load_state(kf_state)
         self.departed = None
         self.uncompared = []
         self.caught_up = []
@@ -582,6 +587,9 @@ class RerunOptions:
     options: dict[str, Any] = field(default_factory=dict)  # target toggles (--set)
     live_collectives: bool = False  # several ranks in a real process group, not recorded answers
     keyframe_at: int | None = None  # restore the keyframe at or before this step (ranks in lockstep)
+    # The target's live state is already this step's (a re-launched program taken over at that
+    # step's call): start there, restore no keyframe. One mode only: the run changes that state.
+    live_from: int | None = None
     stream: str | None = None  # the model of the part to rebuild (default: the one holding the step)
     make_target: Callable[["Replayer"], Target] | None = None  # instead of the factory (relaunch)
     spec: TargetSpec | None = None  # overrides the recorded target spec
@@ -619,16 +627,23 @@ def rerun_step(
         for m in modes
     ]
     first = replayers[0]
-    kf_step, _ = first.keyframe_for(step if settings.keyframe_at is None else min(settings.keyframe_at, step))
+    live = settings.live_from is not None
+    if live and len(replayers) > 1:
+        raise UsageError("a re-run from the re-launched program's own state at a step re-runs one mode (that state "
+                         "is changed by the run): give one --mode")
+    if settings.live_from is not None:
+        kf_step = min(settings.live_from, step)
+    else:
+        kf_step, _ = first.keyframe_for(step if settings.keyframe_at is None else min(settings.keyframe_at, step))
     first.check(kf_step, step)
     result = StepRerun(recording=settings.recording, part=part.name, rank=rank, step=step, keyframe=kf_step,
-                       device=settings.device, factory=first.factory_name, modes={}, stream=first.stream)
+                       device=settings.device, factory=first.factory_name, modes={}, stream=first.stream, live_start=live)
     if first.factory_name is not None and settings.make_target is None:
         announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if settings.factory is None else " (--factory)"))
     for rp in replayers:
         t0 = time.perf_counter()
         try:
-            run = _run_mode(rp, step, kf_step, settings.repeat, result, progress)
+            run = _run_mode(rp, step, kf_step, settings.repeat, result, progress, live=live)
         finally:
             rp.close()
         _compare_with_recording(run, part, rank, step)
@@ -641,13 +656,13 @@ def rerun_step(
 
 
 def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRerun,
-              progress: Callable[..., Iterable[int]]) -> ModeRun:
+              progress: Callable[..., Iterable[int]], *, live: bool = False) -> ModeRun:
     """Build, restore, catch up and run the step in ``rp``'s mode (``repeat`` times)."""
     rp.build()
     assert rp.target is not None and rp._driver is not None
     if result.weights is None:
         result.weights = check_weights(rp.target)
-    departed = rp.goto(step, keyframe_at=kf_step, progress=progress)
+    departed = rp.goto(step, keyframe_at=kf_step, progress=progress, live=live)
     _note_scalars(rp.target, rp.keyframe, result)
     saved = rp.target.snapshot() if repeat > 1 else None
     outs = rp.run(step)

@@ -46,6 +46,7 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     settings.device = settings.device or default_device(target.get("device") if isinstance(target, dict) else None)
     stream = check_stream(rf, step, settings.stream)
     relaunch = settings.make_target is None and uses_relaunch(part, rank, step, settings.factory, stream)
+    chosen_modes = bool(settings.modes)
     if not settings.modes:
         settings.modes = tuple(default_modes(part, rank, step, settings.device, relaunch=relaunch))
     if not relaunch:
@@ -59,18 +60,80 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     # taken at the recording's step 0: only the steps before this one bring it here, so the
     # re-run catches up from step 0, not from a later keyframe.
     objects = unrecorded_arguments(rf, 0, step)
-    keyframe_at = 0 if objects else settings.keyframe_at
+    take_at = objects_since(rf, step, stream) if objects else None
+    if take_at:
+        # The program made the object the step takes at step ``take_at`` (a second
+        # ``generate()``'s cache): it runs the steps before that itself, and the re-run starts
+        # from its own state there. That state is changed by a run: one mode.
+        settings.modes = one_mode(settings.modes if chosen_modes else settings.modes[:1], step, objects)
     spec = RelaunchSpec(recording=settings.recording, part=part.name, rank=rank, step=step, modes=list(settings.modes),
                         device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
-                        keyframe_at=keyframe_at)
+                        keyframe_at=0 if objects else settings.keyframe_at, take_at=take_at or None)
     result = relaunch_step(spec, target.get("launch") or {}, world=part.world_size, announce=announce)
     result.unrecorded = unrecorded_arguments(rf, result.keyframe, step)
-    if objects and step > 0:
+    if take_at:
+        result.notes.append(f"started from the program's own state at step {take_at}: {', '.join(objects[:3])} is the "
+                            f"program's own object, recorded by class name only and new at step {take_at}; the program "
+                            "ran the steps before it itself")
+    elif objects and step > 0:
         result.notes.append(f"caught up from step 0: {', '.join(objects[:3])} is the program's own object, recorded by "
                             "class name only, which the steps before this one bring to its state here")
     if settings.options:
         result.notes.append(SET_IGNORED)
     return result
+
+
+def _object_keys(rf: RankFile, s: int) -> tuple:
+    """Which objects recorded by class name only step ``s`` took (name, ordinal)."""
+    args = recorded_args(rf, s)
+    return tuple(sorted((str(k), v.get("object")) for k, v in args.items()
+                        if isinstance(v, dict) and isinstance(v.get("unrecorded"), str)))
+
+
+def objects_since(rf: RankFile, step: int, stream: str | None) -> int:
+    """The first step of the stream from which on, up to ``step``, every step took the same
+    objects recorded by class name only (a recording without their ordinals: 0)."""
+    from replay.rerun.streams import stream_of
+
+    want = _object_keys(rf, step)
+    first = step
+    for s in range(step - 1, -1, -1):
+        if stream is not None and stream_of(rf, s) != stream:
+            continue
+        if _object_keys(rf, s) != want:
+            break
+        first = s
+    return first
+
+
+def object_segments(rf: RankFile, lo: int, hi: int, stream: str | None) -> list[tuple[int, int]]:
+    """``lo``..``hi`` cut where the objects recorded by class name only that the stream's steps
+    take change (each piece: steps one re-launch can re-run from the program's own objects)."""
+    from replay.rerun.streams import stream_of
+
+    if not unrecorded_arguments(rf, lo, hi):
+        return [(lo, hi)]
+    pieces: list[tuple[int, int]] = []
+    start, prev, last = lo, None, lo
+    for s in range(lo, hi + 1):
+        if stream is not None and stream_of(rf, s) != stream:
+            continue
+        keys = _object_keys(rf, s)
+        if prev is not None and keys != prev:
+            pieces.append((start, last))
+            start = s
+        prev, last = keys, s
+    pieces.append((start, hi))
+    return pieces
+
+
+def one_mode(modes: Iterable[str], step: int, objects: list[str]) -> tuple[str, ...]:
+    """The first mode; more than one named is refused (the program's own state is re-run once)."""
+    modes = tuple(modes)
+    if len(modes) > 1:
+        raise UsageError(f"step {step} takes {', '.join(objects[:3])}, the program's own object, new since an earlier "
+                         f"step: re-run one mode at a time (--mode {modes[0]})")
+    return modes
 
 
 def unrecorded_arguments(rf: RankFile, first: int, last: int) -> list[str]:

@@ -1,0 +1,87 @@
+"""Bugs found by the fourth newcomer trial (issue 15's session 11), each a test that failed
+before its fix. Nothing in the scripts was adapted to replay."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_newcomer_scripts import _replay, _script
+from tests.test_newcomer_trial3 import _CACHE_OBJECT
+
+pytestmark = pytest.mark.e2e
+
+
+def test_each_object_recorded_by_class_name_has_its_own_number() -> None:
+    """The record of an argument kept by class name only says which object it was (the first,
+    the second...): a re-run tells a second ``generate()``'s new cache from the first's."""
+    from replay.record.calls import _jsonable
+
+    class Cache:
+        pass
+
+    a, b = Cache(), Cache()
+    first, second, again = _jsonable(a), _jsonable(b), _jsonable(a)
+    assert first["unrecorded"] == second["unrecorded"] == "Cache"
+    assert first == again and first["object"] != second["object"]
+
+
+_TWICE = """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for prompt in ([[5, 6, 7]], [[100, 101, 102, 103]]):
+            out = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=None)
+            print(out[0].tolist())
+"""
+
+
+@pytest.mark.smoke
+def test_a_second_generate_s_steps_re_run_from_the_program_s_own_state(tmp_path: Path) -> None:
+    """Two ``generate()`` calls in one process, no flags: one part, steps 0..6 the first call's
+    decode steps, 7 the second call's prefill with a new DynamicCache. A step of the second call
+    re-runs bit for bit from the program's own state at step 7 (before: every step of the second
+    call "not reproduced", the first call's cache fed to it), and ``bisect steps
+    --against-rerun`` scans each cache's steps in a launch of its own and finds no departure
+    (before: "first departs at step 7")."""
+    pytest.importorskip("transformers")
+    _script(tmp_path, "twice", _TWICE)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--", sys.executable, "twice.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(_replay("info", rec, "--json", cwd=tmp_path).stdout)["ranks"][0]["steps"] == 15
+    res = _replay("step", rec, "--step", 10, "--no-save", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert res.stdout.startswith("reproduced") and "bit for bit" in res.stdout, res.stdout
+    assert "from the program's own state at step 7 (no keyframe restored)" in res.stdout, res.stdout
+    b = _replay("bisect", "steps", "--against-rerun", rec, "--no-save", "--json", cwd=tmp_path)
+    assert b.returncode == 0, b.stdout + b.stderr[-2000:]
+    found = json.loads(b.stdout)
+    assert found["first"] is None and found["exhaustive"], found
+    assert [(p["from"], p["to"]) for p in found["probes"]] == [(0, 6), (7, 14)], found["probes"]
+
+
+def test_bisect_names_a_cache_object_at_the_departure_and_step_offers_no_keyframe_hint(tmp_path: Path) -> None:
+    """A loop that changes its cache object between steps (as a beam search reorders its
+    cache): ``bisect steps --against-rerun`` says the departure may be that object's contents
+    (before: a bare "first departs at step N"), and ``replay step`` no longer offers
+    ``--keyframe-every 1``, which cannot restore an object recorded by class name only."""
+    _script(tmp_path, "cacheobj", _CACHE_OBJECT)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--keyframe-every", 1, "--out", rec, "--", sys.executable, "cacheobj.py", "between",
+                cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    b = _replay("bisect", "steps", "--against-rerun", rec, "--no-save", cwd=tmp_path)
+    head = b.stdout.splitlines()[0]
+    assert "first departs from the recording at step 1" in head, b.stdout + b.stderr[-1500:]
+    assert "but the step takes cache (a Cache), recorded by class name only" in head, head
+    s = _replay("step", rec, "--step", 4, "--no-save", cwd=tmp_path)
+    assert s.stdout.startswith("not reproduced"), s.stdout
+    assert "--keyframe-every 1" not in s.stdout, s.stdout
