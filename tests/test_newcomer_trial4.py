@@ -85,3 +85,68 @@ def test_bisect_names_a_cache_object_at_the_departure_and_step_offers_no_keyfram
     s = _replay("step", rec, "--step", 4, "--no-save", cwd=tmp_path)
     assert s.stdout.startswith("not reproduced"), s.stdout
     assert "--keyframe-every 1" not in s.stdout, s.stdout
+
+
+_INT_STEP = """
+    import sys, torch, torch.nn as nn
+    V, D = 64, 16
+
+    class Decoder:
+        def __init__(self):
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+            self.tok, self.n = torch.tensor([3]), 0
+            self.temp = float(sys.argv[1])
+
+        @torch.no_grad()
+        def step(self):
+            logits = self.head(self.emb(self.tok))
+            g = torch.Generator().manual_seed(self.n)
+            self.tok = torch.multinomial(torch.softmax(logits / self.temp, -1), 1, generator=g)[0]
+            self.n += 1
+            return self.tok.item()  # the token as a Python int
+
+    d = Decoder()
+    print([d.step() for _ in range(12)])
+"""
+
+
+def test_a_step_returning_a_python_number_is_recorded_and_compared(tmp_path: Path) -> None:
+    """``return tok.item()``: the int is the step's output, recorded and compared (before:
+    "not compared ... the re-run returned nothing"), and ``diff`` finds where two runs that
+    sample differently first differ (before: "not shown to be the same", its row "the same")."""
+    _script(tmp_path, "intstep", _INT_STEP)
+    recs = {}
+    for name, temp in (("a", "1.0"), ("b", "0.2")):
+        recs[name] = tmp_path / f"rec-{name}"
+        p = _replay("record", "--quiet", "--out", recs[name], "--step", "intstep:Decoder.step", "--", sys.executable,
+                    "intstep.py", temp, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+    s = _replay("step", recs["a"], "--step", 6, "--no-save", cwd=tmp_path)
+    assert s.returncode == 0 and s.stdout.startswith("reproduced") and "bit for bit" in s.stdout, s.stdout + s.stderr[-1500:]
+    d = json.loads(_replay("diff", recs["a"], recs["b"], "--json", cwd=tmp_path).stdout)
+    assert d["verdict"] == "different" and d["streams"][0]["first_difference"]["field"] == "output.output", d
+
+
+def test_a_diff_of_runs_that_recorded_only_inputs_says_so_on_every_row(tmp_path: Path) -> None:
+    """Steps that return nothing and write nothing: the headline is "not shown to be the same",
+    and so is each stream's row (before: the row said "the same")."""
+    _script(tmp_path, "noout", """
+        import torch
+        class Acc:
+            def __init__(self): self.total = 0.0
+            def step(self, x): self.total += float(x.sum())
+        a = Acc()
+        for i in range(5):
+            a.step(torch.arange(4.0) + i)
+        print(a.total)
+    """)
+    recs = []
+    for name in ("a", "b"):
+        recs.append(tmp_path / f"rec-{name}")
+        p = _replay("record", "--quiet", "--out", recs[-1], "--step", "noout:Acc.step", "--", sys.executable, "noout.py",
+                    cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+    d = json.loads(_replay("diff", *recs, "--json", cwd=tmp_path).stdout)
+    assert d["verdict"] == "not shown to be the same", d
+    assert [s["verdict"] for s in d["streams"]] == ["not shown to be the same"], d["streams"]

@@ -220,7 +220,14 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     verdict = worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
                     + ([DiffVerdict.DIFFERENT] if weights.differs else [])
                     + ([DiffVerdict.INCOMPLETE] if missing else []))
-    verdict = _unless_nothing_computed(verdict, files, notes)
+    unshown = _unless_nothing_computed(verdict, files, notes)
+    if unshown is not verdict:
+        # No rank recorded a field its steps computed: each stream's row too, as a row saying
+        # "the same" under a headline that does not is a contradiction a reader takes half of.
+        verdict = unshown
+        for s in streams:
+            if s.verdict in (DiffVerdict.SAME, DiffVerdict.WITHIN_TOLERANCE):
+                s.verdict = DiffVerdict.INCOMPLETE
     rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
                  layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
                  batching=batching if batching.batched_differently else None, context=context, notes=notes)

@@ -17,6 +17,11 @@ def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torc
         # A lone floating output with a vocabulary-like last dimension is what a step's logits
         # look like; naming it so gives the margin and the logits ring without configuration.
         return {"logits" if out.is_floating_point() and out.dim() >= 2 else "output": out}
+    if isinstance(out, (bool, int, float)):
+        # A step that returns a Python number (the token it sampled, ``tok.item()``): recorded
+        # and compared as a 0-dim tensor of its exact value.
+        dtype = torch.bool if isinstance(out, bool) else torch.int64 if isinstance(out, int) else torch.float64
+        return {names[0] if names else "output": torch.tensor(out, dtype=dtype)}
     pairs: list[tuple[str, Any]]
     if isinstance(out, dict):
         pairs = [(str(k), v) for k, v in out.items()]
