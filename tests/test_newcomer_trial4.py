@@ -150,3 +150,52 @@ def test_a_diff_of_runs_that_recorded_only_inputs_says_so_on_every_row(tmp_path:
     d = json.loads(_replay("diff", *recs, "--json", cwd=tmp_path).stdout)
     assert d["verdict"] == "not shown to be the same", d
     assert [s["verdict"] for s in d["streams"]] == ["not shown to be the same"], d["streams"]
+
+
+_PAGED = """
+    import torch, torch.nn as nn
+    V, D, BS, NB = 48, 16, 4, 16
+
+    class Engine:
+        def __init__(self):
+            torch.manual_seed(0)
+            self.emb, self.qkv, self.head = nn.Embedding(V, D), nn.Linear(D, 3 * D), nn.Linear(D, V)
+            self.kv = torch.zeros(2, NB * BS, D)  # k/v, slots, D: a paged pool
+            self.block_table = torch.full((NB,), -1, dtype=torch.int64)
+            self.next_block = 0
+
+        @torch.no_grad()
+        def step(self, tok, pos):
+            if pos % BS == 0:
+                self.block_table[pos // BS] = self.next_block; self.next_block += 1
+            x = self.emb(tok); q, k, v = self.qkv(x).chunk(3, -1)
+            slot = int(self.block_table[pos // BS]) * BS + pos % BS
+            self.kv[0, slot], self.kv[1, slot] = k, v
+            idx = torch.arange(pos + 1); sl = self.block_table[idx // BS] * BS + idx % BS
+            w = torch.softmax(self.kv[0, sl] @ q / D ** 0.5, 0)
+            return self.head(x + w @ self.kv[1, sl])
+
+    eng, tok = Engine(), torch.tensor(3)
+    for pos in range(14):
+        tok = eng.step(tok, pos).argmax()
+    print(int(tok))
+"""
+
+
+def test_state_naming_a_tensor_attribute_is_kept_in_keyframes(tmp_path: Path) -> None:
+    """``--state kv`` naming a tensor (a paged KV pool): kept in keyframes under its name
+    (before: "recording stopped: RuntimeError: Boolean value of Tensor ..." and nothing
+    recorded). The pool alone is not all the state (the block table is too): a step after the
+    keyframe departs at the keyframe's own step, and the line says what the keyframe may lack."""
+    _script(tmp_path, "paged", _PAGED)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--keyframe-every", 8, "--out", rec, "--step", "paged:Engine.step", "--state", "kv", "--",
+                sys.executable, "paged.py", cwd=tmp_path)
+    assert p.returncode == 0 and "recording stopped" not in p.stderr, p.stderr[-2000:]
+    assert json.loads(_replay("info", rec, "--json", cwd=tmp_path).stdout)["ranks"][0]["steps"] == 14
+    ok = _replay("step", rec, "--step", 5, "--no-save", cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-1500:]
+    bad = _replay("step", rec, "--step", 10, "--no-save", cwd=tmp_path)
+    assert bad.stdout.startswith("not reproduced"), bad.stdout + bad.stderr[-1500:]
+    assert "that is the keyframe's own step: the keyframe may not hold all the state" in bad.stdout, bad.stdout
+    assert "--keyframe-every 1" not in bad.stdout, bad.stdout

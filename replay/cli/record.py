@@ -32,7 +32,7 @@ Settings can also live in [tool.replay] of pyproject.toml (same names, e.g. step
 @click.option("--name", default=None, help="Name part of the default directory.")
 @click.option("--step", "steps", multiple=True, metavar="MODULE:QUALNAME", help="A callable whose calls are steps (repeatable).")
 @click.option("--profile", default=None, help="Built-in profile: mtp, auto (default: every profile, by import), none.")
-@click.option("--state", default=None, help="Attribute/method of the step's object returning {name: tensor} state.")
+@click.option("--state", default=None, help="Attribute/method of the step's object returning {name: tensor} state, or one tensor (kept under its name).")
 @click.option("--config", "config_attr", default=None, help="Attribute/method returning the JSON config the factory takes.")
 @click.option("--factory", default=None, metavar="MODULE:QUALNAME", help="Rebuilds the target for re-runs.")
 @click.option("--tuner", default=None, help="Attribute/method returning {op: tactic} tuner choices.")

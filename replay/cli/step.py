@@ -184,7 +184,11 @@ def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
         # A keyframe cannot restore an object recorded by class name only: no hint then.
         hint = ("; if the program changes the model's state between steps (a beam search reordering its cache, a "
                 "reset), a keyframe every step restores it: replay record --keyframe-every 1") if (
-            m.departed.step < r.step and not r.unrecorded) else ""
+            r.keyframe < m.departed.step < r.step and not r.unrecorded) else ""
+        if m.departed.step == r.keyframe > 0 and not r.live_start:
+            # The first step after the restore: what the keyframe holds is the likeliest cause.
+            hint = ("; that is the keyframe's own step: the keyframe may not hold all the state the step reads "
+                    "(name all of it with replay record --state)")
         return style(f"  {m.mode}: the re-run departed from the recording at {escape(m.departed)} (teacher-forced from there)"
                      + hint, fg="yellow")
     if not m.uncompared:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["SCALAR_PREFIX", "UNCHANGED_PREFIX", "GENERATOR_PREFIX", "module_state", "capture_generators",
+__all__ = ["SCALAR_PREFIX", "UNCHANGED_PREFIX", "GENERATOR_PREFIX", "module_state", "named_state", "capture_generators",
            "split_generators", "restore_generators", "capture_scalars", "split_scalars", "restore_scalars", "with_scalars"]
 
 SCALAR_PREFIX = "__py__."
@@ -27,6 +27,20 @@ GENERATOR_PREFIX = "__gen__."  # the state of a torch.Generator the target holds
 _MAX_GENERATORS = 64
 _MAX_SCALARS = 256  # a target object with more scalar attributes than this is not a step's state
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def named_state(value: Any, name: str) -> dict[str, torch.Tensor]:
+    """What ``--state NAME`` names, as keyframes hold it: a dict of tensors (or pairs), or one
+    tensor, kept under ``NAME`` (a KV pool held as ``engine.kv``)."""
+    if isinstance(value, torch.Tensor):
+        return {name: value}
+    if value is None:
+        return {}
+    try:
+        return dict(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"--state {name} is a {type(value).__name__}: it must name a tensor, a dict of tensors, "
+                        "or a method returning one") from None
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -558,7 +558,9 @@ class Session(GraphEvents):
                 o = ref()
                 if o is None:
                     return {}
-                st = dict(access(o, name) or {})
+                from replay.core.state import named_state
+
+                st = named_state(access(o, name), name)
                 if isinstance(o, torch.nn.Module):
                     # Keyframes never hold the weights (a re-run restoring them would undo the
                     # ones the user loaded): they are digested once, in the target info.

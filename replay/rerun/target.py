@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from replay.errors import FactoryError, OutOfRange, RerunError
-from replay.core.state import (capture_generators, capture_scalars, module_state, restore_generators, restore_scalars, split_generators,
+from replay.core.state import (capture_generators, capture_scalars, module_state, named_state, restore_generators, restore_scalars, split_generators,
                                split_scalars)
 from replay.format.reader import RankFile
 from replay.rerun.imports import ImportContext, import_recorded
@@ -177,8 +177,8 @@ class Target:
         attr: Any = self.obj
         for part in self.spec.state.split("."):
             attr = getattr(attr, part)
-        value = attr() if callable(attr) else attr
-        return dict(value or {})
+        value = attr() if callable(attr) and not isinstance(attr, torch.nn.Module) else attr
+        return named_state(value, self.spec.state)
 
     def module(self) -> torch.nn.Module | None:
         if self.obj is None:
