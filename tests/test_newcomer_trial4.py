@@ -4,12 +4,13 @@ before its fix. Nothing in the scripts was adapted to replay."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_newcomer_scripts import _replay, _script
+from tests.test_newcomer_scripts import _env, _replay, _script
 from tests.test_newcomer_trial3 import _CACHE_OBJECT
 
 pytestmark = pytest.mark.e2e
@@ -199,3 +200,55 @@ def test_state_naming_a_tensor_attribute_is_kept_in_keyframes(tmp_path: Path) ->
     assert bad.stdout.startswith("not reproduced"), bad.stdout + bad.stderr[-1500:]
     assert "that is the keyframe's own step: the keyframe may not hold all the state" in bad.stdout, bad.stdout
     assert "--keyframe-every 1" not in bad.stdout, bad.stdout
+
+
+def _replay_env(*args: object, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``_replay`` with variables added to (or, valued None, removed from) its environment."""
+    e = {**_env(), **{k: v for k, v in env.items() if v is not None}}
+    for k in (k for k, v in env.items() if v is None):
+        e.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "replay", *map(str, args)], cwd=cwd, env=e, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_re_launched_program_missing_a_recorded_variable_is_told_apart_from_the_program(tmp_path: Path) -> None:
+    """A loop that reads ``LORA=1`` to add a delta to its weights (``functional_call`` with
+    other parameters), recorded with it and re-run from a shell without it: the re-launched
+    program computes something else, and ``replay step`` names the variable and the weights
+    that differ (before: a bare "not reproduced" with a --keyframe-every hint), and ``bisect
+    steps`` the weights. With the variable set as it was, it reproduces. The recording holds the
+    variable's name and a digest, never its value."""
+    _script(tmp_path, "fcall", """
+        import os, torch, torch.nn as nn
+        from torch.func import functional_call
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__(); self.emb = nn.Embedding(32, 16); self.head = nn.Linear(16, 32)
+            def forward(self, tok):
+                return self.head(self.emb(tok))
+        torch.manual_seed(0)
+        m = M().eval()
+        params = {k: v.detach().clone() for k, v in m.named_parameters()}
+        if os.environ.get("LORA"):
+            params["head.weight"] = params["head.weight"] + 1e-3 * torch.randn_like(params["head.weight"])
+        tok = torch.tensor([7])
+        with torch.no_grad():
+            for i in range(8):
+                tok = functional_call(m, params, (tok,)).argmax(-1)
+        print(tok.tolist())
+    """)
+    rec = tmp_path / "rec"
+    p = _replay_env("record", "--quiet", "--out", rec, "--", sys.executable, "fcall.py", cwd=tmp_path,
+                    env={"LORA": "1", "MY_API_TOKEN": "s3cret-value"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    s = _replay_env("step", rec, "--step", 3, "--no-save", cwd=tmp_path, env={"LORA": None})
+    head = s.stdout.splitlines()[0]
+    assert head.startswith("not reproduced"), s.stdout + s.stderr[-1500:]
+    assert "environment differs from the recorded one in LORA (not set here)" in head, head
+    assert "but the step ran with other weights than the re-run's (1 differ: head.weight)" in head, head
+    b = _replay_env("bisect", "steps", "--against-rerun", rec, "--no-save", cwd=tmp_path, env={"LORA": None})
+    assert "but the steps ran with other weights than the re-run's (1 differ: head.weight)" in b.stdout.splitlines()[0], b.stdout
+    ok = _replay_env("step", rec, "--step", 3, "--no-save", cwd=tmp_path, env={"LORA": "1"})
+    assert ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-1500:]
+    raw = b"".join(f.read_bytes() for f in rec.rglob("*") if f.is_file())
+    assert b"s3cret-value" not in raw and b"MY_API_TOKEN" not in raw

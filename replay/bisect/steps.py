@@ -79,6 +79,8 @@ class StepsBisection:
     # The departure's step takes these objects recorded by class name only (a cache object):
     # the re-run used the program's own, so the departure may be theirs, not the program's.
     unrecorded: list[str] = _field(default_factory=list)
+    # Parameters whose rebuilt (or live) values are not the digests of the weights that ran.
+    weights_differ: list[str] = _field(default_factory=list)
 
     def problem(self) -> str | None:
         """Why this bisection compared nothing the steps computed (a non-zero exit), or None."""
@@ -118,6 +120,10 @@ class StepsBisection:
         what = "it raised in the re-run, not as when recorded" if self.field == RAISED_FIELD else str(self.field)
         line = (f"rank {r} re-run {self.mode} first departs from the recording at {self._at(self.first, self.stream, self.stream_step, what)}, "
                 f"found with {len(self.probes)} interval re-runs ({self.steps_rerun} of {self.steps_total} steps)")
+        if self.weights_differ:
+            line += (f"; but the steps ran with other weights than the re-run's ({len(self.weights_differ)} differ: "
+                     f"{', '.join(self.weights_differ[:3])}{', ...' if len(self.weights_differ) > 3 else ''}): the "
+                     "departure may be theirs, not the program's")
         if self.unrecorded:
             line += (f"; but the step takes {', '.join(self.unrecorded[:3])}, recorded by class name only: the re-run used "
                      "the program's own object, and the departure may be that object's contents (what the program "
@@ -135,6 +141,7 @@ class StepsBisection:
             "step": self.first,
             "field": self.field,
             "unrecorded_arguments": self.unrecorded,
+            "weights_differ": self.weights_differ,
             "odd": self.odd,
             "majority": self.majority,
             "first_token": self.first_token,
@@ -373,6 +380,7 @@ def _relaunched_scan_one(a: _StreamBisect, lo: int, hi: int, res: StepsBisection
             res.notes.append(note)
     if iv.departed is not None:
         res.unrecorded = list(result.unrecorded)  # as ``replay step`` says it: not evidence against the program alone
+        res.weights_differ = list(result.weights.differ) if result.weights is not None else []
     res.uncompared = sorted(set(res.uncompared) | set(run.uncompared)
                             | ({hi} if run.error is not None and not run.vs_recording else set()))
     return (iv if iv.departed is not None else None), result.keyframe <= lo

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from replay import numerics
+from replay.core.environment import env_digests
 
 __all__ = ["launch_info", "main_name", "main_names", "module_name"]
 
@@ -61,4 +62,5 @@ def launch_info() -> dict[str, Any]:
         "main_file": os.path.abspath(f) if f else None,
         "main_name": main_name(),
         "env_numerics": numerics.env_numerics(),
+        "env_digests": env_digests(os.environ),  # names and value digests, never values
     }

@@ -153,8 +153,15 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
         spec_path.write_text(json.dumps({f: getattr(spec, f) for f in RelaunchSpec.__slots__}))
         # Shown before the program's code runs: the trust gate (replay.trust) goes here too.
         announce(f"re-launching the recorded program (the recording names no factory): {' '.join(cmd)} in {cwd}")
+        env = _child_env(launch, spec.rank, world, spec_path)
+        from replay.core.environment import env_differences
+
+        moved = env_differences(launch.get("env_digests"), env)
+        if moved:
+            announce(f"the environment here differs from the recorded program's in {len(moved)} variable(s): "
+                     f"{', '.join(moved[:6])}{', ...' if len(moved) > 6 else ''}")
         try:
-            p = subprocess.run(cmd, cwd=cwd, env=_child_env(launch, spec.rank, world, spec_path),
+            p = subprocess.run(cmd, cwd=cwd, env=env,
                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise RerunError(f"the re-launched program did not reach step {spec.step} within {_TIMEOUT_S:.0f} s "
@@ -173,7 +180,10 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
         raise err
     from replay.rerun.result import StepRerun
 
-    return StepRerun.from_json(data)
+    result = StepRerun.from_json(data)
+    if moved:
+        result.env_differences = moved
+    return result
 
 
 # -- the child: inside the re-launched program -----------------------------------------------

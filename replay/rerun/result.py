@@ -158,6 +158,9 @@ class StepRerun:
     # The re-run started from the re-launched program's own state at step ``keyframe`` (the
     # program ran the steps before it itself), not from a restored keyframe.
     live_start: bool = False
+    # Environment variables the re-launched program got otherwise than the recorded one
+    # ("LORA (not set here)"): a program that reads them computes something else.
+    env_differences: list[str] = field(default_factory=list)
 
     def problem(self) -> str | None:
         """Why step ``step`` could not be re-run or checked against the recording; None if it was.
@@ -217,6 +220,16 @@ class StepRerun:
             line += f"; also in {', '.join(m.mode for m in differ[1:])}"
         if same:
             line += f"; {', '.join(same)} reproduce{'s' if len(same) == 1 else ''} it bit for bit"
+        if self.env_differences:
+            line += (f"; but the re-launched program's environment differs from the recorded one in "
+                     f"{', '.join(self.env_differences[:3])}{', ...' if len(self.env_differences) > 3 else ''}: set "
+                     "them as they were if the program reads them")
+        if self.weights is not None and self.weights.differ:
+            # The re-run's model is not the one that ran (weights swapped in for the call, a
+            # ``functional_call`` with other parameters, another checkpoint): say so first.
+            line += (f"; but the step ran with other weights than the re-run's ({len(self.weights.differ)} differ: "
+                     f"{', '.join(self.weights.differ[:3])}{', ...' if len(self.weights.differ) > 3 else ''}): the "
+                     "difference may be theirs, not the program's")
         if self.unrecorded:
             # Not evidence against the program: the re-run may have run with other contents.
             line += (f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
@@ -253,6 +266,7 @@ class StepRerun:
             "weights": self.weights.to_json() if self.weights is not None else None,
             "unrecorded_arguments": self.unrecorded,
             "live_start": self.live_start,
+            "env_differences": self.env_differences,
             "problem": self.problem(),
             "raised": self.raised(),
             "headline": self.headline(),
@@ -271,6 +285,7 @@ class StepRerun:
                    step=int(d["step"]), keyframe=int(d.get("keyframe") or 0), device=str(d.get("device") or ""),
                    factory=d.get("factory"), modes=modes, comparisons=across, notes=list(d.get("notes") or []),
                    stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None,
-                   unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []], live_start=d.get("live_start") is True)
+                   unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []], live_start=d.get("live_start") is True,
+                   env_differences=[str(e) for e in d.get("env_differences") or []])
 
 

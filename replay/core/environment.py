@@ -1,0 +1,59 @@
+"""The recorded program's environment variables, as names and digests of their values.
+
+A re-launched program (``replay step`` with no factory) gets the environment of the shell that
+runs ``replay step``, not the recorded one: a program that reads ``LORA=1`` or ``TEMP=0.5`` then
+computes something else, and the re-run departs for a reason no recorded tensor shows. The
+recording keeps each variable's name and a digest of its value, never the value (recordings are
+handed from person to person, and values hold secrets; names that look like secrets are left
+out altogether), so that a re-run can name the variables that differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Mapping
+
+__all__ = ["env_digests", "env_differences"]
+
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE", re.IGNORECASE)
+# Set by a shell, a terminal or replay itself, or per launch: they differ between two shells of
+# the same user without changing what a program computes.
+_NOISE = re.compile(r"^(REPLAY_|PYTHONPATH$|PWD$|OLDPWD$|SHLVL$|_$|TERM|SSH_|DISPLAY$|TMUX|LS_COLORS$|PS[1-4]$|"
+                    r"PROMPT_COMMAND$|HIST|COLUMNS$|LINES$|XDG_|DBUS_|WINDOWID$|COLORTERM$|MAIL|PYTEST_|COV_|"
+                    r"RANK$|LOCAL_RANK$|WORLD_SIZE$|LOCAL_WORLD_SIZE$|MASTER_ADDR$|MASTER_PORT$|GROUP_RANK$|"
+                    r"ROLE_|TORCHELASTIC_|OMP_NUM_THREADS$|VSCODE_|GIT_|LESS|PAGER$|EDITOR$)")
+_MAX = 512  # variables kept: a larger environment keeps its first ones by name
+
+
+def _kept(name: str) -> bool:
+    return not _SECRET.search(name) and not _NOISE.match(name)
+
+
+def _digest(value: str) -> str:
+    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+def env_digests(env: Mapping[str, str]) -> dict[str, str]:
+    """``{name: digest of its value}`` for the variables a re-run compares."""
+    return {k: _digest(env[k]) for k in sorted(k for k in env if _kept(k))[:_MAX]}
+
+
+def env_differences(recorded: object, env: Mapping[str, str]) -> list[str]:
+    """The variables set otherwise in ``env`` than in the recorded program: ``"LORA (set when
+    recorded, not set here)"``; [] when the recording has no digests (an older one)."""
+    if not isinstance(recorded, dict):
+        return []
+    here = env_digests(env)
+    out = []
+    for name in sorted(set(recorded) | set(here)):
+        if not isinstance(name, str) or not _kept(name):
+            continue
+        a, b = recorded.get(name), here.get(name)
+        if a == b:
+            continue
+        if len(recorded) >= _MAX and a is None:
+            continue  # the recording kept only its first variables
+        what = "not set here" if b is None else "not set when recorded" if a is None else "another value here"
+        out.append(f"{name} ({what})")
+    return out
