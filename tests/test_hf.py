@@ -184,7 +184,16 @@ def test_object_argument_is_recorded_as_the_engines_attribute():
     assert list(tensors) == ["x"]
     assert scalars["pos"] == 3
     assert scalars["cache"] == {"attr": "cache", "type": "object"}
-    assert scalars["other"] == {"unrecorded": "object"}
+    assert set(scalars["other"]) == {"unrecorded", "object"}
+    assert scalars["other"]["unrecorded"] == "object"
+    # The same object keeps its number across steps; a new one (a second cache) gets another.
+    other = bound.arguments["other"]
+    again = split_arguments(inspect.signature(Engine.step).bind(e, torch.zeros(2), 4, e.cache, other=other),
+                            skip_first=True, owner=e)[1]
+    fresh = split_arguments(inspect.signature(Engine.step).bind(e, torch.zeros(2), 5, e.cache, other=object()),
+                            skip_first=True, owner=e)[1]
+    assert again["other"] == scalars["other"]
+    assert fresh["other"]["object"] != scalars["other"]["object"]
 
 
 def test_run_cli_rejects_bad_arguments():

@@ -252,3 +252,54 @@ def test_a_re_launched_program_missing_a_recorded_variable_is_told_apart_from_th
     assert ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-1500:]
     raw = b"".join(f.read_bytes() for f in rec.rglob("*") if f.is_file())
     assert b"s3cret-value" not in raw and b"MY_API_TOKEN" not in raw
+
+
+_DRAFT_AND_TARGET = """
+    import torch
+    torch.manual_seed(0)
+
+    class Draft(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 16)
+            self.head = torch.nn.Linear(16, 64)
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    class Target(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 32)
+            self.head = torch.nn.Linear(32, 64)
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    draft, target = Draft().eval(), Target().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for _ in range(6):
+            guess = draft(ids)[:, -1].argmax(-1, keepdim=True)
+            verify = target(torch.cat([ids, guess], 1))[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, verify], 1)
+    print(ids.tolist())
+"""
+
+
+def test_a_target_model_beside_the_draft_chosen_with_no_flags_is_named(tmp_path: Path) -> None:
+    """Speculative decoding with no flags: the draft is called first and chosen; the target,
+    called as often at the top level, is not recorded. ``replay record`` says so and prints the
+    command that records both (before: the target was never mentioned)."""
+    _script(tmp_path, "spec", _DRAFT_AND_TARGET)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--out", rec, "--", sys.executable, "spec.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = next((x for x in p.stderr.splitlines() if "not recorded" in x and "Target" in x), None)
+    assert line is not None, p.stderr[-2000:]
+    assert "--step spec:Draft --step spec:Target" in line, line
+    # The command it prints records both models.
+    both = tmp_path / "both"
+    p = _replay("record", "--quiet", "--out", both, "--step", "spec:Draft", "--step", "spec:Target",
+                "--", sys.executable, "spec.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    info = json.loads(_replay("info", both, "--json", cwd=tmp_path).stdout)
+    assert info["ranks"][0]["steps"] == 12, info["ranks"][0]

@@ -38,6 +38,9 @@ _MAX_SCANS = 10_000
 # Outermost module calls seen without one that can be chosen (only compiled modules, say)
 # before discovery stops watching: its hooks must not cost a whole run.
 _MAX_OUTERMOST = 200
+# Outermost module calls still counted after the step is chosen, so that the summary can name
+# another model the loop calls at the top level (a target beside the draft chosen first).
+_CENSUS = 64
 
 
 class Watcher:
@@ -61,6 +64,7 @@ class Watcher:
         self._scans = 0
         self._inside: torch.nn.Module | None = None
         self._inner: Counter[int] = Counter()
+        self.census_left = 0  # outermost calls still to count after the choice
 
     def install(self) -> None:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -75,14 +79,16 @@ class Watcher:
         self._handles = []
 
     def done_discovering(self) -> None:
+        if self.on_outermost is not None:
+            self.census_left = _CENSUS
         self.on_outermost = None
         self._inside = None
-        if self.scan is None:
+        if self.scan is None and not self.census_left:
             self.remove()
 
     def done_scanning(self) -> None:
         self.scan = None
-        if self.on_outermost is None and self._inside is None:
+        if self.on_outermost is None and self._inside is None and not self.census_left:
             self.remove()
 
     def _pre(self, module: torch.nn.Module, _args: Any) -> None:
@@ -107,6 +113,10 @@ class Watcher:
         cls = type(module)
         self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
         if self.on_outermost is None:
+            if self.census_left:
+                self.census_left -= 1
+                if not self.census_left and self.scan is None and self._inside is None:
+                    self.remove()
             return
         answer = self.on_outermost(module)
         if answer == "chosen":
@@ -366,6 +376,23 @@ def _nothing_found(seen: Counter[str], chosen: str | None = None, direct: bool =
             " name the step with --step MODULE:QUALNAME")
 
 
+def _not_recorded_beside(chosen: dict[str, dict[str, Any]], seen: Counter[str], ran: Counter[str]) -> list[str]:
+    """Other modules the loop called at the top level, more than once, beside a step found with
+    no flags (a target model beside the draft chosen first): not recorded, and how to add them."""
+    from replay.textsafe import escape
+
+    found = [s for s, c in chosen.items() if c.get("kind") == "module_forward" and ran.get(s)]
+    if not found:
+        return []
+    wrappers = {str(c.get("inside")) for c in chosen.values() if c.get("inside")}
+    others = [(k, v) for k, v in seen.most_common() if v >= 2 and k not in found and k not in wrappers]
+    if not others:
+        return []
+    names = ", ".join(f"{escape(k)} ({v} calls seen)" for k, v in others[:4])
+    flags = " ".join(f"--step {escape(s)}" for s in [*found, *(k for k, _ in others[:2])])
+    return [f"replay: also called at the top level, not recorded: {names}; to record them too: replay record {flags} -- ..."]
+
+
 def summary_lines(reports: list[dict[str, Any]], *, recorded_steps: int = 0) -> list[str]:
     """What ``replay record`` says about steps: which was chosen and how to choose another, or
     what was seen when none was found, and every named step that never ran."""
@@ -387,6 +414,7 @@ def summary_lines(reports: list[dict[str, Any]], *, recorded_steps: int = 0) -> 
               for step in sorted(named) if not ran.get(step) and step not in inside]
     if not chosen and not named and not ran and reports:
         lines.append(_nothing_found(seen))
+    lines += _not_recorded_beside(chosen, seen, ran)
     lines += _compiled_collectives(reports, chosen, ran)
     lines += _nested_outputs(reports)
     lines += _unrecorded_arguments(reports)

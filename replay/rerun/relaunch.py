@@ -132,18 +132,7 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
                   announce: Any = lambda s: None) -> "StepRerun":
     """Start the recorded command in replay mode; the re-run's result, read back from what the
     program wrote (``StepRerun.to_json()``). Raises RerunError when the program ends without one."""
-    argv = [str(a) for a in launch.get("argv") or []]
-    exe = launch.get("executable") or sys.executable
-    cwd = launch.get("cwd")
-    if not argv:
-        raise RerunError("the recording names no factory and does not say how the program was started "
-                         "(no launch info): pass --factory module:qualname")
-    if not isinstance(cwd, str) or not os.path.isdir(cwd):
-        raise RerunError(f"the recorded program ran in {cwd!r}, which is not a directory here: "
-                         "re-run where it was recorded, or pass --factory")
-    if not os.path.exists(exe):
-        exe = sys.executable
-    cmd = _command(exe, argv, launch)
+    cmd, cwd = _launch_command(launch)
     with tempfile.TemporaryDirectory(prefix="replay-relaunch-") as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec.out = str(Path(tmp) / "result.json")
@@ -172,6 +161,30 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
             raise RerunError(f"the re-launched program ended (exit code {p.returncode}) without calling the recorded "
                              f"step; it cannot be re-run this way" + (f": {tail}" if tail else ""))
         data = json.loads(out.read_text())
+    result = _read_result(data)
+    if moved:
+        result.env_differences = moved
+    return result
+
+
+def _launch_command(launch: dict[str, Any]) -> tuple[list[str], str]:
+    """The recorded program's command line and working directory, checked to be usable here."""
+    argv = [str(a) for a in launch.get("argv") or []]
+    exe = launch.get("executable") or sys.executable
+    cwd = launch.get("cwd")
+    if not argv:
+        raise RerunError("the recording names no factory and does not say how the program was started "
+                         "(no launch info): pass --factory module:qualname")
+    if not isinstance(cwd, str) or not os.path.isdir(cwd):
+        raise RerunError(f"the recorded program ran in {cwd!r}, which is not a directory here: "
+                         "re-run where it was recorded, or pass --factory")
+    if not os.path.exists(exe):
+        exe = sys.executable
+    return _command(exe, argv, launch), cwd
+
+
+def _read_result(data: dict[str, Any]) -> "StepRerun":
+    """The re-launched program's answer: its re-run, or the error it met, raised here."""
     if data.get("kind") == "error":
         at = data.get("catch_up")
         err = (CatchUpRaised(str(data.get("error")), step=int(at["step"]), keyframe=int(at["keyframe"]))
@@ -180,10 +193,7 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
         raise err
     from replay.rerun.result import StepRerun
 
-    result = StepRerun.from_json(data)
-    if moved:
-        result.env_differences = moved
-    return result
+    return StepRerun.from_json(data)
 
 
 # -- the child: inside the re-launched program -----------------------------------------------

@@ -220,23 +220,29 @@ class StepRerun:
             line += f"; also in {', '.join(m.mode for m in differ[1:])}"
         if same:
             line += f"; {', '.join(same)} reproduce{'s' if len(same) == 1 else ''} it bit for bit"
+        return line + "".join(self._caveats())
+
+    def _caveats(self) -> list[str]:
+        """Why a not-reproduced step may not be the program's doing: the re-run differed from the
+        recorded run in its environment, its weights or an unrecorded argument."""
+        out = []
         if self.env_differences:
-            line += (f"; but the re-launched program's environment differs from the recorded one in "
-                     f"{', '.join(self.env_differences[:3])}{', ...' if len(self.env_differences) > 3 else ''}: set "
-                     "them as they were if the program reads them")
+            out.append(f"; but the re-launched program's environment differs from the recorded one in "
+                       f"{', '.join(self.env_differences[:3])}{', ...' if len(self.env_differences) > 3 else ''}: set "
+                       "them as they were if the program reads them")
         if self.weights is not None and self.weights.differ:
             # The re-run's model is not the one that ran (weights swapped in for the call, a
             # ``functional_call`` with other parameters, another checkpoint): say so first.
-            line += (f"; but the step ran with other weights than the re-run's ({len(self.weights.differ)} differ: "
-                     f"{', '.join(self.weights.differ[:3])}{', ...' if len(self.weights.differ) > 3 else ''}): the "
-                     "difference may be theirs, not the program's")
+            out.append(f"; but the step ran with other weights than the re-run's ({len(self.weights.differ)} differ: "
+                       f"{', '.join(self.weights.differ[:3])}{', ...' if len(self.weights.differ) > 3 else ''}): the "
+                       "difference may be theirs, not the program's")
         if self.unrecorded:
             # Not evidence against the program: the re-run may have run with other contents.
-            line += (f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
-                     "used the program's own object, brought to this step by re-running the steps before it: the "
-                     "difference may be that object's contents, not the program (see 'Objects a step takes' in "
-                     "docs/your-engine.md)")
-        return line
+            out.append(f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
+                       "used the program's own object, brought to this step by re-running the steps before it: the "
+                       "difference may be that object's contents, not the program (see 'Objects a step takes' in "
+                       "docs/your-engine.md)")
+        return out
 
     def _reproduced(self, where: str, same: list[str]) -> str:
         n = len({k for m in self.modes.values() for k in m.vs_recording})
