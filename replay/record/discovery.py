@@ -83,12 +83,15 @@ class Watcher:
             self.census_left = _CENSUS
         self.on_outermost = None
         self._inside = None
-        if self.scan is None and not self.census_left:
-            self.remove()
+        self._remove_if_idle()
 
     def done_scanning(self) -> None:
         self.scan = None
-        if self.on_outermost is None and self._inside is None and not self.census_left:
+        self._remove_if_idle()
+
+    def _remove_if_idle(self) -> None:
+        """The hooks go once nothing watches: no discovery, no scan, no census left."""
+        if self.on_outermost is None and self._inside is None and self.scan is None and not self.census_left:
             self.remove()
 
     def _pre(self, module: torch.nn.Module, _args: Any) -> None:
@@ -115,8 +118,7 @@ class Watcher:
         if self.on_outermost is None:
             if self.census_left:
                 self.census_left -= 1
-                if not self.census_left and self.scan is None and self._inside is None:
-                    self.remove()
+                self._remove_if_idle()
             return
         answer = self.on_outermost(module)
         if answer == "chosen":
