@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,14 @@ def _killed_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
     p = subprocess.run([sys.executable, "-c", _KILLED, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr
+    # The rank's drain process outlives it until the ring is in the journal, and holds the
+    # journal's lock meanwhile (`replay seal` waits for it the same way): copying the part
+    # before would copy a journal that is still growing.
+    journal, _, _ = rank_paths(out / "run-000", 0)
+    deadline = time.monotonic() + 60
+    while journal_is_live(journal) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not journal_is_live(journal), "the killed rank's drain process did not end"
     return out
 
 
