@@ -108,6 +108,52 @@ def test_the_record_is_of_the_step_end_even_when_the_program_then_overwrites_its
         assert float(view.margin) == pytest.approx(float((top[..., 0] - top[..., 1]).min()))
 
 
+def test_each_step_keeps_its_own_small_tensors_as_the_step_area_grows(tmp_path):
+    """A step's small CUDA tensors are packed into one buffer kept from step to step (one copy
+    a call, one copy into the ring a step), which grows when a step needs more. Before and after
+    it grows, inside and outside inference mode, with the program overwriting its tensors as soon
+    as the step ends, each step's record holds the values of its own step."""
+    from replay.format import TensorKind
+
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", outputs="full"))
+    outs = [torch.empty(1024, device="cuda") for _ in range(40)]  # 160 KiB a step: past the first area
+    ids = torch.empty(8, dtype=torch.int64, device="cuda")
+    flags = torch.empty(3, dtype=torch.bool, device="cuda")
+    sent = []
+    for s in range(6):
+        n = 3 if s == 0 else 40  # step 1 does not fit the first area; later steps fit the grown one
+        with torch.inference_mode(s % 2 == 1):
+            ids.copy_(torch.arange(8, device="cuda") + 100 * s)
+            rec.begin_step()
+            rec.record_inputs(input_ids=ids)
+            for i in range(n):
+                outs[i].fill_(s * 1000 + i)
+            flags.copy_(torch.tensor([s % 2 == 0, True, s > 2], device="cuda"))
+            rec.record_probe("sampler", flags=flags)
+            rec.record_outputs(**{f"o{i}": outs[i] for i in range(n)})
+            rec.end_step()
+        sent.append((ids.cpu(), flags.cpu(), [o.cpu() for o in outs[:n]]))
+        ids.fill_(-1)  # the program reuses its buffers at once
+        flags.fill_(False)
+        for o in outs:
+            o.fill_(float("nan"))
+    rec.close()
+    assert rec.error is None, rec.error
+    assert rec._staging._areas, "the small tensors went into the step's area"
+    with open_recording(tmp_path / "r") as r:
+        rf = r["run-000"][0]
+        assert rf.n_steps == 6
+        for s, (i, f, o) in enumerate(sent):
+            view = rf.step(s)
+            assert torch.equal(view.inputs["input_ids"], i), s
+            got = view.tensors(TensorKind.OUTPUT)
+            assert len([k for k in got if k.startswith("o")]) == len(o), s
+            for k, want in enumerate(o):
+                assert torch.equal(got[f"o{k}"], want), (s, k)
+            tokens = view.tensors(TensorKind.TOKENS)
+            assert torch.equal(tokens["sampler.flags"], f), s
+
+
 @pytest.fixture(scope="module")
 def graphed_recording(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "rec"

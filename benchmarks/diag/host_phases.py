@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--fine", action="store_true", help="also the parts of end_step and of the probe")
     ap.add_argument("--no-defer", action="store_true", help="the record's device work on the program's stream")
     ap.add_argument("--no-early", action="store_true", help="all bookkeeping before the call (no early path)")
     ap.add_argument("--no-rng", action="store_true", help="no RNG state per step")
@@ -78,6 +79,17 @@ def main() -> int:
                             (Staging, "stage"), (Staging, "place_pending"), (Recorder, "_submit_ring"),
                             (Staging, "seal_job")):
             timed(owner, name, f"{owner.__name__}.{name}")
+        if args.fine:
+            # The parts of end_step and of the probe, one level down.
+            import replay.record.recorder as recorder_mod
+            from replay.record.ring import ShmRing
+            from replay.record.side_plan import SidePlans
+
+            for owner, name in ((Staging, "_enter_side"), (Staging, "_stage_tail"), (Staging, "_stage"), (Staging, "leave_side"),
+                                (Staging, "_place_area"), (Staging, "entries"), (Staging, "snapshot"), (SidePlans, "run"),
+                                (ShmRing, "alloc"), (ShmRing, "write_job_header"), (Recorder, "_logits"), (Recorder, "_submit"),
+                                (recorder_mod, "job_meta"), (Recorder, "_stage_collectives")):
+                timed(owner, name, f"{getattr(owner, '__name__', owner)}.{name}")
         # The parts of the early path (before the call) and of begin_step.
         import replay.numerics as numerics_mod
         import replay.record.rng as rng_mod

@@ -48,7 +48,7 @@ from replay.record.config import RecorderConfig
 from replay.record.margin import device_margin, host_margin
 from replay.record.ring import ShmRing, ring_pointer
 from replay.record.ring_setup import drop_drained_ring, open_rank_ring
-from replay.record.staging import RingJob, Staging, job_meta
+from replay.record.staging import RingJob, Staging, dtype_str, job_meta
 from replay.record.drain import DrainFailed, DrainProcess
 from replay.record.writer import Entry, Job, Writer, entry_tensor
 
@@ -440,7 +440,7 @@ class Recorder:
             if entry.ring_at >= 0:
                 st.fin["margin"] = [entry.ring_at, entry.dtype, list(entry.shape)]
         if self.config.ring:
-            dtype, shape = dtype_to_str(t.dtype), tuple(t.shape)
+            dtype, shape = dtype_str(t.dtype), tuple(t.shape)
             if t.device.type == "cuda":
                 # The ring stays on the device (a device-to-device copy costs microseconds);
                 # it is copied out only when it is written: at exit, on a crash or a trigger.

@@ -34,7 +34,7 @@ from replay.record.ring import JOB_HEADER_BYTES, RingFull, ShmRing
 from replay.record.side_plan import SidePlans
 from replay.record.writer import Entry, Job, PinnedPool
 
-__all__ = ["Staging", "RingJob", "SMALL_BYTES", "job_meta"]
+__all__ = ["Staging", "RingJob", "SMALL_BYTES", "job_meta", "dtype_str"]
 
 # CUDA tensors up to this size are packed and copied to the host in one transfer per call.
 SMALL_BYTES = 64 << 10
@@ -91,12 +91,17 @@ class RingJob:
     cuda: Any = None  # the device of the job's CUDA work, if any
 
 
+# A step's area (its small CUDA tensors, packed): its smallest and largest size, and how many
+# places in a step (offset and signature of a call's tensors) keep their views.
+AREA_MIN = 64 << 10
+AREA_MAX = 16 << 20
+MAX_AREA_PLANS = 256
 # CPU tensors of one call share one ring allocation, each at an offset aligned for any dtype.
 _CPU_ALIGN = 16
 _DTYPE_STR: dict[torch.dtype, str] = {}
 
 
-def _dtype_str(dtype: torch.dtype) -> str:
+def dtype_str(dtype: torch.dtype) -> str:
     s = _DTYPE_STR.get(dtype)
     if s is None:
         s = _DTYPE_STR[dtype] = dtype_to_str(dtype)
@@ -179,6 +184,7 @@ class Staging:
     # Defaults of each recorder's staging (class attributes so that a benchmark can compare).
     DEFER = True  # a step's CUDA record work on the side stream
     STATIC_SNAPSHOTS = True  # snapshots in kept buffers, so the side work can be a graph
+    AREA = True  # a step's small CUDA tensors packed into one kept buffer (else by ``cat``, a call)
 
     def __init__(self, ring: ShmRing | None = None, *, block: bool = True, timeout: float = 30.0) -> None:
         self.pool = PinnedPool()
@@ -208,6 +214,15 @@ class Staging:
         self.plans = SidePlans()
         self._streams = _StreamObjects()
         self._order_events: dict[Any, Any] = {}  # per device: the event the side stream waits on
+        # The open step's small CUDA tensors, packed into one kept device buffer (its "area")
+        # with one ``_foreach_copy_`` a call, and copied into the ring with one copy a step.
+        self.area = self.AREA
+        self._areas: dict[Any, torch.Tensor] = {}  # per device
+        self._area_plans: dict[tuple, tuple[list[torch.Tensor], list[int], int] | None] = {}
+        self._area_dev: Any = None  # the device of the open step's area (one a step)
+        self._area_used = 0
+        self._area_entries: list[tuple[Entry, int, int]] = []  # entry, offset in the area, bytes
+        self._area_want: dict[Any, int] = {}  # per device: bytes a step needed where its area was too small
 
     # -- ring ------------------------------------------------------------------------------
 
@@ -276,7 +291,7 @@ class Staging:
             if t.requires_grad:  # no autograd history for the recorder's copies (detach is a torch call a tensor)
                 t = t.detach()
             nbytes = t.numel() * t.element_size()
-            e = Entry(name=name, kind=kind, dtype=_dtype_str(t.dtype), shape=tuple(t.shape), store=store)
+            e = Entry(name=name, kind=kind, dtype=dtype_str(t.dtype), shape=tuple(t.shape), store=store)
             out.append(e)
             if t.device.type != "cuda":
                 cpu.append((e, t, nbytes, cpu_bytes))
@@ -297,15 +312,117 @@ class Staging:
                 self.copy_out(job, e, t, nbytes)
         if cpu:
             self._copy_cpu(job, cpu, cpu_bytes)
-        if small and later:
-            # Only the packing now, on the program's stream; the room in the ring and the copy
-            # into it come at the step's end (``place_pending``), after the step was queued.
+        if small:
+            self._small(job, small, small_bytes, later)
+        return out
+
+    def _small(self, job: RingJob | None, small: list[tuple[Entry, torch.Tensor]], small_bytes: int, later: bool) -> None:
+        """A call's small CUDA tensors: packed now on the program's stream; with ``later``, the
+        room in the ring and the copy into it come at the step's end (``place_pending``), after
+        the step was queued."""
+        if not later:
+            self._copy_small(job, small, small_bytes)
+        elif not (self.area and self._pack_into_area(small)):
             flat = [_flat_bytes(t) for _, t in small]
             packed = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
             self._pending.append((small, packed, small_bytes))
-        elif small:
-            self._copy_small(job, small, small_bytes)
-        return out
+
+    # -- the step's area: its small CUDA tensors in one kept buffer ---------------------------
+
+    def _pack_into_area(self, small: list[tuple[Entry, torch.Tensor]]) -> bool:
+        """Copy a call's small CUDA tensors into the open step's area with one launch, at views
+        made once for that place in the step and that signature (no view, reshape or ``cat`` of
+        each tensor a step). False: not packed here (another device than the step's area, an
+        area too small until the step's end, a tensor the views cannot hold): the caller packs."""
+        srcs = [t for _, t in small]
+        key = (self._area_used, *((t.shape, t.dtype, t.get_device()) for t in srcs))
+        plan = self._area_plans.get(key, False)
+        if plan is False:
+            plan = self._area_plan(key, srcs)
+        if plan is None:
+            return False
+        dsts, offsets, end = plan
+        dev = srcs[0].device
+        if self._area_dev is None:
+            self._area_dev = dev
+            self._wait_side(dev)  # the last step's copy out of the area comes first
+        elif self._area_dev != dev:
+            return False
+        try:
+            torch._foreach_copy_(dsts, srcs)
+        except RuntimeError:
+            self._area_plans[key] = None  # a tensor _foreach_copy_ cannot take: packed by cat
+            return False
+        for (e, t), off in zip(small, offsets):
+            self._area_entries.append((e, off, t.numel() * t.element_size()))
+        self._area_used = end
+        return True
+
+    def _area_plan(self, key: tuple, srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], int] | None:
+        """The area's views for one call's small tensors at the area's current end (None: they
+        do not fit; the area grows at the step's end)."""
+        if len(self._area_plans) >= MAX_AREA_PLANS:
+            self._area_plans.clear()
+        dev = srcs[0].device
+        off, offsets, sizes = self._area_used, [], []
+        for t in srcs:
+            if t.get_device() != dev.index or t.layout != torch.strided or t.is_quantized:
+                self._area_plans[key] = None
+                return None
+            off = (off + _CPU_ALIGN - 1) & ~(_CPU_ALIGN - 1)
+            n = t.numel() * t.element_size()
+            offsets.append(off)
+            sizes.append(n)
+            off += n
+        area = self._areas.get(dev)
+        if area is None or area.numel() < off:
+            self._area_want[dev] = max(self._area_want.get(dev, 0), off)
+            return None  # not cached: this place fits once the area has grown
+        with _normal_tensors():  # views made in inference mode could not be written outside it
+            dsts = [area[o : o + n].view(t.dtype).view(t.shape) for t, o, n in zip(srcs, offsets, sizes)]
+        plan = self._area_plans[key] = (dsts, offsets, off)
+        return plan
+
+    def _place_area(self, job: RingJob | None) -> None:
+        """The step's end: room in the ring for the used part of the area; its copy into the
+        ring is queued by ``stage`` on the side stream, after the step's work."""
+        entries, used, dev = self._area_entries, self._area_used, self._area_dev
+        self._area_entries, self._area_used, self._area_dev = [], 0, None
+        if entries:
+            area = self._areas[dev]
+            host, at = self._host_for(job, torch.uint8, (used,), used)
+            self._defer(area, (host, area[:used]))  # a grown area's old buffer is kept until then
+        if self._area_want:
+            self._grow_areas()
+        if not entries:
+            return
+        if job is not None:
+            job.cuda = dev
+        for e, off, n in entries:
+            e.packed = (host, off, n)
+            if at >= 0:
+                e.ring_at = at + off
+        if at < 0:
+            entries[0][0].release = self._last_buf
+
+    def _grow_areas(self) -> None:
+        """Larger areas for the next steps, where the last one was too small (the old one is
+        freed once the side stream has read it); none beyond ``AREA_MAX``: packed by ``cat``."""
+        want, self._area_want = self._area_want, {}
+        for dev, nbytes in want.items():
+            size = max(AREA_MIN, 1 << (nbytes - 1).bit_length())
+            old = self._areas.get(dev)
+            if size > AREA_MAX or (old is not None and old.numel() >= size):
+                continue
+            self._area_plans.clear()  # their views are of the old area
+            if old is not None:
+                side = self._side.get(dev)
+                if side is not None:
+                    old.record_stream(side)
+                self._static_ids.discard(id(old))
+            with _normal_tensors():
+                area = self._areas[dev] = torch.empty(size, dtype=torch.uint8, device=dev)
+            self._static_ids.add(id(area))
 
     # -- the side stream -------------------------------------------------------------------
 
@@ -399,6 +516,7 @@ class Staging:
     def place_pending(self, job: RingJob | None) -> None:
         """The step's end: room in the ring (or pinned buffers) for the snapshots taken during
         the step; their copies into it are queued by ``stage``, on the side stream."""
+        self._place_area(job)
         pending, self._pending = self._pending, []
         for what, packed, nbytes in pending:
             if packed is None:
@@ -425,6 +543,7 @@ class Staging:
         self._snaps = {}
         self._pending = []
         self._ring_copies = []
+        self._area_entries, self._area_used, self._area_dev = [], 0, None
 
     def _side_stream(self, dev: torch.device) -> Any:
         s = self._side.get(dev)
