@@ -29,6 +29,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--fine", action="store_true", help="also the parts of end_step and of the probe")
+    ap.add_argument("--torch-ops", action="store_true", help="also every Tensor.copy_/add_/clone/view/[] call (the program's too)")
     ap.add_argument("--no-defer", action="store_true", help="the record's device work on the program's stream")
     ap.add_argument("--no-early", action="store_true", help="all bookkeeping before the call (no early path)")
     ap.add_argument("--no-rng", action="store_true", help="no RNG state per step")
@@ -88,8 +89,14 @@ def main() -> int:
             for owner, name in ((Staging, "_enter_side"), (Staging, "_stage_tail"), (Staging, "_stage"), (Staging, "leave_side"),
                                 (Staging, "_place_area"), (Staging, "entries"), (Staging, "snapshot"), (SidePlans, "run"),
                                 (ShmRing, "alloc"), (ShmRing, "write_job_header"), (Recorder, "_logits"), (Recorder, "_submit"),
-                                (recorder_mod, "job_meta"), (Recorder, "_stage_collectives")):
+                                (recorder_mod, "job_meta"), (Recorder, "_stage_collectives"), (Staging, "_host_for"),
+                                (Staging, "_copy_cpu"), (Staging, "_pack_into_area"), (Recorder, "_submit_step"),
+                                (Recorder, "_stage_device")):
                 timed(owner, name, f"{getattr(owner, '__name__', owner)}.{name}")
+        if args.torch_ops:
+            # Every call of these, the program's own included (its count a step says which).
+            for name in ("copy_", "add_", "clone", "view", "__getitem__"):
+                timed(torch.Tensor, name, f"Tensor.{name}")
         # The parts of the early path (before the call) and of begin_step.
         import replay.numerics as numerics_mod
         import replay.record.rng as rng_mod

@@ -20,6 +20,7 @@ timeout -k 5 150 python3 benchmarks/bench_record.py --ab --out "$L/bench_record.
 echo "rc=$? bench $(( $(date +%s) - s ))s" | tee -a "$S"
 t host-phases-eager-fine 60 python3 benchmarks/diag/host_phases.py --no-graphs --steps 200 --fine
 t interleave-eager 80 python3 benchmarks/diag/interleave.py --no-graphs --pairs 160
+t host-phases-eager-ops 60 python3 benchmarks/diag/host_phases.py --no-graphs --steps 200 --fine --torch-ops
 date -u +%FT%TZ >> "$S"
 for f in "$L"/lane-*.log; do echo "== $f"; grep -E "^FAILED|^ERROR" "$f"; tail -2 "$f"; done
 cat "$S" "$L/bench_record.md" "$L/interleave-eager.log"
