@@ -114,6 +114,8 @@ def _ab_variants(session: Any, recorded: Callable) -> dict[str, Callable]:
         "replay, bookkeeping before the call (no early path)": toggled("early_path", "session"),
         "replay, side work without a graph": toggled("static_snapshots", "staging"),
         "replay, record work on the program's stream": toggled("defer", "staging"),
+        "replay, small tensors packed a call (no step area)": toggled("area", "staging"),
+        "replay, commit by a device counter and a copy": toggled("driver_commit", "staging"),
     }
 
 

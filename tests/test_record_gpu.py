@@ -154,6 +154,45 @@ def test_each_step_keeps_its_own_small_tensors_as_the_step_area_grows(tmp_path):
             assert torch.equal(tokens["sampler.flags"], f), s
 
 
+def test_a_commit_word_written_by_the_stream_lands_only_after_the_work_before_it(tmp_path):
+    """The record ring's commit word, written by the driver's stream write: it lands once the
+    work queued before it on the stream (a long kernel, then a copy to the host) has finished,
+    never before; and the recorder commits its CUDA jobs this way where the driver allows it."""
+    from replay.record.stream_write import open_stream_writer
+
+    writer = open_stream_writer(torch.device("cuda", 0))
+    if writer is None:
+        pytest.skip("this driver refuses stream memory operations (the recorder commits by a copy)")
+    host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    address = writer.device_pointer(host.data_ptr())
+    assert address is not None
+    stream = torch.cuda.Stream()
+    src = torch.full((1,), 7, dtype=torch.int64, device="cuda")
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # about a tenth of a second of device time
+        host[1:2].copy_(src, non_blocking=True)
+    assert writer.write(stream.cuda_stream, address, 42)
+    assert int(host[0]) == 0 and int(host[1]) == 0  # queued behind the kernel and the copy
+    stream.synchronize()
+    assert int(host[0]) == 42 and int(host[1]) == 7
+
+    rec = Recorder(RecorderConfig(out=tmp_path / "r"))
+    sent = []
+    for s in range(3):
+        x = torch.randn(4, 1000, device="cuda")
+        rec.begin_step()
+        rec.record_outputs(logits=x)
+        rec.end_step()
+        sent.append(x.cpu())
+    assert [c.writer is not None for c in rec._staging._commits.values()] == [True]
+    rec.close()
+    assert rec.error is None, rec.error
+    with open_recording(tmp_path / "r") as r:
+        rf = r["run-000"][0]
+        assert rf.n_steps == 3
+        assert [dict(rf.step(s).fields())["output.logits"] for s in range(3)] == [digest(x) for x in sent]
+
+
 @pytest.fixture(scope="module")
 def graphed_recording(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "rec"

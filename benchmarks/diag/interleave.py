@@ -61,6 +61,8 @@ def _variants(session: Any, recorded: Callable) -> dict[str, tuple[Callable, Cal
         out["recorded, record work on the program's stream"] = (recorded, on, off)
         on, off = attr(rec._staging, "area", False)
         out["recorded, small tensors packed a call (no area)"] = (recorded, on, off)
+        on, off = attr(rec._staging, "driver_commit", False)
+        out["recorded, commit by a device counter and a copy"] = (recorded, on, off)
     on, off = attr(session, "early_path", False)
     out["recorded, no early path"] = (recorded, on, off)
     proc = getattr(getattr(rec, "_writer", None), "_proc", None)

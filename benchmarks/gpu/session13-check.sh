@@ -15,12 +15,18 @@ t lane-foreign 280 "${PT[@]}" -m "gpu or multigpu" tests/test_foreign_record.py 
 t lane-digest 280 "${PT[@]}" tests/test_digest_gpu.py tests/test_drain_process.py tests/test_ring.py tests/test_crash.py tests/test_recorder.py tests/test_record_signals.py -m "gpu or multigpu or not slow" &
 t lane-hf-bisect 280 "${PT[@]}" -m "gpu or multigpu" tests/test_hf_gpu.py tests/test_bisect_gpu.py &
 wait
+if [ -n "${QUICK:-}" ]; then  # the last call of a session's budget: the A/B pairs before the benchmark
+  t interleave-eager 80 python3 benchmarks/diag/interleave.py --no-graphs --pairs 160
+  t interleave-graphs 60 python3 benchmarks/diag/interleave.py --pairs 160
+fi
 s=$(date +%s)
 timeout -k 5 150 python3 benchmarks/bench_record.py --ab --out "$L/bench_record.json" > "$L/bench_record.md" 2>> "$S"
 echo "rc=$? bench $(( $(date +%s) - s ))s" | tee -a "$S"
-t host-phases-eager-fine 60 python3 benchmarks/diag/host_phases.py --no-graphs --steps 200 --fine
-t interleave-eager 80 python3 benchmarks/diag/interleave.py --no-graphs --pairs 160
-t host-phases-eager-ops 60 python3 benchmarks/diag/host_phases.py --no-graphs --steps 200 --fine --torch-ops
+if [ -z "${QUICK:-}" ]; then
+  t host-phases-eager-fine 60 python3 benchmarks/diag/host_phases.py --no-graphs --steps 200 --fine
+  t interleave-eager 80 python3 benchmarks/diag/interleave.py --no-graphs --pairs 160
+  t host-phases-eager-ops 60 python3 benchmarks/diag/host_phases.py --no-graphs --steps 200 --fine --torch-ops
+fi
 date -u +%FT%TZ >> "$S"
 for f in "$L"/lane-*.log; do echo "== $f"; grep -E "^FAILED|^ERROR" "$f"; tail -2 "$f"; done
-cat "$S" "$L/bench_record.md" "$L/interleave-eager.log"
+cat "$S" "$L/bench_record.md" "$L"/interleave-*.log

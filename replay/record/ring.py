@@ -21,7 +21,7 @@ skipped, marked by a wrap word. Job header (int64 words)::
 
     0 magic | kind << 32     1 seq     2 meta position    3 meta length
     4 end position           5 crc32 of the meta | device-commit flag << 32
-    6 expected commit        7 commit (written last: by the host, or by the device's copy)
+    6 expected commit        7 commit (written last: by the host, or by the device: a stream write or a copy)
 
 A job is whole when its commit word equals its expected commit; the walk from the tail stops at
 the first job that is not.
@@ -54,7 +54,9 @@ from replay.format.ring_salvage import (  # noqa: F401 - re-exported
     ring_pointer,
 )
 
-__all__ = ["ShmRing", "RingFull", "ring_pointer", "JOB_HEADER_BYTES"]
+__all__ = ["ShmRing", "RingFull", "ring_pointer", "JOB_HEADER_BYTES", "COMMIT_OFFSET"]
+
+COMMIT_OFFSET = 7 * 8  # the commit word's byte offset in a job header (word 7, above)
 
 ALIGN = 64
 
@@ -227,7 +229,7 @@ class ShmRing:
     def commit_view(self, at: int):  # noqa: ANN201 - a torch int64 view of the job's commit word
         import torch
 
-        return self.torch_data()[at + 56 : at + 64].view(torch.int64)
+        return self.torch_data()[at + COMMIT_OFFSET : at + COMMIT_OFFSET + 8].view(torch.int64)
 
     # -- drain side ------------------------------------------------------------------------
 

@@ -30,8 +30,9 @@ import torch
 
 from replay.digest import local_tensor
 from replay.format.schema import TensorKind, dtype_to_str
-from replay.record.ring import JOB_HEADER_BYTES, RingFull, ShmRing
+from replay.record.ring import COMMIT_OFFSET, JOB_HEADER_BYTES, RingFull, ShmRing
 from replay.record.side_plan import SidePlans
+from replay.record.stream_write import StreamWriter, open_stream_writer
 from replay.record.writer import Entry, Job, PinnedPool
 
 __all__ = ["Staging", "RingJob", "SMALL_BYTES", "job_meta", "dtype_str"]
@@ -176,8 +177,13 @@ class _Side:
 
 @dataclass(slots=True)
 class _Commit:
+    """A device's commit words: the count of its jobs committed by the device, and how the
+    word is written (the driver's stream write at ``ring_base``, or ``counter`` and a copy)."""
+
     counter: torch.Tensor
     count: int = 0
+    writer: StreamWriter | None = None
+    ring_base: int = 0  # the device address of the ring's data area
 
 
 class Staging:
@@ -185,6 +191,7 @@ class Staging:
     DEFER = True  # a step's CUDA record work on the side stream
     STATIC_SNAPSHOTS = True  # snapshots in kept buffers, so the side work can be a graph
     AREA = True  # a step's small CUDA tensors packed into one kept buffer (else by ``cat``, a call)
+    DRIVER_COMMIT = True  # commit words written by the driver's stream write (else a counter and a copy)
 
     def __init__(self, ring: ShmRing | None = None, *, block: bool = True, timeout: float = 30.0) -> None:
         self.pool = PinnedPool()
@@ -217,6 +224,7 @@ class Staging:
         # The open step's small CUDA tensors, packed into one kept device buffer (its "area")
         # with one ``_foreach_copy_`` a call, and copied into the ring with one copy a step.
         self.area = self.AREA
+        self.driver_commit = self.DRIVER_COMMIT
         self._areas: dict[Any, torch.Tensor] = {}  # per device
         self._area_plans: dict[tuple, tuple[list[torch.Tensor], list[int], int] | None] = {}
         self._area_dev: Any = None  # the device of the open step's area (one a step)
@@ -776,14 +784,12 @@ class Staging:
         if dev_commit:
             c = self._commits.get(device)
             if c is None:
-                with _normal_tensors():
-                    c = self._commits[device] = _Commit(counter=torch.zeros(1, dtype=torch.int64, device=device))
+                c = self._commits[device] = self._new_commit(device)
             c.count += 1
             expected = c.count
         ring.write_job_header(rjob.header_at, kind, seq, meta_pos, len(raw), ring.head, zlib.crc32(raw), dev_commit, expected)
         if dev_commit:
-            c.counter.add_(1)
-            ring.commit_view(rjob.header_at).copy_(c.counter, non_blocking=self.cuda_async)
+            self._queue_commit(c, job, rjob.header_at, expected, device)
             job.event = torch.cuda.Event()
             if job.side is not None:
                 _record(job.event, job.side.stream)  # the side stream is the current one
@@ -793,6 +799,30 @@ class Staging:
         job.seq = seq
         self.leave_side(job)
         return True
+
+
+    def _new_commit(self, device: torch.device) -> _Commit:
+        with _normal_tensors():
+            c = _Commit(counter=torch.zeros(1, dtype=torch.int64, device=device))
+        # The driver's stream write needs the ring registered with CUDA (its device address).
+        if self.cuda_async and self.ring is not None and self.ring.registered:
+            writer = open_stream_writer(device)
+            base = writer.device_pointer(self.ring.torch_data().data_ptr()) if writer is not None else None
+            if writer is not None and base is not None:
+                c.writer, c.ring_base = writer, base
+        return c
+
+    def _queue_commit(self, c: _Commit, job: Job, header_at: int, expected: int, device: torch.device) -> None:
+        """The job's commit word, ``expected``, written after its copies on the stream they were
+        queued on (the side stream, or the current one)."""
+        assert self.ring is not None
+        if c.writer is not None and self.driver_commit:
+            stream = job.side.stream if job.side is not None else torch.cuda.current_stream(device)
+            if c.writer.write(stream.cuda_stream, c.ring_base + header_at + COMMIT_OFFSET, expected):
+                return
+            c.writer = None  # refused once: the counter and the copy from now on
+        c.counter.fill_(expected)
+        self.ring.commit_view(header_at).copy_(c.counter, non_blocking=self.cuda_async)
 
 
 # A job's meta, encoded once per job right after the step: one encoder for all (``json.dumps``
