@@ -800,7 +800,6 @@ class Staging:
         self.leave_side(job)
         return True
 
-
     def _new_commit(self, device: torch.device) -> _Commit:
         with _normal_tensors():
             c = _Commit(counter=torch.zeros(1, dtype=torch.int64, device=device))
