@@ -98,11 +98,11 @@ def _ab_variants(session: Any, recorded: Callable) -> dict[str, Callable]:
     """The default recorder with one of its parts switched off, for side-by-side comparison."""
     from replay.record.session import Session
 
-    def toggled(attr: str, owner: str) -> Callable:
+    def toggled(attr: str, owner: str, value: Any = False) -> Callable:
         def step(engine: Any, *inputs: Any) -> Any:
             target = Session if owner == "session" else session.recorder._staging
             old = getattr(target, attr)
-            setattr(target, attr, False)
+            setattr(target, attr, value)
             try:
                 return recorded(engine, *inputs)
             finally:
@@ -115,7 +115,7 @@ def _ab_variants(session: Any, recorded: Callable) -> dict[str, Callable]:
         "replay, side work without a graph": toggled("static_snapshots", "staging"),
         "replay, record work on the program's stream": toggled("defer", "staging"),
         "replay, small tensors packed a call (no step area)": toggled("area", "staging"),
-        "replay, commit by a device counter and a copy": toggled("driver_commit", "staging"),
+        "replay, commit by the driver's stream write": toggled("driver_commit", "staging", True),
     }
 
 

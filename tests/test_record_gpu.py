@@ -157,7 +157,8 @@ def test_each_step_keeps_its_own_small_tensors_as_the_step_area_grows(tmp_path):
 def test_a_commit_word_written_by_the_stream_lands_only_after_the_work_before_it(tmp_path):
     """The record ring's commit word, written by the driver's stream write: it lands once the
     work queued before it on the stream (a long kernel, then a copy to the host) has finished,
-    never before; and the recorder commits its CUDA jobs this way where the driver allows it."""
+    never before; and a recorder switched to it (not the default: a device counter and a copy)
+    commits its CUDA jobs this way and records each step's values."""
     from replay.record.stream_write import open_stream_writer
 
     writer = open_stream_writer(torch.device("cuda", 0))
@@ -177,6 +178,7 @@ def test_a_commit_word_written_by_the_stream_lands_only_after_the_work_before_it
     assert int(host[0]) == 42 and int(host[1]) == 7
 
     rec = Recorder(RecorderConfig(out=tmp_path / "r"))
+    rec._staging.driver_commit = True
     sent = []
     for s in range(3):
         x = torch.randn(4, 1000, device="cuda")

@@ -191,7 +191,10 @@ class Staging:
     DEFER = True  # a step's CUDA record work on the side stream
     STATIC_SNAPSHOTS = True  # snapshots in kept buffers, so the side work can be a graph
     AREA = True  # a step's small CUDA tensors packed into one kept buffer (else by ``cat``, a call)
-    DRIVER_COMMIT = True  # commit words written by the driver's stream write (else a counter and a copy)
+    # Commit words written by the driver's stream write (else a device counter and a copy). Off:
+    # side by side it measured no faster (bench_record.py --ab), and it is the one part the GPU
+    # lane that records two ranks on one device did not finish with (RESULTS.md, 2026-12-06).
+    DRIVER_COMMIT = False
 
     def __init__(self, ring: ShmRing | None = None, *, block: bool = True, timeout: float = 30.0) -> None:
         self.pool = PinnedPool()
