@@ -192,8 +192,8 @@ class Staging:
     STATIC_SNAPSHOTS = True  # snapshots in kept buffers, so the side work can be a graph
     AREA = True  # a step's small CUDA tensors packed into one kept buffer (else by ``cat``, a call)
     # Commit words written by the driver's stream write (else a device counter and a copy). Off:
-    # side by side it measured no faster (bench_record.py --ab), and it is the one part the GPU
-    # lane that records two ranks on one device did not finish with (RESULTS.md, 2026-12-06).
+    # side by side it measured no faster (bench_record.py --ab), and it has had less of the GPU
+    # suite behind it (benchmarks/RESULTS.md, 2026-12-06).
     DRIVER_COMMIT = False
 
     def __init__(self, ring: ShmRing | None = None, *, block: bool = True, timeout: float = 30.0) -> None:
