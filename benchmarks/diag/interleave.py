@@ -85,6 +85,12 @@ def _variants(session: Any, recorded: Callable) -> dict[str, tuple[Callable, Cal
     return out
 
 
+def _stopped(session: Any) -> str | None:
+    """Why the session records no more (None: it still records)."""
+    rec = session.recorder
+    return "no recorder" if rec is None else rec.error
+
+
 def _set_nice(pid: int, value: int) -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, pid, value)
@@ -163,11 +169,10 @@ def interleaved(args: argparse.Namespace) -> None:
         print(f"  {'variant':42s} {'plain':>9s} {'recorded':>9s} {'diff':>8s} {'pct':>7s}  "
               f"{'body p':>8s} {'body r':>8s} {'bodyΔ':>7s}  {'host p':>8s} {'host r':>8s}")
         for name, (fn, on, off) in _variants(session, recorded).items():
-            if session.recorder is None or session.recorder.error is not None:
+            if _stopped(session):
                 # Recording stopped (a full ring held the program up past its limit): the
                 # steps left would be timed unrecorded, so no further row compares anything.
-                print(f"  {name:42s} not measured: recording stopped "
-                      f"({session.recorder.error if session.recorder is not None else 'no recorder'})")
+                print(f"  {name:42s} not measured: recording stopped ({_stopped(session)})")
                 continue
             on()
             try:
@@ -188,8 +193,8 @@ def interleaved(args: argparse.Namespace) -> None:
             bp, br = med(lambda p, r: p[2]), med(lambda p, r: r[2])
             db = med(lambda p, r: r[2] - p[2])
             hp, hr = med(lambda p, r: p[1]), med(lambda p, r: r[1])
-            if session.recorder is None or session.recorder.error is not None:
-                print(f"  {name:42s} not measured: recording stopped during these steps")
+            if _stopped(session):
+                print(f"  {name:42s} not measured: recording stopped during these steps ({_stopped(session)})")
                 continue
             print(f"  {name:42s} {wp:8.0f}µ {wr:8.0f}µ {d:+7.0f}µ {100 * d / wp:+6.1f}%  {bp:7.0f}µ {br:7.0f}µ {db:+6.0f}µ  {hp:7.0f}µ {hr:7.0f}µ",
                   flush=True)
