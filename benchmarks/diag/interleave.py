@@ -169,6 +169,8 @@ def interleaved(args: argparse.Namespace) -> None:
         print(f"  {'variant':42s} {'plain':>9s} {'recorded':>9s} {'diff':>8s} {'pct':>7s}  "
               f"{'body p':>8s} {'body r':>8s} {'bodyΔ':>7s}  {'host p':>8s} {'host r':>8s}")
         for name, (fn, on, off) in _variants(session, recorded).items():
+            if args.only and name not in args.only:
+                continue
             if _stopped(session):
                 # Recording stopped (a full ring held the program up past its limit): the
                 # steps left would be timed unrecorded, so no further row compares anything.
@@ -292,6 +294,8 @@ def main() -> int:
     ap.add_argument("--writer", action="store_true")
     ap.add_argument("--mb", type=int, default=16)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--only", action="append", default=[], metavar="VARIANT",
+                    help="time only this variant (repeatable; e.g. --only recorded)")
     args = ap.parse_args()
     if args.writer:
         writer(args)

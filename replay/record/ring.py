@@ -32,6 +32,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import struct
 import threading
 import weakref
 from pathlib import Path
@@ -57,6 +58,8 @@ from replay.format.ring_salvage import (  # noqa: F401 - re-exported
 __all__ = ["ShmRing", "RingFull", "ring_pointer", "JOB_HEADER_BYTES", "COMMIT_OFFSET"]
 
 COMMIT_OFFSET = 7 * 8  # the commit word's byte offset in a job header (word 7, above)
+_WORD = struct.Struct("=q")  # native order, as the readers' numpy views
+_FIELDS = struct.Struct("=6q")  # words 1..6 of a job header
 
 ALIGN = 64
 
@@ -219,12 +222,15 @@ class ShmRing:
 
     def write_job_header(self, at: int, kind: int, seq: int, meta_at_pos: int, meta_len: int, end_pos: int,
                          crc: int, device_commit: bool, expected: int) -> None:
-        w = self.data[at : at + JOB_HEADER_BYTES].view(np.int64)
-        w[7] = 0
-        w[1:7] = (seq, meta_at_pos, meta_len, end_pos, crc | (int(device_commit) << 32), expected)
-        w[0] = JOB_MAGIC | (kind << 32)
+        # struct into the mapping: numpy views of it cost several µs a step on the program's
+        # thread. The words in this order: the commit word cleared, the fields, the magic, and
+        # (a host commit) the commit word last, so that a reader never takes a half-written job.
+        mm, pos = self._mm, HEADER_BYTES + at
+        _WORD.pack_into(mm, pos + COMMIT_OFFSET, 0)
+        _FIELDS.pack_into(mm, pos + 8, seq, meta_at_pos, meta_len, end_pos, crc | (int(device_commit) << 32), expected)
+        _WORD.pack_into(mm, pos, JOB_MAGIC | (kind << 32))
         if not device_commit:
-            w[7] = expected  # last: the job is whole from here on
+            _WORD.pack_into(mm, pos + COMMIT_OFFSET, expected)  # last: the job is whole from here on
 
     def commit_view(self, at: int):  # noqa: ANN201 - a torch int64 view of the job's commit word
         import torch

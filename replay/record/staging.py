@@ -19,6 +19,7 @@ the side work after the step's kernels, while the device runs them.
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import json
 import zlib
@@ -118,6 +119,24 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
         return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
+# Dtypes whose tensors hold their values as plain bytes (not complex: a lazy conjugate; not
+# quantized: scales beside the bytes).
+_PLAIN_DTYPES = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, *(getattr(torch, n) for n in (
+        "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, n)),
+})
+_memmove = ctypes.memmove
+
+
+def _plain_bytes(t: torch.Tensor) -> bool:
+    """Whether a tensor's bytes, from ``data_ptr`` on, are its values in row-major order: a plain
+    dense CPU tensor (not a subclass, a lazy negation, a meta or a strided view)."""
+    return (type(t) is torch.Tensor and t.is_cpu and t.dtype in _PLAIN_DTYPES and t.layout is torch.strided
+            and t.is_contiguous() and not t.is_neg())
+
+
 def _np_bytes(t: torch.Tensor):  # noqa: ANN202 - a flat uint8 numpy array, or None
     """The tensor's bytes in row-major order as numpy sees them (None: a dtype numpy lacks)."""
     try:
@@ -198,7 +217,13 @@ class Staging:
 
     def __init__(self, ring: ShmRing | None = None, *, block: bool = True, timeout: float = 30.0) -> None:
         self.pool = PinnedPool()
+        self.meta_text = MetaText()
         self.ring = ring
+        # The ring's data area, held so that its mapping outlives a close of the ring while a
+        # copy into it is under way (``ShmRing.close`` leaves a mapping with views to the
+        # process): CPU tensors are copied to this address.
+        self._ring_keep = ring.data if ring is not None else None
+        self._ring_address = self._ring_keep.ctypes.data if self._ring_keep is not None else 0
         self.block = block
         self.timeout = timeout
         self.cuda_async = True  # False: the ring could not be registered; copies into it block
@@ -298,13 +323,14 @@ class Staging:
         cpu: list[tuple[Entry, torch.Tensor, int, int]] = []  # entry, tensor, bytes, offset in the call's room
         cpu_bytes = 0
         for name, kind, t, store in items:
-            t = local_tensor(t)  # a DTensor: this rank's shard
+            if type(t) is not torch.Tensor:
+                t = local_tensor(t)  # a DTensor: this rank's shard
             if t.requires_grad:  # no autograd history for the recorder's copies (detach is a torch call a tensor)
                 t = t.detach()
-            nbytes = t.numel() * t.element_size()
+            nbytes = t.nbytes
             e = Entry(name=name, kind=kind, dtype=dtype_str(t.dtype), shape=tuple(t.shape), store=store)
             out.append(e)
-            if t.device.type != "cuda":
+            if not t.is_cuda:
                 cpu.append((e, t, nbytes, cpu_bytes))
                 cpu_bytes += (nbytes + _CPU_ALIGN - 1) & ~(_CPU_ALIGN - 1)
                 continue
@@ -595,6 +621,13 @@ class Staging:
                 e.host = t.clone()
                 continue
             at = base + off
+            if nbytes and _plain_bytes(t):
+                # One C call: numpy or torch views of the ring cost a few µs a tensor, and a
+                # step's Python runs with the caches cold (the model's forward just ran).
+                _memmove(self._ring_address + at, t.data_ptr(), nbytes)
+                e.npv = data[at : at + nbytes]
+                e.ring_at = at
+                continue
             src = _np_bytes(t)
             if src is not None:
                 # numpy's copy costs far less per call than torch views of the ring.
@@ -768,7 +801,7 @@ class Staging:
         False: no room for the meta (policy "drop"): the caller records the job as dropped."""
         ring = self.ring
         assert ring is not None
-        raw = _META_JSON.encode(meta).encode()
+        raw = self.meta_text.encode(meta)
         if len(raw) <= META_ROOM:
             at, meta_pos = rjob.header_at + JOB_HEADER_BYTES, rjob.start + JOB_HEADER_BYTES
         else:
@@ -830,6 +863,68 @@ class Staging:
 # A job's meta, encoded once per job right after the step: one encoder for all (``json.dumps``
 # with options builds one a call), and no check for cycles (a meta is a tree of built-ins).
 _META_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=True, check_circular=False)
+# The key of ``job_meta``'s ring offsets (never written: ``encode_meta`` puts them in the rows).
+RING_ATS = "_ring_ats"
+_ROW_AT = 5  # the ring offset's place in a row of ``g``
+_MAX_TEMPLATES = 16
+
+
+class MetaText:
+    """Jobs' metas as JSON text. Encoding a step's meta cost ~30 µs on the program's thread (its
+    caches cold from the model's forward), most of it the tensor rows, which from step to step
+    differ only in where their bytes lie in the ring: their text is made once per set of rows
+    (a template with the offsets left out) and filled in with ``%``."""
+
+    def __init__(self) -> None:
+        self._templates: list[tuple[dict[str, Any], str | None]] = []  # rows (offsets 0), template (or _PENDING)
+
+    def encode(self, meta: dict[str, Any]) -> bytes:
+        ats = meta.pop(RING_ATS, None)
+        groups = meta.get("g")
+        if not groups or ats is None:
+            return _META_JSON.encode(meta).encode()
+        template = self._template(groups, ats)
+        if template is None:
+            return _META_JSON.encode({**meta, "g": _with_ats(groups, ats)}).encode()
+        rest = _META_JSON.encode({k: v for k, v in meta.items() if k != "g"})
+        return ('{"g":' + template % tuple(ats) + ("," + rest[1:] if len(rest) > 2 else "}")).encode()
+
+    def _template(self, groups: dict[str, Any], ats: list[int]) -> str | None:
+        """The rows' template; made the second time they are seen (rows seen once, a job outside
+        the steps, are encoded as they are: no template is made for them)."""
+        for i, (rows, template) in enumerate(self._templates):
+            if rows == groups:
+                if template is _PENDING:
+                    template = _make_template(groups, ats)
+                    self._templates[i] = (rows, template)
+                return template
+        if len(self._templates) >= _MAX_TEMPLATES:
+            self._templates.pop(0)
+        self._templates.append((groups, _PENDING))
+        return None
+
+
+_PENDING = "rows seen once"
+# A stand-in offset, replaced by ``%d`` in a template's text.
+_AT_MARK = 7213901478231045311
+
+
+def _with_ats(groups: dict[str, Any], ats: list[int]) -> dict[str, Any]:
+    it = iter(ats)
+    return {name: [[*r[:_ROW_AT], next(it), *r[_ROW_AT + 1:]] for r in rows] for name, rows in groups.items()}
+
+
+def _make_template(groups: dict[str, Any], ats: list[int]) -> str | None:
+    """The rows' text with each offset as ``%d`` (and any ``%`` of a name doubled); None when the
+    filled template would not be the rows' own text (a name holding the stand-in's digits)."""
+    marked = _META_JSON.encode(_with_ats(groups, [_AT_MARK] * len(ats)))
+    template = marked.replace("%", "%%").replace(str(_AT_MARK), "%d")
+    try:
+        if template % tuple(ats) == _META_JSON.encode(_with_ats(groups, ats)):
+            return template
+    except (TypeError, ValueError):
+        pass
+    return None
 
 
 def _normal_tensors() -> Any:
@@ -848,8 +943,13 @@ def _cuda_device(later: list[Any], device: list[torch.Tensor] | None, margin: to
 
 
 def job_meta(job: Job, rjob: RingJob) -> dict[str, Any]:
-    """What salvage needs to turn a job's ring record into its frame, as the drain would."""
+    """What salvage needs to turn a job's ring record into its frame, as the drain would.
+
+    Each row of ``g`` holds 0 where its bytes lie in the ring: those offsets, in row order, are
+    under ``RING_ATS``, and ``encode_meta`` puts them back (a step's rows are otherwise the same
+    from step to step: their text is made once)."""
     groups = {}
+    ats: list[int] = []
     external = rjob.external
     for name, entries in job.groups.items():
         rows = []
@@ -865,9 +965,10 @@ def job_meta(job: Job, rjob: RingJob) -> dict[str, Any]:
             if e.ring_at < 0 and e.digest is None and (e.digest_slot < 0 or e.store):
                 external = True
             dig = f"{e.digest:016x}" if e.digest is not None else None
-            rows.append([e.name, int(e.kind), e.dtype, list(e.shape), bool(e.store), e.ring_at, n, dig, e.digest_slot])
+            rows.append([e.name, int(e.kind), e.dtype, list(e.shape), bool(e.store), 0, n, dig, e.digest_slot])
+            ats.append(e.ring_at)
         groups[name] = rows
-    meta: dict[str, Any] = {"b": job.body, "g": groups, "f": job.fin}
+    meta: dict[str, Any] = {"b": job.body, "g": groups, "f": job.fin, RING_ATS: ats}
     if job.digests_at >= 0 and job.digests_host is not None:
         meta["d"] = [job.digests_at, int(job.digests_host.numel())]
     if job.margin_at >= 0:
