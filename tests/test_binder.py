@@ -60,3 +60,20 @@ def test_a_planned_shape_binds_new_values_not_the_first_ones() -> None:
     again = binder.bind("self", "x", pos="y").arguments
     assert first == {"self": "self", "ids": "a", "pos": "b"}
     assert again == {"self": "self", "ids": "x", "pos": "y"} and list(again) == ["self", "ids", "pos"]
+
+
+def _replay(self, bucket, flag=True, name="x", *rest):  # noqa: ANN001, ANN202 - a runner's replay
+    return bucket
+
+
+@pytest.mark.parametrize("fn", [_plain, _replay, _step])
+def test_graph_keys_through_a_binder_are_the_signatures(fn) -> None:  # noqa: ANN001
+    """A replay's graph key (looked up every step) is the one its capture was recorded under."""
+    from replay.record.calls import call_key
+
+    sig = inspect.signature(fn)
+    binder = Binder(sig)
+    calls = CALLS + [((0, 8), {}), ((0, 8, False, "y"), {}), ((0,), {"bucket": 16}), ((0, 4, True, "z", 1, 2), {})]
+    for _ in range(2):  # the second time, calls of a known shape take the binder's plan
+        for args, kwargs in calls:
+            assert call_key(binder, args, kwargs) == call_key(sig, args, kwargs), (args, kwargs)

@@ -324,10 +324,19 @@ def capturing() -> bool:
     return tracing() or cuda_capturing()
 
 
-def call_key(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[str, tuple]:
-    """A graph key from a capture/replay call's scalar arguments: ("bucket=4", (4,))."""
+def call_key(sig: inspect.Signature | Binder, args: tuple, kwargs: dict) -> tuple[str, tuple]:
+    """A graph key from a capture/replay call's scalar arguments: ("bucket=4", (4,)).
+
+    With a ``Binder`` (a replay, called every step), a call of a known shape is bound without
+    ``inspect``; a call ``bind`` refuses is bound partially, as with a signature."""
     try:
-        bound = sig.bind_partial(*args, **kwargs)
+        if isinstance(sig, Binder):
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:
+                bound = sig.signature.bind_partial(*args, **kwargs)
+        else:
+            bound = sig.bind_partial(*args, **kwargs)
     except TypeError:
         return "graph", ()
     items = list(bound.arguments.items())

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from replay.record.calls import call_key
+from replay.record.calls import Binder, call_key
 
 __all__ = ["GraphEvents"]
 
@@ -92,7 +92,7 @@ class GraphEvents:
         return capture_wrapper
 
     def _wrap_replay(self, fn: Callable[..., Any], target: str) -> Callable[..., Any]:
-        sig = inspect.signature(fn)
+        sig = Binder(inspect.signature(fn))  # bound every step: planned once per call shape
 
         def replay_wrapper(*args: Any, **kwargs: Any) -> Any:
             before = self._cuda_replays
