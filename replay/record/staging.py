@@ -203,6 +203,7 @@ class _Commit:
     count: int = 0
     writer: StreamWriter | None = None
     ring_base: int = 0  # the device address of the ring's data area
+    writer_tried: bool = False  # the stream writer was asked for (``Staging.driver_commit``)
 
 
 class Staging:
@@ -838,19 +839,25 @@ class Staging:
 
     def _new_commit(self, device: torch.device) -> _Commit:
         with _normal_tensors():
-            c = _Commit(counter=torch.zeros(1, dtype=torch.int64, device=device))
-        # The driver's stream write needs the ring registered with CUDA (its device address).
+            return _Commit(counter=torch.zeros(1, dtype=torch.int64, device=device))
+
+    def _open_writer(self, c: _Commit, device: torch.device) -> None:
+        """The driver's stream write for ``c``'s device, the first time a commit asks for it (its
+        opening tests it on the device, with a sync: never when the setting is off)."""
+        c.writer_tried = True
+        # It needs the ring registered with CUDA (the ring's device address).
         if self.cuda_async and self.ring is not None and self.ring.registered:
             writer = open_stream_writer(device)
             base = writer.device_pointer(self.ring.torch_data().data_ptr()) if writer is not None else None
             if writer is not None and base is not None:
                 c.writer, c.ring_base = writer, base
-        return c
 
     def _queue_commit(self, c: _Commit, job: Job, header_at: int, expected: int, device: torch.device) -> None:
         """The job's commit word, ``expected``, written after its copies on the stream they were
         queued on (the side stream, or the current one)."""
         assert self.ring is not None
+        if self.driver_commit and not c.writer_tried:
+            self._open_writer(c, device)
         if c.writer is not None and self.driver_commit:
             stream = job.side.stream if job.side is not None else torch.cuda.current_stream(device)
             if c.writer.write(stream.cuda_stream, c.ring_base + header_at + COMMIT_OFFSET, expected):
