@@ -855,17 +855,25 @@ class Session(GraphEvents):
     def _wrap_probe(self, fn: Callable[..., Any], target: str, names: tuple[str, ...]) -> Callable[..., Any]:
         label = target.partition(":")[2].split(".")[-1]
         logits_name = "logits"
-        binder = Binder(inspect.signature(fn))
+        sig = inspect.signature(fn)
+        binder = Binder(sig)
+        # Where a plain ``logits`` parameter comes positionally (found without binding each call).
+        params = list(sig.parameters.values())
+        at = next((i for i, p in enumerate(params) if p.name == logits_name), -1)
+        logits_at = at if at >= 0 and all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[: at + 1]) else -1
 
         def probe_wrapper(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
             rec = self.recorder
             if rec is not None and getattr(self._local, "depth", 0) and not capturing():
                 rec.record_probe(label, **name_outputs(out, names))
-                try:
-                    lg = binder.bind(*args, **kwargs).arguments.get(logits_name)
-                except TypeError:
-                    lg = None
+                if logits_at >= 0:
+                    lg = args[logits_at] if logits_at < len(args) else kwargs.get(logits_name)
+                else:
+                    try:
+                        lg = binder.bind(*args, **kwargs).arguments.get(logits_name)
+                    except TypeError:
+                        lg = None
                 if isinstance(lg, torch.Tensor):
                     rec.record_logits(lg)
             return out
