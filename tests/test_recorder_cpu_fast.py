@@ -37,7 +37,8 @@ import torch  # noqa: E402
 
 from replay.format.schema import TensorKind  # noqa: E402
 from replay.record.ring import ShmRing  # noqa: E402
-from replay.record.staging import RING_ATS, MetaText, Staging, _META_JSON, job_meta  # noqa: E402
+from replay.record.job_meta import _META_JSON, RING_ATS, MetaText, job_meta  # noqa: E402
+from replay.record.staging import Staging  # noqa: E402
 from replay.record.writer import Job  # noqa: E402
 
 

@@ -26,7 +26,7 @@ def _calls() -> dict[str, Callable[[], Any]]:
     from replay import numerics
     from replay.format.ring_salvage import margin_of
     from replay.record.calls import Binder
-    from replay.record.staging import _META_JSON
+    from replay.record.job_meta import _META_JSON
 
     def step(self, input_ids, input_pos, seq_lens, page_table, slot_ids):  # noqa: ANN001, ANN202 - a step's signature
         return None
@@ -54,7 +54,7 @@ def _calls() -> dict[str, Callable[[], Any]]:
         "inspect.Signature.bind": lambda: sig.bind(*args),
         "calls.Binder.bind": lambda: binder.bind(*args),
         "json.dumps(meta, separators=..., allow_nan=True)": lambda: json.dumps(meta, separators=(",", ":"), allow_nan=True),
-        "staging._META_JSON.encode(meta)": lambda: _META_JSON.encode(meta),
+        "job_meta._META_JSON.encode(meta)": lambda: _META_JSON.encode(meta),
         "np.partition margin, 4 MiB": partition_margin,
         "ring_salvage.margin_of, 4 MiB": lambda: margin_of(logits),
         "torch.Tensor.numpy() of 4 int64": small.numpy,

@@ -48,7 +48,8 @@ from replay.record.config import RecorderConfig
 from replay.record.margin import device_margin, host_margin
 from replay.record.ring import ShmRing, ring_pointer
 from replay.record.ring_setup import drop_drained_ring, open_rank_ring
-from replay.record.staging import RingJob, Staging, dtype_str, job_meta
+from replay.record.job_meta import job_meta
+from replay.record.staging import RingJob, Staging, dtype_str
 from replay.record.drain import DrainFailed, DrainProcess
 from replay.record.writer import Entry, Job, Writer, entry_tensor
 
