@@ -220,11 +220,10 @@ class Staging:
         self.pool = PinnedPool()
         self.meta_text = MetaText()
         self.ring = ring
-        # The ring's data area, held so that its mapping outlives a close of the ring while a
-        # copy into it is under way (``ShmRing.close`` leaves a mapping with views to the
-        # process): CPU tensors are copied to this address.
-        self._ring_keep = ring.data if ring is not None else None
-        self._ring_address = self._ring_keep.ctypes.data if self._ring_keep is not None else 0
+        # Where the ring's data area lies: CPU tensors are copied there. A copy holds a view of
+        # the area meanwhile (``_copy_cpu``'s ``data``), so a close of the ring in between
+        # cannot unmap it (``ShmRing.close`` leaves a mapping with views to the process).
+        self._ring_address = ring.data.ctypes.data if ring is not None else 0
         self.block = block
         self.timeout = timeout
         self.cuda_async = True  # False: the ring could not be registered; copies into it block
