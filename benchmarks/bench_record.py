@@ -15,9 +15,14 @@ shuffled every round, so all see the same machine state:
 * ``metadata only`` — a recorder that writes each step's id and its tensors' names, dtypes and
   shapes (one JSON line a step, flushed), no digests and no bytes.
 
-Blocks are short (``--block-steps``, 4 counted steps and one before them that is not counted, as
-it may still pay for the block before it): a host-bound step (eager, CPU) on a shared host drifts
-over a block of 25 steps by more than the recorder costs (``benchmarks/diag/interleave.py``).
+Blocks are short (``--block-steps``, 4 counted steps): a host-bound step (eager, CPU) on a shared
+host drifts over a block of 25 steps by more than the recorder costs
+(``benchmarks/diag/interleave.py``). Before them, the steps of the block's first ``SETTLE_S``
+(37.5 ms: one and a half of the drain process's longest sleep, and at least one step) are run and
+not counted: the drain may still be writing the block before (its work would be charged to this
+one), and by then a recorded block's drain runs at its own pace. The drain process's own CPU time
+a recorded step is reported beside (``ring.drain_cpu_us_per_step``; on a host whose cores the
+program fills, it is taken from the program).
 
 Reported per configuration: the plain step (the median of its blocks' medians), the overhead
 in percent and in microseconds a step (the median over rounds of each round's recorded block
@@ -51,6 +56,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from replay.format.ring_drain import POLL_MAX_S
+
+# The start of each block that is not counted (see ``overhead``).
+SETTLE_S = 1.5 * POLL_MAX_S
 
 
 def _sync(device: str) -> None:
@@ -155,16 +165,27 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
                 variants["torch.save"] = _dumper(plain, Path(tmp) / "save")
                 variants["metadata only"] = _metadata(plain, Path(tmp) / "meta.jsonl")
 
-            def run(step_fn: Callable, n: int) -> list[float]:
+            steps_run: dict[str, int] = {}
+
+            def run(step_fn: Callable, n: int, settle_s: float = 0.0, key: str = "") -> list[float]:
+                """``n`` steps timed, after the steps of the block's first ``settle_s`` (and its
+                first step), which are run and not counted."""
                 times = []
-                for _ in range(n):
+                start = time.perf_counter()
+                skipped = 0
+                while len(times) < n:
                     inputs = engine.step_inputs()
                     _sync(device)
                     t0 = time.perf_counter()
                     out = step_fn(engine, *inputs)
                     out.accepted.tolist()  # the host needs the accepted counts: the step's natural sync
-                    times.append(time.perf_counter() - t0)
+                    t1 = time.perf_counter()
                     engine.advance(out)
+                    steps_run[key] = steps_run.get(key, 0) + 1
+                    if skipped < 1 or t0 - start < settle_s:
+                        skipped += 1
+                        continue
+                    times.append(t1 - t0)
                 return times
 
             run(plain, 5)
@@ -172,19 +193,28 @@ def overhead(device: str, preset: str, cudagraph: bool, blocks: int, block_steps
                 run(fn, 5)
             t_plain: list[list[float]] = []
             t_var: dict[str, list[list[float]]] = {k: [] for k in variants}
-            # Each block's first step is not counted: it may still pay for the block before it
-            # (a drain finishing that block's last record). The order of the blocks changes from
-            # round to round, so that no variant always follows the same one (torch.save's
+            drain_proc = getattr(getattr(session.recorder, "_writer", None), "_proc", None)
+            drain_cpu0 = _cpu_s(drain_proc.pid) if drain_proc is not None else None
+            steps_run.clear()
+            # A block's first steps are not counted: its first, and those of its first SETTLE_S,
+            # the drain process's longest sleep and then some. They may still pay for the block
+            # before it (a drain writing that block's records lands in them), and by the end of
+            # them a recorded block's drain runs at its own pace. The order of the blocks changes
+            # from round to round, so that no variant always follows the same one (torch.save's
             # writeback slowed whatever ran after it).
             order = [("plain", plain), *variants.items()]
             shuffle = random.Random(0).shuffle
             for _ in range(blocks):
                 shuffle(order)
                 for k, fn in order:
-                    (t_plain if k == "plain" else t_var[k]).append(run(fn, block_steps + 1)[1:])
+                    (t_plain if k == "plain" else t_var[k]).append(run(fn, block_steps, SETTLE_S, k))
             rec = session.recorder
             rec_error = rec.error if rec is not None else None
             ring_stats = rec.ring_stats() if rec is not None else None
+            if drain_cpu0 is not None and ring_stats is not None:
+                # The drain's CPU time over the timed rounds, per step that a replay variant ran.
+                recorded_steps = sum(n for k, n in steps_run.items() if k.startswith("replay"))
+                ring_stats["drain_cpu_us_per_step"] = round(1e6 * (_cpu_s(drain_proc.pid) - drain_cpu0) / max(recorded_steps, 1), 1)
             session.shutdown()
             session.disabled = True
     finally:
@@ -337,6 +367,15 @@ def writer_throughput(device: str, mb_per_step: int, steps: int, rounds: int) ->
     }
 
 
+def _cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user + system), from /proc; 0 where there is none."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -399,15 +438,20 @@ def main() -> int:
     return 0
 
 
+def _drain_cpu(row: dict) -> str:
+    us = (row.get("ring") or {}).get("drain_cpu_us_per_step")
+    return "-" if us is None or not row["default"] else f"{us:.0f} µs"
+
+
 def render(out: dict) -> str:
     lines = [f"{out['date']} · {out['machine']} · torch {out['torch']} · `{out['command']}`", ""]
-    lines.append("| device | preset | graphs | recorder | plain step | recorded step | overhead | per step | spread (block pairs) | all steps pooled |")
-    lines.append("|---|---|---|---|---:|---:|---:|---:|---|---:|")
+    lines.append("| device | preset | graphs | recorder | plain step | recorded step | overhead | per step | spread (block pairs) | all steps pooled | drain CPU a step |")
+    lines.append("|---|---|---|---|---:|---:|---:|---:|---|---:|---:|")
     for r in out["overhead"]:
         name = r["variant"] + (" (default settings)" if r["default"] else "")
         lines.append(f"| {r['device']} | {r['preset']} | {'on' if r['cudagraph'] else 'off'} | {name} | {r['plain_ms']:.3f} ms | "
                      f"{r['recorded_ms']:.3f} ms | {r['overhead_pct']:+.1f}% | {r['overhead_us']:+.0f} µs | "
-                     f"{r['spread_pct'][0]:+.1f}% .. {r['spread_pct'][1]:+.1f}% | {r['pooled_overhead_pct']:+.1f}% |")
+                     f"{r['spread_pct'][0]:+.1f}% .. {r['spread_pct'][1]:+.1f}% | {r['pooled_overhead_pct']:+.1f}% | {_drain_cpu(r)} |")
     w = out["writer"]
     if w is None:
         return "\n".join(lines)

@@ -213,3 +213,60 @@ def test_a_drain_that_ends_right_after_doing_what_was_waited_for_is_not_a_failur
     drain.ring, drain._proc = _Ring(), _Ended()
     looks = iter([False, True])  # not yet when first looked at; done by the second look
     drain._wait(lambda: next(looks), timeout=5.0)  # must not raise
+
+
+def test_the_drain_takes_the_wake_signal_and_is_not_ended_by_it(tmp_path):
+    """The recording process cuts the drain's sleep short with a signal whose default action
+    would end it: the drain blocks it in every thread (numpy's among them) before anything else
+    runs, and says so in the ring's header only then."""
+    from replay.format.ring_drain import WAKE_SIGNAL
+    from replay.format.ring_salvage import H_WAKEABLE
+
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_mib=RING_MIB))
+    drain = rec._writer
+    assert isinstance(drain, DrainProcess)
+    _step(rec, 0)
+    assert rec.drain()
+    assert int(rec._rr.head_words[H_WAKEABLE]) == 1
+    for s in range(1, 30):
+        os.kill(drain._proc.pid, WAKE_SIGNAL)  # many, sent straight to the process (any thread takes it)
+        drain.wake()
+        _step(rec, s)
+    assert drain.alive() and rec.drain()
+    rec.close()
+    assert rec.error is None
+    _assert_steps(tmp_path / "r", 30)
+
+
+def test_a_wait_for_the_drain_wakes_it_instead_of_waiting_out_its_sleep(tmp_path):
+    """A drain that found the ring empty for a while sleeps up to POLL_MAX_S; whoever waits for it
+    (a flush, the recorder's close, a full ring) wakes it, and does not wait out that sleep."""
+    import statistics
+
+    from replay.format.ring_drain import POLL_MAX_S
+
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", record_ring_mib=RING_MIB))
+    waits = []
+    for s in range(12):
+        time.sleep(4 * POLL_MAX_S)  # the drain backs off to its longest sleep
+        _step(rec, s)
+        t0 = time.perf_counter()
+        assert rec.drain()
+        waits.append(time.perf_counter() - t0)
+    rec.close()
+    assert rec.error is None
+    _assert_steps(tmp_path / "r", 12)
+    assert statistics.median(waits) < 0.2 * POLL_MAX_S, waits
+
+
+def test_the_drain_sleeps_longer_while_it_finds_little_and_shorter_when_the_ring_fills() -> None:
+    from replay.format.ring_drain import POLL_MAX_S, POLL_MIN_S, next_poll
+
+    cap = 64 << 20
+    poll = POLL_MIN_S
+    for _ in range(20):
+        poll = next_poll(poll, 100_000, cap)  # a few small records a wake-up
+    assert poll == POLL_MAX_S
+    for _ in range(20):
+        poll = next_poll(poll, cap // 4, cap)  # a quarter of the ring a wake-up
+    assert poll == POLL_MIN_S

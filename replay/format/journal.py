@@ -181,21 +181,29 @@ class JournalWriter:
     def write_frame(self, kind: FrameKind, body: dict[str, Any], *, over_budget: bool = False) -> None:
         """Append one frame. ``over_budget``: the small end marker that says why recording
         stopped is written even past ``max_bytes``, or readers would take the stop for a crash."""
-        raw = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
-        if len(raw) > MAX_FRAME_BYTES:
-            raise ValueError(f"journal frame of {len(raw)} bytes exceeds {MAX_FRAME_BYTES}")
-        frame = _HEADER.pack(MAGIC, int(kind), 0, len(raw), zlib.crc32(raw)) + raw
+        self.write_frames([(kind, body)], over_budget=over_budget)
+
+    def write_frames(self, frames: list[tuple[FrameKind, dict[str, Any]]], *, over_budget: bool = False) -> None:
+        """Append several frames in one write call (a drain that took several jobs at once)."""
+        self.write_encoded(encode_frames(frames), over_budget=over_budget)
+
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` more bytes stay within ``max_bytes``."""
+        return self.max_bytes is None or self.total_bytes + n <= self.max_bytes
+
+    def write_encoded(self, data: bytes, *, over_budget: bool = False) -> None:
+        """Append frames made by ``encode_frames``, in one write call."""
         if not over_budget:
-            self._check_budget(len(frame))
-        # One write call per frame: a kill leaves a frame either whole or cut short, never
-        # interleaved with another.
+            self._check_budget(len(data))
+        # One write call: a kill leaves the frames whole, the last perhaps cut short, never
+        # interleaved with another writer's.
         try:
-            _write_all(self._jfd, memoryview(frame))
+            _write_all(self._jfd, memoryview(data))
         except OSError:
             # Part of a frame on disk would hide every later frame (the end marker) from readers.
             _truncate(self._jfd, self.journal_size)
             raise
-        self.journal_size += len(frame)
+        self.journal_size += len(data)
 
     def sync(self) -> None:
         os.fsync(self._pfd)
@@ -241,6 +249,18 @@ def _truncate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
     except OSError:
         pass  # the reader drops a cut-short tail anyway
+
+
+def encode_frames(frames: list[tuple[FrameKind, dict[str, Any]]]) -> bytes:
+    """Frames as the journal holds them: for each, its header (magic, kind, length, CRC-32) and
+    its JSON body."""
+    parts = []
+    for kind, body in frames:
+        raw = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+        if len(raw) > MAX_FRAME_BYTES:
+            raise ValueError(f"journal frame of {len(raw)} bytes exceeds {MAX_FRAME_BYTES}")
+        parts += (_HEADER.pack(MAGIC, int(kind), 0, len(raw), zlib.crc32(raw)), raw)
+    return b"".join(parts)
 
 
 def _write_all(fd: int, view: memoryview) -> None:

@@ -31,33 +31,53 @@ from typing import Any
 
 import numpy as np
 
-from replay.format.journal import FrameKind, JournalWriter
+from replay.format.journal import FrameKind, JournalWriter, encode_frames
 from replay.format.ring_salvage import (
     H_CAPACITY,
     H_STOP,
     H_TAIL_POS,
     H_TAIL_SEQ,
     H_WAITING,
+    H_WAKEABLE,
     HEADER_BYTES,
-    JOB_HEADER_BYTES,
-    JOB_MAGIC,
     build_frame,
     read_job,
 )
 
 __all__ = ["run_drain", "child_main"]
 
-# Idle polling: quick while a job is sealed and only its device copies are awaited, or while the
-# recording process waits for room; otherwise slower the longer the program has been quiet. (A
-# drain that overslept by milliseconds halved the full-logits writer's rate on an H200.)
+# Pacing. The drain's CPU time is taken from the program on a host whose cores the program's
+# threads fill (a CPU decode step with intra-op threads), and each of its wake-ups costs more than
+# its work warm: a sleep alone ~20 µs of CPU on a VM, and the first job after a sleep runs with
+# cold caches, ~2-3x its warm time (``benchmarks/diag/drain_cpu.py``: ~1.2-1.4 ms of drain CPU a
+# 5.5 ms ``tiny`` step when it looked every 50 µs..1 ms). So it takes whatever is whole in one go
+# and sleeps longer while its wake-ups find little (up to POLL_MAX_S), shorter when one finds more
+# than an eighth of the ring. The recording process cuts a sleep short (WAKE_SIGNAL) when it
+# waits: for room, for a job to be written, or for the drain to end. A record waits in the ring
+# (shared memory, salvaged if the rank is killed) for at most POLL_MAX_S before it is written.
 POLL_MIN_S = 0.00005
-POLL_MAX_S = 0.001
+POLL_MAX_S = 0.025
+WAKE_SIGNAL = signal.SIGUSR1
+# Jobs written together (payloads in one call, frames in one): at most this many, or an eighth of
+# the ring's bytes.
+BATCH_JOBS = 64
+
+
+def next_poll(poll: float, drained: int, capacity: int) -> float:
+    """The next sleep after a wake-up that wrote ``drained`` payload bytes."""
+    if drained > capacity // 8:
+        return max(POLL_MIN_S, poll / 4)
+    return min(POLL_MAX_S, poll * 2)
+
+
+class _OverBudget(Exception):
+    """A batch that would pass the size limit: its jobs are written one by one up to it."""
 
 
 class _Drain:
     """The ring (mapped shared, read and write: the drain moves the tail words) and the journal."""
 
-    def __init__(self, ring_path: Path, journal: Path, payload: Path, max_bytes: int | None) -> None:
+    def __init__(self, ring_path: Path, journal: Path, payload: Path, max_bytes: int | None, *, wakeable: bool = False) -> None:
         fd = os.open(ring_path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
         try:
             self.mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -71,7 +91,16 @@ class _Drain:
         self.w.max_bytes = max_bytes
         self.last: dict[tuple[int, str], tuple[Any, ...]] = {}
         self.pos, self.seq = int(self.head[H_TAIL_POS]), int(self.head[H_TAIL_SEQ])
+        # Woken early by WAKE_SIGNAL only where every thread blocks it (``run_drain``).
+        self.wakeable = wakeable and hasattr(signal, "sigtimedwait") and WAKE_SIGNAL in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        if self.wakeable:
+            self.head[H_WAKEABLE] = 1
         self.stats = {"jobs": 0, "bytes": 0, "frame_s": 0.0, "write_s": 0.0, "sleep_s": 0.0, "sleeps": 0}
+        # Jobs taken and not yet written (``flush``): kind, body, payload views, end, next seq;
+        # their payload bytes, and where the next job's payload goes.
+        self.pending: list[tuple[Any, ...]] = []
+        self.pending_bytes = 0
+        self.base = 0
 
     def next_job(self) -> tuple[Any, ...] | None:
         """The job due now, when whole."""
@@ -84,10 +113,12 @@ class _Drain:
         return got
 
     def take(self, got: tuple[Any, ...]) -> FrameKind | None:
-        """Write a whole job and move the tail past it; None when it is the recording process's
-        to write (bytes outside the ring) and that process has not moved the tail past it yet."""
+        """Make a whole job's frame, written with the others taken in this go by ``flush``;
+        None when it is the recording process's to write (bytes outside the ring) and that
+        process has not moved the tail past it yet."""
         _, jseq, meta, end = got
         if meta.get("x"):
+            self.flush()  # that process waits for the tail to reach this job
             seq = int(self.head[H_TAIL_SEQ])
             if seq > jseq:  # written by the recording process, which stored the position before
                 self.pos, self.seq = int(self.head[H_TAIL_POS]), seq
@@ -96,33 +127,79 @@ class _Drain:
         if jseq != self.seq:
             raise RuntimeError(f"record ring job {jseq} found where job {self.seq} was due")
         t0 = time.perf_counter()
-        self.w.refresh_sizes()  # the recording process may have appended (a job outside the ring)
-        frame = build_frame(self.data, jseq, meta, base=self.w.payload_size, last=self.last)
+        if not self.pending:
+            self.w.refresh_sizes()  # the recording process may have appended (a job outside the ring)
+            self.base = self.w.payload_size
+        frame = build_frame(self.data, jseq, meta, base=self.base, last=self.last)
         if frame is None:
             raise RuntimeError(f"record ring job {jseq} names bytes that are not in the ring")
         kind, body, views = frame
-        t1 = time.perf_counter()
-        if views:
-            self.w.write_payloads(views)
-        self.w.write_frame(kind, body)
-        st = self.stats
-        st["frame_s"] += t1 - t0
-        st["write_s"] += time.perf_counter() - t1
-        st["jobs"] += 1
-        st["bytes"] += sum(v.nbytes for v in views)
+        nbytes = sum(v.nbytes for v in views)
+        self.pending.append((kind, body, views, end, jseq + 1))
+        self.base += nbytes
+        self.pending_bytes += nbytes
+        self.stats["frame_s"] += time.perf_counter() - t0
         self.pos, self.seq = end, jseq + 1
-        self.head[H_TAIL_POS] = self.pos  # (the position first, as ShmRing.release)
-        self.head[H_TAIL_SEQ] = self.seq
+        if len(self.pending) >= BATCH_JOBS or self.pending_bytes >= self.cap // 8 or kind == FrameKind.CLOSE:
+            self.flush()
         return kind
+
+    def flush(self) -> None:
+        """Write the jobs taken (their payloads in one call, then their frames in one), then
+        move the ring's tail past them. When that fails (a full disk, the size limit), as many
+        whole jobs as fit are written one by one, in order, before the error goes on."""
+        if not self.pending:
+            return
+        t0 = time.perf_counter()
+        pending, self.pending = self.pending, []
+        payloads_written = False
+        try:
+            frames = encode_frames([(kind, body) for kind, body, *_ in pending])
+            views = [v for job in pending for v in job[2]]
+            if not self.w.fits(self.pending_bytes + len(frames)):
+                raise _OverBudget
+            if views:
+                self.w.write_payloads(views)
+            payloads_written = True
+            self.w.write_encoded(frames)
+        except (OSError, _OverBudget):
+            # Written one by one up to the job that does not fit (its error goes on from there).
+            self._one_by_one(pending, payloads_written)
+            return
+        self._done(pending[-1], len(pending), self.pending_bytes, t0)
+
+    def _one_by_one(self, pending: list[tuple[Any, ...]], payloads_written: bool) -> None:
+        """After a failed batch: each job's payload (unless the batch's were written, at the
+        offsets its frames name) and frame, until one fails (its error goes on)."""
+        for kind, body, views, end, seq in pending:
+            t0 = time.perf_counter()
+            if views and not payloads_written:
+                self.w.write_payloads(views)
+            self.w.write_frame(kind, body)
+            self._done((kind, body, views, end, seq), 1, sum(v.nbytes for v in views), t0)
+
+    def _done(self, last: tuple[Any, ...], jobs: int, nbytes: int, t0: float) -> None:
+        """Jobs up to ``last`` are in the journal: the tail moves past them."""
+        st = self.stats
+        st["write_s"] += time.perf_counter() - t0
+        st["jobs"] += jobs
+        st["bytes"] += nbytes
+        self.pending_bytes = 0
+        _, _, _, end, seq = last
+        self.head[H_TAIL_POS] = end  # (the position first, as ShmRing.release)
+        self.head[H_TAIL_SEQ] = seq
 
     def sleep(self, poll: float) -> None:
         t0 = time.perf_counter()
-        time.sleep(poll)
+        if self.wakeable:
+            signal.sigtimedwait((WAKE_SIGNAL,), poll)
+        else:
+            time.sleep(poll)
         self.stats["sleep_s"] += time.perf_counter() - t0
         self.stats["sleeps"] += 1
 
     def close(self) -> None:
-        self.w.close()
+        self.w.close()  # (frames taken and not flushed stay in the ring, for salvage)
         # ``REPLAY_DRAIN_STATS=<file>``: where this drain's time went (a development aid:
         # ``benchmarks/diag/interleave.py --writer``).
         path = os.environ.get("REPLAY_DRAIN_STATS")
@@ -136,38 +213,30 @@ class _Drain:
             pass
 
 
-def run_drain(ring_path: Path, journal: Path, payload: Path, *, parent: int, max_bytes: int | None = None) -> int:
-    """Drain until the end marker, a stop request or the parent's death; returns jobs written."""
-    d = _Drain(ring_path, journal, payload, max_bytes)
+def run_drain(ring_path: Path, journal: Path, payload: Path, *, parent: int, max_bytes: int | None = None,
+              wakeable: bool = False) -> int:
+    """Drain until the end marker, a stop request or the parent's death; returns jobs written.
+    ``wakeable``: WAKE_SIGNAL was blocked in every thread of this process (the drain process's
+    first statement does it), so the recording process may send it."""
+    d = _Drain(ring_path, journal, payload, max_bytes, wakeable=wakeable)
     poll = POLL_MIN_S
     try:
         while True:
-            got = d.next_job()
-            kind = d.take(got) if got is not None and got[0] == "job" else None
-            if kind == FrameKind.CLOSE:
-                return d.stats["jobs"]
-            if kind is not None:
-                poll = POLL_MIN_S
-                continue
-            if got is not None and got[0] == "job" and d.seq > got[1]:
-                continue  # the recording process wrote that job: go on from the new tail
+            drained = d.stats["bytes"]
+            while True:  # every job that is whole now
+                got = d.next_job()
+                kind = d.take(got) if got is not None and got[0] == "job" else None
+                if kind == FrameKind.CLOSE:
+                    return d.stats["jobs"]
+                if kind is None and not (got is not None and got[0] == "job" and d.seq > got[1]):
+                    break  # (a job the recording process wrote moved the tail: go on from there)
+            d.flush()
             if d.head[H_STOP] or os.getppid() != parent:
                 return d.stats["jobs"]
-            if d.head[H_WAITING] or _sealed(d.data, d.cap, d.pos, d.seq):
-                poll = POLL_MIN_S
+            poll = POLL_MIN_S if d.head[H_WAITING] else next_poll(poll, d.stats["bytes"] - drained, d.cap)
             d.sleep(poll)
-            poll = min(poll * 2, POLL_MAX_S)
     finally:
         d.close()
-
-
-def _sealed(data: np.ndarray, cap: int, pos: int, seq: int) -> bool:
-    """Job ``seq``'s header is at ``pos`` (the host sealed it; its commit, a device copy, is to come)."""
-    phys = pos % cap
-    if phys + JOB_HEADER_BYTES > cap:
-        return False
-    h = data[phys : phys + 16].view(np.int64)
-    return int(h[0]) & 0xFFFFFFFF == JOB_MAGIC and int(h[1]) == seq
 
 
 def child_main(argv: list[str]) -> int:
@@ -176,7 +245,8 @@ def child_main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the program, which closes the recording
     a = json.loads(argv[0])
     try:
-        run_drain(Path(a["ring"]), Path(a["journal"]), Path(a["payload"]), parent=int(a["parent"]), max_bytes=a.get("max_bytes"))
+        run_drain(Path(a["ring"]), Path(a["journal"]), Path(a["payload"]), parent=int(a["parent"]), max_bytes=a.get("max_bytes"),
+                  wakeable=bool(a.get("wakeable")))
     except BaseException as e:  # noqa: BLE001 - one line for the recording process, never a traceback
         sys.stderr.write(f"{e.__class__.__name__}: {e}\n")
         return 3

@@ -35,7 +35,9 @@ JOB_HEADER_BYTES = 64
 # Header words (int64 index into the ring's header page). H_STOP: the recording process asks a
 # drain process (``replay.format.ring_drain``) to stop once nothing whole is left.
 # H_WAITING: the recording process waits for room now (the drain should not sleep long).
-H_CAPACITY, H_TAIL_POS, H_TAIL_SEQ, H_RANK, H_STOP, H_WAITING = 1, 2, 3, 4, 5, 6
+# H_WAKEABLE: the drain process set it once a signal (``ring_drain.WAKE_SIGNAL``) can cut its
+# sleep short, and not before (the signal's default action would end it).
+H_CAPACITY, H_TAIL_POS, H_TAIL_SEQ, H_RANK, H_STOP, H_WAITING, H_WAKEABLE = 1, 2, 3, 4, 5, 6, 7
 # The only file names a pointer may name: salvage removes the file afterwards.
 RING_NAME = re.compile(r"replay-\d+-[0-9a-f]{12}\.ring")
 _MASK64 = (1 << 64) - 1
@@ -235,46 +237,72 @@ def build_frame(data: np.ndarray, seq: int, meta: dict[str, Any], *, base: int,
     body = dict(meta.get("b") or {})
     d = meta.get("d")
     digests = data[d[0] : d[0] + 8 * d[1]].view(np.int64) if d else None
+    groups = [(gname, [_Row(data, row, digests, last) for row in entries]) for gname, entries in (meta.get("g") or {}).items()]
+    rows = [r for _, g in groups for r in g]
+    if any(r.missing for r in rows):
+        return None  # bytes the ring does not hold (they went to the writer)
+    _digest_rows(rows)
     views: list[memoryview] = []
-    off = [base]
-    for gname, entries in (meta.get("g") or {}).items():
-        refs = [_ref(data, row, digests, views, off, last) for row in entries]
-        if any(r is None for r in refs):
-            return None  # bytes the ring does not hold (they went to the writer)
+    off = base
+    for gname, g in groups:
+        refs = []
+        for r in g:
+            ref, off = r.ref(views, off, last)
+            refs.append(ref)
         body[gname] = refs
     _finish(data, body, meta)
     body["rs"] = seq
     return FrameKind(meta["k"]), body, views
 
 
-def _ref(data: np.ndarray, row: list[Any], digests: np.ndarray | None, views: list[memoryview], off: list[int],
-         last: dict[tuple[int, str], tuple[Any, ...]] | None = None) -> dict[str, Any] | None:
-    """One tensor's reference in the frame, its stored bytes appended to ``views``; None: its
-    bytes are not in the ring."""
-    from replay.digest import digest_numpy, from_int64
+class _Row:
+    """One tensor of a job: its bytes in the ring (if any), its digest once known, and whether
+    its stored bytes repeat the drain's last copy of it."""
 
-    name, kind, dtype, shape, store, at, nbytes, dig, slot = row
-    ref: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape)}
-    arr = data[at : at + nbytes] if at >= 0 else None
-    if dig is None and slot >= 0 and digests is not None:
-        dig = f"{from_int64(int(digests[slot])) & _MASK64:016x}"
-    if store and arr is not None and last is not None and _repeats(last.get((kind, name)), dtype, shape, arr):
-        prev = last[(kind, name)]
-        ref["dig"], ref["off"], ref["n"] = prev[4], prev[3], int(nbytes)
-        return ref
-    if dig is None and arr is not None:
-        dig = f"{digest_numpy(arr):016x}"
-    if dig is None or (store and arr is None):
-        return None
-    ref["dig"] = dig
-    if store:
-        ref["off"], ref["n"] = off[0], int(nbytes)
-        if nbytes:
-            views.append(memoryview(arr))
-            if last is not None and nbytes <= _REPEAT_BYTES:
-                last[(kind, name)] = (dtype, list(shape), arr.copy(), off[0], dig)
-        off[0] += int(nbytes)
-    return ref
+    __slots__ = ("name", "kind", "dtype", "shape", "store", "nbytes", "arr", "dig", "prev", "missing")
+
+    def __init__(self, data: np.ndarray, row: list[Any], digests: np.ndarray | None,
+                 last: dict[tuple[int, str], tuple[Any, ...]] | None) -> None:
+        name, kind, dtype, shape, store, at, nbytes, dig, slot = row
+        self.name, self.kind, self.dtype, self.shape, self.store, self.nbytes = name, kind, dtype, shape, store, int(nbytes)
+        self.arr = arr = data[at : at + nbytes] if at >= 0 else None
+        if dig is None and slot >= 0 and digests is not None:
+            dig = f"{int(digests[slot]) & _MASK64:016x}"
+        self.prev = None
+        if store and arr is not None and last is not None and _repeats(last.get((kind, name)), dtype, shape, arr):
+            self.prev = last[(kind, name)]
+            dig = self.prev[4]
+        self.dig = dig
+        # No digest and no bytes to make it from, or stored bytes that are not in the ring.
+        self.missing = (dig is None and arr is None) or (store and arr is None)
+
+    def ref(self, views: list[memoryview], off: int,
+            last: dict[tuple[int, str], tuple[Any, ...]] | None) -> tuple[dict[str, Any], int]:
+        """The frame's reference to this tensor, its stored bytes appended to ``views``; and the
+        payload offset after them."""
+        ref: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "dig": self.dig}
+        if self.prev is not None:
+            ref["off"], ref["n"] = self.prev[3], self.nbytes
+            return ref, off
+        if self.store:
+            ref["off"], ref["n"] = off, self.nbytes
+            if self.nbytes:
+                views.append(memoryview(self.arr))
+                if last is not None and self.nbytes <= _REPEAT_BYTES:
+                    last[(self.kind, self.name)] = (self.dtype, list(self.shape), self.arr.copy(), off, self.dig)
+            off += self.nbytes
+        return ref, off
+
+
+def _digest_rows(rows: list[_Row]) -> None:
+    """The digests a job's rows lack, from their bytes in the ring, in one vectorised pass (a
+    numpy call per tensor cost the drain ~10 calls a step, tens of µs each with cold caches)."""
+    from replay.digest import digest_numpy_many
+
+    todo = [r for r in rows if r.dig is None]
+    if todo:
+        for r, dig in zip(todo, digest_numpy_many([r.arr for r in todo])):
+            r.dig = f"{dig:016x}"
 
 
 def _repeats(prev: tuple[Any, ...] | None, dtype: str, shape: list[int], arr: np.ndarray) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +24,8 @@ import time
 from typing import Any, Callable
 
 from replay.format.journal import JournalWriter
-from replay.format.ring_salvage import H_STOP, H_TAIL_POS, H_TAIL_SEQ
+from replay.format.ring_drain import WAKE_SIGNAL
+from replay.format.ring_salvage import H_STOP, H_TAIL_POS, H_TAIL_SEQ, H_WAKEABLE
 from replay.record.ring import FORKED
 from replay.record.writer import Emitter, Job, PinnedPool
 
@@ -31,8 +33,13 @@ __all__ = ["DrainProcess", "DrainFailed"]
 
 # os._exit: the journal's files are closed and nothing is buffered by then; an interpreter's
 # teardown took 30-60 ms, which the recorder's close waits for.
-_CHILD = "import os, sys, json; a = json.loads(sys.argv[1]); sys.path[:0] = a['path']; " \
-         "from replay.format.ring_drain import child_main; rc = child_main(sys.argv[1:]); sys.stderr.flush(); os._exit(rc)"
+# The wake signal is blocked first, before any import starts a thread (numpy's BLAS pool): every
+# thread then inherits the block, and the signal, taken only by the drain's sigtimedwait, never
+# reaches its default action (the end of the process).
+_CHILD = "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.%s}); " \
+         "import os, sys, json; a = json.loads(sys.argv[1]); sys.path[:0] = a['path']; " \
+         "from replay.format.ring_drain import child_main; rc = child_main(sys.argv[1:]); sys.stderr.flush(); os._exit(rc)" \
+         % WAKE_SIGNAL.name
 # How often the liveness of the drain process is checked on the step path (submits).
 _CHECK_EVERY = 64
 
@@ -54,7 +61,8 @@ class DrainProcess(Emitter):
         self._last_end = int(ring.head_words[H_TAIL_POS])
         self._lock = threading.Lock()  # in-process writes of jobs outside the ring, one at a time
         arg = {"path": [p for p in sys.path if isinstance(p, str)], "ring": str(ring.path), "journal": str(journal.journal_path),
-               "payload": str(journal.payload_path), "parent": os.getpid(), "max_bytes": journal.max_bytes}
+               "payload": str(journal.payload_path), "parent": os.getpid(), "max_bytes": journal.max_bytes,
+               "wakeable": hasattr(signal, "pthread_sigmask")}
         # -E -S: neither the environment's PYTHON* settings nor site (replay record's bootstrap,
         # a sitecustomize) run in the drain; the path it needs is handed over instead.
         self._proc = subprocess.Popen(
@@ -64,6 +72,7 @@ class DrainProcess(Emitter):
         )
         ring.remote_tail = True
         ring.alive_check = self._check
+        ring.on_full = self.wake
 
     # -- the step path ---------------------------------------------------------------------
 
@@ -104,12 +113,25 @@ class DrainProcess(Emitter):
 
     # -- waits -----------------------------------------------------------------------------
 
+    def wake(self) -> None:
+        """Cut the drain process's sleep short: this process waits for it. Only once the drain
+        said it takes the signal (before, the signal would end it); ``send_signal`` never signals
+        a process already reaped (whose pid another may have now)."""
+        words = getattr(self.ring, "head_words", None)
+        try:
+            if words is not None and not self.ring.forked and int(words[H_WAKEABLE]):
+                self._proc.send_signal(WAKE_SIGNAL)
+        except (OSError, TypeError, ValueError):
+            pass  # gone, or the ring already unmapped: its sleep ends by itself
+
     def _tail_pos(self) -> int:
         return int(self.ring.head_words[H_TAIL_POS])
 
     def _wait(self, done: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         pause = 0.00005
+        if not done():
+            self.wake()
         while not done():
             try:
                 self._check()
@@ -178,6 +200,7 @@ class DrainProcess(Emitter):
             self.ring.head_words[H_STOP] = 1
         except (TypeError, ValueError):
             pass  # the ring is already unmapped: the process is ending anyway
+        self.wake()
         try:
             self._proc.wait(timeout)
         except subprocess.TimeoutExpired:

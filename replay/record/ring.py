@@ -209,6 +209,8 @@ class ShmRing:
 
         deadline = time.monotonic() + timeout
         self.head_words[H_WAITING] = 1
+        if self.on_full is not None:
+            self.on_full()  # the drain may be asleep for a while: wake it now
         try:
             while self.head + n - self.tail > self.capacity:
                 if self.alive_check is not None:
