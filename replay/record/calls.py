@@ -15,7 +15,7 @@ from replay.core.state import module_state  # noqa: F401
 from replay.core.structure import (POSITIONAL_ARG, STRUCTURE_ARG, flatten_object, flatten_tensors,  # noqa: F401 - shared with rerun
                                    positional_names, rebuild_inputs)
 
-__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "flatten_object", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
+__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "flatten_object", "unrecordable", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
 
 _SCALARS = (int, float, bool, str, type(None))
 
@@ -223,6 +223,30 @@ def _plain_container(v: Any, found: tuple[dict[str, torch.Tensor], Any]) -> bool
     return isinstance(v, (list, dict)) and all(s == "tensor" for s in items)
 
 
+def unrecordable(t: torch.Tensor) -> str | None:
+    """What kind of tensor ``t`` is when its values are not a dense array of bytes the recorder
+    can copy and a re-run can rebuild (a sparse, nested or quantized tensor, or one on the meta
+    device); None for every other. Such an argument is recorded by its kind only, as an object
+    is, and recording goes on."""
+    if t.is_nested:
+        return "nested tensor"
+    if t.layout is not torch.strided:
+        return f"{str(t.layout).rpartition('.')[2]} tensor"
+    if t.is_quantized:
+        return "quantized tensor"
+    if t.is_meta:
+        return "meta tensor"
+    return None
+
+
+def _any_unrecordable(tensors: dict[str, torch.Tensor]) -> str | None:
+    for t in tensors.values():
+        why = unrecordable(t)
+        if why is not None:
+            return why
+    return None
+
+
 def split_arguments(
     bound: inspect.BoundArguments, skip_first: bool, owner: Any = None, target_arg: Any = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -232,7 +256,8 @@ def split_arguments(
     holes with their shape under ``__structure__``, see ``rebuild_inputs``). An object that is
     an attribute of ``owner`` (the step's object) is recorded as ``{"attr": name}``;
     ``target_arg`` (the step's object when it is an argument of a function step) as
-    ``{"target": true}``; anything else as ``{"unrecorded": type}``. The arguments a re-run
+    ``{"target": true}``; anything else as ``{"unrecorded": type}``, and so is a tensor whose
+    values cannot be recorded, or a container or object holding one (``unrecordable``). The arguments a re-run
     must pass by position (``*args``'s items, positional-only ones) are named, in order, under
     ``__positional__``."""
     tensors: dict[str, torch.Tensor] = {}
@@ -240,10 +265,16 @@ def split_arguments(
     structures: dict[str, Any] = {}
     for n, v in _argument_pairs(bound, skip_first):
         if isinstance(v, torch.Tensor):
-            tensors[n] = v
+            why = unrecordable(v)
+            if why is None:
+                tensors[n] = v
+            else:
+                scalars[n] = {"unrecorded": why}
             continue
         found = flatten_tensors(n, v) if isinstance(v, (list, tuple, dict)) else None
-        if found is not None:
+        if found is not None and (why := _any_unrecordable(found[0])) is not None:
+            scalars[n] = {"unrecorded": f"{type(v).__name__} holding a {why}"}
+        elif found is not None:
             tensors.update(found[0])
             if not _plain_container(v, found):
                 structures[n] = found[1]
@@ -258,7 +289,9 @@ def split_arguments(
             # state before the call, so that a re-run draws the same numbers.
             tensors[n] = v.get_state()
             scalars[n] = {"generator": str(v.device)}
-        elif (obj := flatten_object(n, v)) is not None:
+        elif (obj := flatten_object(n, v)) is not None and (why := _any_unrecordable(obj[0])) is not None:
+            scalars[n] = {"unrecorded": f"{type(v).__name__} holding a {why}", "object": _OBJECTS.ordinal(v)}
+        elif obj is not None:
             # A data object (``step(batch)``): its tensors as inputs, its shape and scalars as structure.
             tensors.update(obj[0])
             structures[n] = obj[1]

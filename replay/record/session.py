@@ -37,6 +37,7 @@ from replay.record.calls import (
     name_outputs,
     split_arguments,
     to_json_safe,
+    unrecordable,
     weakrefable,
     without_parameters,
 )
@@ -740,7 +741,7 @@ class Session(GraphEvents):
         tensors: list[torch.Tensor] = []
         for v in (*args[1:], *kwargs.values()):
             if isinstance(v, torch.Tensor):
-                if type(v) is not torch.Tensor or not v.is_cuda:
+                if type(v) is not torch.Tensor or not v.is_cuda or unrecordable(v) is not None:
                     return None
                 tensors.append(v)
             elif isinstance(v, (list, tuple, dict, torch.Generator)):
