@@ -1,7 +1,8 @@
-"""A step argument whose values are not a dense array of bytes (a sparse adjacency matrix, a
-nested batch, a quantized tensor) is recorded by its kind only, as an object is, and recording goes
-on: before, the first such step stopped the recording ("nbytes is not defined for sparse
-tensors") and nothing of the run was kept.
+"""A step argument or output whose values are not a dense array of bytes (a sparse adjacency
+matrix, a nested batch, a quantized tensor) is recorded by its kind only, and recording goes on:
+before, the first such step stopped the recording ("nbytes is not defined for sparse tensors",
+"SymIntArrayRef expected to contain only concrete integers") and nothing of the run was kept. A
+re-run says what it did not compare.
 """
 
 from __future__ import annotations
@@ -98,3 +99,71 @@ def test_a_program_with_a_sparse_argument_is_recorded_and_its_step_reruns(tmp_pa
     result = json.loads(step.stdout)
     assert [(v["output"], v["verdict"]) for v in result["verdicts"]] == [("logits", "bitwise equal")], result["verdicts"]
     assert result["unrecorded_arguments"] == ["adj (a sparse_coo tensor)"], result
+
+
+def test_an_output_without_plain_bytes_is_named_in_the_step_and_the_rest_recorded(tmp_path: Path, capsys) -> None:
+    from replay import Recorder, RecorderConfig, open_recording
+    from replay.format.schema import TensorKind
+
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", rng=False))
+    for s in range(3):
+        rec.begin_step()
+        logits = torch.full((2, 8), float(s))
+        parts = torch.nested.nested_tensor([logits[0, :2], logits[1, :3]], layout=torch.jagged)
+        rec.record_outputs(logits=logits, parts=parts, adj=_sparse())
+        rec.end_step()
+    rec.close()
+    assert rec.error is None
+    rf = open_recording(tmp_path / "r")["run-000"][0]
+    assert rf.n_steps == 3
+    for s in range(3):
+        view = rf.step(s)
+        assert set(view.digests(TensorKind.OUTPUT)) == {"logits"}
+        sid = int(view.row["args"])
+        assert json.loads(rf.tables.string(sid))["__unrecorded__"] == {"outputs.parts": "nested tensor", "outputs.adj": "sparse_coo tensor"}
+    err = capsys.readouterr().err
+    assert err.count("outputs.parts is a nested tensor: not recorded") == 1 and "recording stopped" not in err, err
+
+
+NESTED_OUTPUT = textwrap.dedent("""
+    import torch
+
+    torch.manual_seed(0)
+
+
+    class Splitter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"logits": y, "parts": torch.nested.nested_tensor([y[0, :2], y[1, :3]], layout=torch.jagged)}
+
+
+    m = Splitter()
+    with torch.no_grad():
+        for step in range(5):
+            print(step, float(m(torch.randn(2, 8))["logits"].sum()))
+""")
+
+
+@pytest.mark.e2e
+def test_a_nested_output_is_named_as_not_compared_and_the_logits_rerun(tmp_path: Path) -> None:
+    (tmp_path / "split.py").write_text(NESTED_OUTPUT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_RECORD_")}
+    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONWARNINGS"] = "ignore"
+
+    def replay(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "replay", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    rec = replay("record", "--out", "rec", "--", sys.executable, "split.py")
+    assert rec.returncode == 0 and "recording stopped" not in rec.stderr, rec.stderr[-3000:]
+    assert rec.stderr.count("outputs.parts is a nested tensor: not recorded") == 1, rec.stderr[-3000:]
+    step = replay("step", "rec", "--step", "2", "--json")
+    assert step.returncode == 0, step.stdout[-3000:] + step.stderr[-3000:]
+    result = json.loads(step.stdout)
+    assert [(v["output"], v["verdict"]) for v in result["verdicts"]] == [("logits", "bitwise equal")], result["verdicts"]
+    assert any(n.startswith("not compared: outputs.parts (a nested tensor)") for n in result["notes"]), result["notes"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "MAX_OBJECT_BYTES", "flatten_tensors", "flatten_object", "rebuild_inputs",
+__all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "MAX_OBJECT_BYTES", "unrecordable", "flatten_tensors", "flatten_object", "rebuild_inputs",
            "RecordedObject", "object_fields", "positional_names", "call_arguments"]
 
 # The recorded arguments' reserved key holding the shape of nested tensor arguments.
@@ -21,6 +21,22 @@ STRUCTURE_ARG = "__structure__"
 # position (``*args`` items as ``args.0``, ``args.1``, ...); absent when keywords do.
 POSITIONAL_ARG = "__positional__"
 _MAX_NESTED = 1 << 16
+
+
+def unrecordable(t: torch.Tensor) -> str | None:
+    """What kind of tensor ``t`` is when its values are not a dense array of bytes the recorder
+    can copy and a re-run can rebuild (a sparse, nested or quantized tensor, or one on the meta
+    device); None for every other. Such an argument is recorded by its kind only, as an object
+    is, and recording goes on."""
+    if t.is_nested:
+        return "nested tensor"
+    if t.layout is not torch.strided:
+        return f"{str(t.layout).rpartition('.')[2]} tensor"
+    if t.is_quantized:
+        return "quantized tensor"
+    if t.is_meta:
+        return "meta tensor"
+    return None
 
 
 def flatten_tensors(name: str, v: Any) -> tuple[dict[str, torch.Tensor], Any] | None:

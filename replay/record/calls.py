@@ -13,7 +13,7 @@ import torch
 from replay.core.outputs import name_outputs  # noqa: F401 - the vocabulary moved below record and rerun
 from replay.core.state import module_state  # noqa: F401
 from replay.core.structure import (POSITIONAL_ARG, STRUCTURE_ARG, flatten_object, flatten_tensors,  # noqa: F401 - shared with rerun
-                                   positional_names, rebuild_inputs)
+                                   positional_names, rebuild_inputs, unrecordable)
 
 __all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "flatten_object", "unrecordable", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
 
@@ -221,22 +221,6 @@ def _plain_container(v: Any, found: tuple[dict[str, torch.Tensor], Any]) -> bool
     _, structure = found
     items = structure.get("items", []) if isinstance(structure, dict) else []
     return isinstance(v, (list, dict)) and all(s == "tensor" for s in items)
-
-
-def unrecordable(t: torch.Tensor) -> str | None:
-    """What kind of tensor ``t`` is when its values are not a dense array of bytes the recorder
-    can copy and a re-run can rebuild (a sparse, nested or quantized tensor, or one on the meta
-    device); None for every other. Such an argument is recorded by its kind only, as an object
-    is, and recording goes on."""
-    if t.is_nested:
-        return "nested tensor"
-    if t.layout is not torch.strided:
-        return f"{str(t.layout).rpartition('.')[2]} tensor"
-    if t.is_quantized:
-        return "quantized tensor"
-    if t.is_meta:
-        return "meta tensor"
-    return None
 
 
 def _any_unrecordable(tensors: dict[str, torch.Tensor]) -> str | None:

@@ -43,7 +43,7 @@ from replay.format.ring_salvage import salvage_ring
 from replay.format.seal import seal_rank
 from replay.log import get_logger
 from replay.record import rng as _rng
-from replay.record.calls import cuda_capturing
+from replay.record.calls import cuda_capturing, unrecordable
 from replay.record.config import RecorderConfig
 from replay.record.margin import device_margin, host_margin
 from replay.record.ring import ShmRing, ring_pointer
@@ -113,6 +113,33 @@ class _Step:
     fin: dict[str, Any] = field(default_factory=dict)  # what salvage computes from the bytes
 
 
+_STRIDED = torch.strided
+# The step argument naming the tensors a step gave the recorder that it could not record (a
+# nested or sparse output): ``{"outputs.parts": "nested tensor"}``; a re-run says they were not
+# compared.
+UNRECORDED_ARG = "__unrecorded__"
+
+
+def _recordable(st: _Step, group: str, named: list[tuple[str, torch.Tensor]], said: set[str]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` without the tensors whose values are not a dense array of bytes, which are
+    named in the step's arguments instead, with one warning a name (``said``: the names warned
+    of); one attribute check a tensor on the step path."""
+    if all(t.layout is _STRIDED and not t.is_nested and not t.is_quantized for _, t in named):
+        return named
+    kept = []
+    for n, t in named:
+        why = unrecordable(t)
+        if why is None:
+            kept.append((n, t))
+            continue
+        field_name = f"{group}.{n}"
+        st.args.setdefault(UNRECORDED_ARG, {})[field_name] = why
+        if field_name not in said:
+            said.add(field_name)
+            log.warning("%s is a %s: not recorded, and a re-run does not compare it (recording goes on)", field_name, why)
+    return kept
+
+
 def _outside_ring(job: Job) -> bool:
     """Whether some of what a ring job's frame needs lies in pinned buffers outside the ring
     (no room there when it was taken): only this process can write such a job."""
@@ -137,6 +164,7 @@ class Recorder:
         self._keyframe_at: int | None = None  # the step the next keyframe is due at
         self._ring: collections.deque[tuple[int, Entry]] = collections.deque(maxlen=max(config.ring, 1))
         self._ring_capped = False  # the logits ring was cut below ``ring`` steps (noted once)
+        self._unrecorded_said: set[str] = set()  # tensors named as not recordable (warned once each)
         self._staging = Staging()
         self._pool = self._staging.pool
         self._rr: ShmRing | None = None  # the record ring (``_ring`` is the logits ring)
@@ -389,7 +417,8 @@ class Recorder:
         if st is None:
             return
         store = self.config.inputs == "full"
-        items = [(name, TensorKind.INPUT, t, store) for name, t in tensors.items() if isinstance(t, torch.Tensor)]
+        named = _recordable(st, "inputs", [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)], self._unrecorded_said)
+        items = [(name, TensorKind.INPUT, t, store) for name, t in named]
         st.groups.setdefault("inputs", []).extend(self._entries(st, items))
 
     @_failsafe()
@@ -398,7 +427,7 @@ class Recorder:
         if st is None:
             return
         cfg = self.config
-        named = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+        named = _recordable(st, "outputs", [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)], self._unrecorded_said)
         items = [
             (n, TensorKind.TOKENS, t, True) if n in cfg.token_outputs else (n, TensorKind.OUTPUT, t, cfg.outputs == "full")
             for n, t in named
@@ -420,7 +449,8 @@ class Recorder:
         st = self._cur
         if st is None:
             return
-        items = [(n, TensorKind.TOKENS, t, True) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+        named = _recordable(st, "tokens", [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)], self._unrecorded_said)
+        items = [(n, TensorKind.TOKENS, t, True) for n, t in named]
         st.groups.setdefault("tokens", []).extend(self._entries(st, items))
 
     @_failsafe()
@@ -493,10 +523,9 @@ class Recorder:
         if st is None:
             return
         items = []
-        for k, t in tensors.items():
-            if isinstance(t, torch.Tensor):
-                fp = t.is_floating_point() or t.is_complex()
-                items.append((f"{name}.{k}", TensorKind.OUTPUT if fp else TensorKind.TOKENS, t, not fp))
+        for k, t in _recordable(st, "outputs", [(f"{name}.{k}", t) for k, t in tensors.items() if isinstance(t, torch.Tensor)], self._unrecorded_said):
+            fp = t.is_floating_point() or t.is_complex()
+            items.append((k, TensorKind.OUTPUT if fp else TensorKind.TOKENS, t, not fp))
         for e in self._entries(st, items):
             st.groups.setdefault("tokens" if e.kind == TensorKind.TOKENS else "outputs", []).append(e)
 

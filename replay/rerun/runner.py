@@ -27,7 +27,7 @@ from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
 from replay.core.outputs import name_outputs
 from replay.core.rng import restore_rng
-from replay.core.structure import POSITIONAL_ARG, STRUCTURE_ARG, RecordedObject, call_arguments, rebuild_inputs
+from replay.core.structure import POSITIONAL_ARG, STRUCTURE_ARG, RecordedObject, call_arguments, rebuild_inputs, unrecordable
 from replay.core.weights import weight_digests
 from replay.rerun.collectives import RecordedCollectives
 from replay import numerics
@@ -254,6 +254,9 @@ class _StepDriver:
             self.collectives.end_step()
         fields = _recorded_fields(self.rf, step)
         outs = _named_outputs(out, tuple(self.outputs_names), fields) if out is not None else _written(flat, fields)
+        # What the recorder could not record either (a nested or sparse output) is not compared:
+        # ``step.not_compared`` names it.
+        outs = {k: v for k, v in outs.items() if unrecordable(v) is None}
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         return {k: local_tensor(v).detach().to("cpu", copy=True) for k, v in outs.items()}

@@ -52,6 +52,7 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     if not relaunch:
         result = rerun_step(part, rank, step, settings, announce=announce, progress=progress)
         result.unrecorded = unrecorded_arguments(rf, result.keyframe, step)
+        result.notes += not_compared(rf, step)
         return result
     check_device(settings.device)  # what the re-run inside the program would refuse, before starting it
     check_graph_mode(rf, settings.modes, settings.device)
@@ -71,6 +72,7 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
                         keyframe_at=0 if objects else settings.keyframe_at, take_at=take_at or None)
     result = relaunch_step(spec, target.get("launch") or {}, world=part.world_size, announce=announce)
     result.unrecorded = unrecorded_arguments(rf, result.keyframe, step)
+    result.notes += not_compared(rf, step)
     if take_at:
         result.notes.append(f"started from the program's own state at step {take_at}: {', '.join(objects[:3])} is the "
                             f"program's own object, recorded by class name only and new at step {take_at}; the program "
@@ -81,6 +83,24 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     if settings.options:
         result.notes.append(SET_IGNORED)
     return result
+
+
+# The step argument under which the recorder named the tensors it could not record
+# (``replay.record.recorder.UNRECORDED_ARG``).
+UNRECORDED_FIELDS = "__unrecorded__"
+
+
+def not_compared(rf: RankFile, step: int) -> list[str]:
+    """A note naming what the step gave the recorder that it could not record (a nested or
+    sparse output): the re-run's verdicts do not cover it."""
+    try:
+        fields = recorded_args(rf, step).get(UNRECORDED_FIELDS)
+    except Exception:  # noqa: BLE001 - no arguments recorded for the step
+        return []
+    if not isinstance(fields, dict) or not fields:
+        return []
+    named = ", ".join(f"{k} (a {v})" for k, v in sorted(fields.items()) if isinstance(k, str) and isinstance(v, str))
+    return [f"not compared: {named}: the recorder could not record it (its values are not a dense array)"] if named else []
 
 
 def _object_keys(rf: RankFile, s: int) -> tuple:
