@@ -43,6 +43,11 @@ _MAX_OUTERMOST = 200
 _CENSUS = 64
 
 
+# Modules of torch's quantization tooling (observers, fake quantizers), which it calls while it
+# converts a model, before the program's loop: never chosen as the step.
+_TOOLING = ("torch.ao.quantization.", "torch.quantization.")
+
+
 class Watcher:
     """Global module-call hooks, installed while something is left to find.
 
@@ -114,7 +119,8 @@ class Watcher:
 
     def _outermost(self, module: torch.nn.Module) -> None:
         cls = type(module)
-        self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
+        if not cls.__module__.startswith(_TOOLING):  # not a candidate: not named as one either
+            self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
         if self.on_outermost is None:
             if self.census_left:
                 self.census_left -= 1
@@ -160,6 +166,8 @@ def on_outermost(session: Any, module: torch.nn.Module) -> str:
         return "keep"  # compiled, scripted or traced modules and local classes cannot be patched: keep looking
     if tracing():
         return "keep"  # torch.jit.trace / fx calling the module to build a graph: not the program's loop
+    if cls.__module__.startswith(_TOOLING):
+        return "keep"  # an observer run by quantize_dynamic/prepare (calibration): not the program's loop
     owner = direct_forward_owner(module)
     if owner is not None:
         # ``model.forward(ids)`` (or ``fwd = model.forward``) skips nn.Module.__call__, so the
