@@ -703,6 +703,10 @@ class Session(GraphEvents):
                 # A step that returns nothing writes its results into its arguments
                 # (``step(ids, out=logits)``): they are its outputs, as they are after the call.
                 outs = written_outputs(written())
+            if not outs and out is not None:
+                self.warn_once(f"no-tensor:{spec.step}", f"{spec.step} returns a {type(out).__name__} with no tensor in "
+                               "it: its results are not recorded, and a re-run of its steps has nothing to compare "
+                               "(a step that returns its logits or tokens as tensors is compared)")
             rec.record_outputs(**outs)
             self._set_run(rec, spec, obj)
             if self._tuner_dirty:

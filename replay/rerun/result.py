@@ -179,9 +179,10 @@ class StepRerun:
                     return (f"{m.mode}: step {self.step} raised {kind} in the re-run, as it did when recorded; nothing it "
                             f"computed before raising was recorded to compare with")
             elif not m.vs_recording:
-                names = ", ".join(sorted(m.digests or m.outputs)) or "nothing"
-                return (f"{m.mode}: no output of step {self.step} could be compared with the recording "
-                        f"(the re-run returned {names}; the recording has no output of those names)")
+                names = ", ".join(sorted(m.digests or m.outputs))
+                why = (f"the re-run returned {names}; the recording has no output of those names" if names else
+                       "the step returned no tensor, when recorded or re-run")
+                return f"{m.mode}: no output of step {self.step} could be compared with the recording ({why})"
         return None
 
     def raised(self) -> str | None:
