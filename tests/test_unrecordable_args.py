@@ -23,6 +23,21 @@ from replay.record.calls import split_arguments, unrecordable
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_RECORD_")}
+    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _replay(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return _run(cwd, sys.executable, "-m", "replay", *args)
+
+
 def _split(fn, *args, **kwargs):
     return split_arguments(inspect.signature(fn).bind(*args, **kwargs), skip_first=False)
 
@@ -76,25 +91,17 @@ PROGRAM = textwrap.dedent("""
 @pytest.mark.e2e
 def test_a_program_with_a_sparse_argument_is_recorded_and_its_step_reruns(tmp_path: Path) -> None:
     (tmp_path / "graph.py").write_text(PROGRAM)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_RECORD_")}
-    env["PYTHONPATH"] = str(ROOT)
-    env["PYTHONWARNINGS"] = "ignore"
-
-    def replay(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "replay", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
-
-    plain = subprocess.run([sys.executable, "graph.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    rec = replay("record", "--out", "rec", "--", sys.executable, "graph.py")
+    plain = _run(tmp_path, sys.executable, "graph.py")
+    rec = _replay(tmp_path, "record", "--out", "rec", "--", sys.executable, "graph.py")
     assert rec.returncode == 0, rec.stderr[-3000:]
     assert rec.stdout == plain.stdout  # the program computed what it computes unrecorded
     assert "recording stopped" not in rec.stderr, rec.stderr[-3000:]
     assert "takes adj (a sparse_coo tensor), recorded by class name only" in rec.stderr, rec.stderr[-3000:]
-    info = replay("info", "rec", "--json")
+    info = _replay(tmp_path, "info", "rec", "--json")
     assert info.returncode == 0, info.stderr
     rank = json.loads(info.stdout)["ranks"][0]
     assert rank["steps"] >= 4 and rank["complete"], rank
-    step = replay("step", "rec", "--step", "3", "--json")
+    step = _replay(tmp_path, "step", "rec", "--step", "3", "--json")
     assert step.returncode == 0, step.stdout[-3000:] + step.stderr[-3000:]
     result = json.loads(step.stdout)
     assert [(v["output"], v["verdict"]) for v in result["verdicts"]] == [("logits", "bitwise equal")], result["verdicts"]
@@ -151,18 +158,10 @@ NESTED_OUTPUT = textwrap.dedent("""
 @pytest.mark.e2e
 def test_a_nested_output_is_named_as_not_compared_and_the_logits_rerun(tmp_path: Path) -> None:
     (tmp_path / "split.py").write_text(NESTED_OUTPUT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_RECORD_")}
-    env["PYTHONPATH"] = str(ROOT)
-    env["PYTHONWARNINGS"] = "ignore"
-
-    def replay(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "replay", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
-
-    rec = replay("record", "--out", "rec", "--", sys.executable, "split.py")
+    rec = _replay(tmp_path, "record", "--out", "rec", "--", sys.executable, "split.py")
     assert rec.returncode == 0 and "recording stopped" not in rec.stderr, rec.stderr[-3000:]
     assert rec.stderr.count("outputs.parts is a nested tensor: not recorded") == 1, rec.stderr[-3000:]
-    step = replay("step", "rec", "--step", "2", "--json")
+    step = _replay(tmp_path, "step", "rec", "--step", "2", "--json")
     assert step.returncode == 0, step.stdout[-3000:] + step.stderr[-3000:]
     result = json.loads(step.stdout)
     assert [(v["output"], v["verdict"]) for v in result["verdicts"]] == [("logits", "bitwise equal")], result["verdicts"]
