@@ -47,10 +47,10 @@ from replay.format.ring_salvage import (
 __all__ = ["run_drain", "child_main"]
 
 # Pacing. The drain's CPU time is taken from the program on a host whose cores the program's
-# threads fill (a CPU decode step with intra-op threads), and each of its wake-ups costs more than
-# its work warm: a sleep alone ~20 µs of CPU on a VM, and the first job after a sleep runs with
-# cold caches, ~2-3x its warm time (``benchmarks/diag/drain_cpu.py``: ~1.2-1.4 ms of drain CPU a
-# 5.5 ms ``tiny`` step when it looked every 50 µs..1 ms). So it takes whatever is whole in one go
+# threads fill (a CPU decode step with intra-op threads), and each of its wake-ups costs CPU of
+# its own (the sleep's timer and wake-up), the first job after it with cold caches
+# (``benchmarks/diag/drain_cpu.py``: 0.9-1.5 ms of drain CPU a step, 9-45 sleeps a job, when it
+# looked every 50 µs..1 ms; 0.3-0.65 ms and 0.3 sleeps a job since). So it takes whatever is whole in one go
 # and sleeps longer while its wake-ups find little (up to POLL_MAX_S), shorter when one finds more
 # than an eighth of the ring. The recording process cuts a sleep short (WAKE_SIGNAL) when it
 # waits: for room, for a job to be written, or for the drain to end. A record waits in the ring
