@@ -75,3 +75,44 @@ def test_a_step_that_returns_python_ints_is_said_to_record_nothing_comparable(tm
     said = res.stdout + res.stderr
     assert "no output of step 3 could be compared with the recording (the step returned no tensor" in said, said[-3000:]
     assert "bitwise equal" not in said, said[-3000:]
+
+
+def test_a_batch_dict_with_request_ids_and_a_temperature_is_recorded_whole(tmp_path: Path) -> None:
+    """``forward(batch)`` with ``{"input_ids": t, "request_ids": ["a", "b"], "temperature": 0.7}``:
+    the strings and the number made the dict "not a tensor container", so it was recorded by class
+    name only: its token ids were not recorded, and a re-run had to run the program up to the step."""
+    _script(tmp_path, "dictbatch", """
+        import torch
+        torch.manual_seed(0)
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = torch.nn.Embedding(50, 16)
+                self.out = torch.nn.Linear(16, 50)
+
+            def forward(self, batch):
+                return self.out(self.emb(batch["input_ids"]).mean(1) * batch["temperature"])
+
+        m = M()
+        ids = torch.tensor([[1, 2], [3, 4]])
+        with torch.no_grad():
+            for i in range(6):
+                logits = m({"input_ids": ids, "request_ids": ["a", "b"], "temperature": 0.7})
+                ids = torch.cat([ids[:, 1:], logits.argmax(-1, keepdim=True)], 1)
+                print(i, ids[:, -1].tolist())
+    """)
+    rec = tmp_path / "rec-dictbatch"
+    p = _replay("record", "--out", rec, "--", sys.executable, "dictbatch.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "recorded by class name only" not in p.stderr, p.stderr[-3000:]
+    from replay.format.reader import Recording
+
+    with Recording(rec) as r:
+        view = r["run-000"][0].step(3)
+        assert sorted(view.inputs) == ["batch.input_ids"], sorted(view.inputs)
+    res = _replay("step", rec, "--step", 3, "--json", "--no-save", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert out["modes"]["eager"]["vs_recording"]["logits"]["verdict"] == "bitwise equal", out["modes"]
+    assert not any("program's own" in n for n in out["notes"]), out["notes"]

@@ -166,3 +166,21 @@ def test_a_nested_output_is_named_as_not_compared_and_the_logits_rerun(tmp_path:
     result = json.loads(step.stdout)
     assert [(v["output"], v["verdict"]) for v in result["verdicts"]] == [("logits", "bitwise equal")], result["verdicts"]
     assert any(n.startswith("not compared: outputs.parts (a nested tensor)") for n in result["notes"]), result["notes"]
+
+
+def test_numbers_and_strings_beside_tensors_in_a_container_are_kept_and_rebuilt() -> None:
+    from replay.core.structure import STRUCTURE_ARG, rebuild_inputs
+
+    def step(batch, plain):
+        pass
+
+    batch = {"input_ids": torch.arange(4), "request_ids": ["a", "b"], "temperature": 0.7, "greedy": True, "mask": None}
+    tensors, scalars = _split(step, batch, [torch.ones(2), torch.zeros(2)])
+    assert set(tensors) == {"batch.input_ids", "plain.0", "plain.1"}
+    assert "batch" not in scalars and "plain" not in scalars[STRUCTURE_ARG]  # a list of tensors stays plain
+    back = rebuild_inputs(tensors, json.loads(json.dumps(scalars[STRUCTURE_ARG])))
+    assert back["batch"].keys() == batch.keys()
+    assert torch.equal(back["batch"]["input_ids"], batch["input_ids"])
+    assert {k: v for k, v in back["batch"].items() if k != "input_ids"} == {k: v for k, v in batch.items() if k != "input_ids"}
+    _, nan = _split(step, {"x": torch.ones(1), "t": float("nan")}, None)
+    assert nan["batch"] == {"unrecorded": "dict", "object": nan["batch"]["object"]}  # NaN is not kept as a value

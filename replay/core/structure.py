@@ -39,10 +39,12 @@ def unrecordable(t: torch.Tensor) -> str | None:
     return None
 
 
-def flatten_tensors(name: str, v: Any) -> tuple[dict[str, torch.Tensor], Any] | None:
+def flatten_tensors(name: str, v: Any, *, values: bool = False) -> tuple[dict[str, torch.Tensor], Any] | None:
     """A container of tensors (lists, tuples, dicts, nested, with ``None`` holes: an HF
     ``past_key_values``) as ``{name.i.j: tensor}`` and its structure for ``rebuild_inputs``;
-    None when ``v`` is not such a container (no tensor in it, or anything else inside)."""
+    None when ``v`` is not such a container (no tensor in it, or anything else inside).
+    ``values``: numbers, strings and booleans beside the tensors are kept in the structure (a
+    step's ``batch`` dict with its request ids and temperature)."""
     out: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, x: Any, depth: int) -> Any:
@@ -51,6 +53,8 @@ def flatten_tensors(name: str, v: Any) -> tuple[dict[str, torch.Tensor], Any] | 
             return "tensor"
         if x is None:
             return None
+        if values and isinstance(x, _JSON_LEAVES) and not (isinstance(x, float) and x != x):
+            return {"type": "value", "value": x}
         if depth > 8 or len(out) > _MAX_NESTED:
             raise ValueError("too deep")
         if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):

@@ -255,7 +255,7 @@ def split_arguments(
             else:
                 scalars[n] = {"unrecorded": why}
             continue
-        found = flatten_tensors(n, v) if isinstance(v, (list, tuple, dict)) else None
+        found = flatten_tensors(n, v, values=True) if isinstance(v, (list, tuple, dict)) else None
         if found is not None and (why := _any_unrecordable(found[0])) is not None:
             scalars[n] = {"unrecorded": f"{type(v).__name__} holding a {why}"}
         elif found is not None:
