@@ -116,3 +116,44 @@ def test_a_batch_dict_with_request_ids_and_a_temperature_is_recorded_whole(tmp_p
     out = json.loads(res.stdout)
     assert out["modes"]["eager"]["vs_recording"]["logits"]["verdict"] == "bitwise equal", out["modes"]
     assert not any("program's own" in n for n in out["notes"]), out["notes"]
+
+
+def test_each_multiprocessing_worker_is_re_run_in_its_own_process(tmp_path: Path) -> None:
+    """Two ``multiprocessing`` spawn workers, each its own model (seeded by its number), record as
+    two parts. The re-launched program's first worker to call the step took the re-run over,
+    whichever part was asked for: "different ... ran with other weights than the re-run's"."""
+    _script(tmp_path, "workers", """
+        import torch
+        import torch.multiprocessing as mp
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                return self.lin(x)
+
+        def worker(n):
+            torch.manual_seed(n)
+            m, x = M(), torch.randn(2, 8)
+            with torch.no_grad():
+                for i in range(5):
+                    x = torch.tanh(m(x))
+            print(n, float(x.sum()))
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            ps = [ctx.Process(target=worker, args=(n,)) for n in range(2)]
+            [p.start() for p in ps]
+            [p.join() for p in ps]
+    """)
+    rec = tmp_path / "rec-workers"
+    p = _replay("record", "--out", rec, "--", sys.executable, "workers.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for part in ("run-001", "run-000", "run-001"):
+        res = _replay("step", rec, "--part", part, "--step", 2, "--json", "--no-save", cwd=tmp_path)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        out = json.loads(res.stdout)
+        assert out["weights"]["same"] is True, (part, out["weights"], out["headline"])
+        assert [(v["output"], v["verdict"]) for v in out["verdicts"]] == [("logits", "bitwise equal")], (part, out["headline"])

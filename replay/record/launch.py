@@ -63,4 +63,12 @@ def launch_info() -> dict[str, Any]:
         "main_name": main_name(),
         "env_numerics": numerics.env_numerics(),
         "env_digests": env_digests(os.environ),  # names and value digests, never values
+        # A program's ``multiprocessing`` workers run the same script: a re-run takes over the
+        # one of this name ("SpawnProcess-1"), not whichever calls the step first.
+        "process_name": _process_name(),
     }
+
+
+def _process_name() -> str | None:
+    mp = sys.modules.get("multiprocessing")
+    return None if mp is None else str(mp.current_process().name)

@@ -425,6 +425,9 @@ class _Takeover:
             return
         if not self._is_stream(frame.f_locals):
             return  # another model of the loop (the draft, say) through the same callable
+        if not self._is_process():
+            self._claim()  # another worker process of the program: it runs as the program runs it
+            return
         with self._claim_lock:  # two threads of the program may reach the step at once
             if self.done:
                 return
@@ -434,6 +437,16 @@ class _Takeover:
             self._claim()
         live = dict(frame.f_locals)
         self._take(lambda: self._rerun(self._function(frame, live), live))
+
+    def _is_process(self) -> bool:
+        """Whether this is the recorded process among the program's ``multiprocessing`` workers
+        (their names are set once they start, so this is asked at the step's call, not at
+        start-up). A recording made before the name was kept: any process."""
+        want = (self.target.get("launch") or {}).get("process_name")
+        if not isinstance(want, str):
+            return True
+        mp = sys.modules.get("multiprocessing")
+        return str(mp.current_process().name if mp is not None else "MainProcess") == want
 
     def _is_stream(self, live: dict[str, Any]) -> bool:
         """Whether this call's object is the model of the stream to re-run: with several streams,
