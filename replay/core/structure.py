@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "MAX_OBJECT_BYTES", "unrecordable", "flatten_tensors", "flatten_object", "rebuild_inputs",
+__all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "UNRECORDED_ARG", "MAX_OBJECT_BYTES", "unrecordable", "flatten_tensors", "flatten_object", "rebuild_inputs",
            "RecordedObject", "object_fields", "positional_names", "call_arguments"]
 
 # The recorded arguments' reserved key holding the shape of nested tensor arguments.
@@ -20,6 +20,10 @@ STRUCTURE_ARG = "__structure__"
 # The recorded arguments' reserved key naming, in order, the arguments a re-run passes by
 # position (``*args`` items as ``args.0``, ``args.1``, ...); absent when keywords do.
 POSITIONAL_ARG = "__positional__"
+# The step argument naming the tensors a step gave the recorder that it could not record
+# (``unrecordable``: a nested or sparse output), ``{"outputs.parts": "nested tensor"}``; a
+# re-run says they were not compared.
+UNRECORDED_ARG = "__unrecorded__"
 _MAX_NESTED = 1 << 16
 
 

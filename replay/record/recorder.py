@@ -43,6 +43,7 @@ from replay.format.ring_salvage import salvage_ring
 from replay.format.seal import seal_rank
 from replay.log import get_logger
 from replay.record import rng as _rng
+from replay.core.structure import UNRECORDED_ARG
 from replay.record.calls import cuda_capturing, unrecordable
 from replay.record.config import RecorderConfig
 from replay.record.margin import device_margin, host_margin
@@ -114,16 +115,13 @@ class _Step:
 
 
 _STRIDED = torch.strided
-# The step argument naming the tensors a step gave the recorder that it could not record (a
-# nested or sparse output): ``{"outputs.parts": "nested tensor"}``; a re-run says they were not
-# compared.
-UNRECORDED_ARG = "__unrecorded__"
 
 
 def _recordable(st: _Step, group: str, named: list[tuple[str, torch.Tensor]], said: set[str]) -> list[tuple[str, torch.Tensor]]:
     """``named`` without the tensors whose values are not a dense array of bytes, which are
-    named in the step's arguments instead, with one warning a name (``said``: the names warned
-    of); one attribute check a tensor on the step path."""
+    named in the step's arguments (``UNRECORDED_ARG``) instead, with one warning a name (``said``:
+    the names warned of). The step path pays three attribute reads a tensor; ``unrecordable``
+    runs only when one of them says so."""
     if all(t.layout is _STRIDED and not t.is_nested and not t.is_quantized for _, t in named):
         return named
     kept = []

@@ -181,7 +181,7 @@ class StepRerun:
             elif not m.vs_recording:
                 names = ", ".join(sorted(m.digests or m.outputs))
                 why = (f"the re-run returned {names}; the recording has no output of those names" if names else
-                       "the step returned no tensor, when recorded or re-run")
+                       "the step returned no tensor the recorder could record, when recorded or re-run")
                 return f"{m.mode}: no output of step {self.step} could be compared with the recording ({why})"
         return None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from replay.core.structure import UNRECORDED_ARG
 from replay.errors import UsageError
 from replay.format.reader import Part, RankFile
 from replay.format.schema import RunMode
@@ -85,16 +86,11 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     return result
 
 
-# The step argument under which the recorder named the tensors it could not record
-# (``replay.record.recorder.UNRECORDED_ARG``).
-UNRECORDED_FIELDS = "__unrecorded__"
-
-
 def not_compared(rf: RankFile, step: int) -> list[str]:
     """A note naming what the step gave the recorder that it could not record (a nested or
     sparse output): the re-run's verdicts do not cover it."""
     try:
-        fields = recorded_args(rf, step).get(UNRECORDED_FIELDS)
+        fields = recorded_args(rf, step).get(UNRECORDED_ARG)
     except Exception:  # noqa: BLE001 - no arguments recorded for the step
         return []
     if not isinstance(fields, dict) or not fields:
