@@ -127,6 +127,9 @@ class Session(GraphEvents):
         # id(model) -> its calls that ran before its step was chosen (discovery chose it at one
         # of them): the recording's step 0 is the program's call after those.
         self.calls_before_recording: dict[int, int] = {}
+        # New engines this process started after its first one died (each a new part): a
+        # re-launched program counts them the same way to re-run a later part in its own engine.
+        self._engine_runs = 0
         # target -> "staticmethod" or "classmethod" when it names one (how its calls bind, see _wrap_step)
         self._binding: dict[str, str | None] = {}
 
@@ -513,6 +516,7 @@ class Session(GraphEvents):
         # Only a module's forward is taken at a counted call (a compiled step at its first).
         missed = self.calls_before_recording.pop(id(obj), 0) if obj is not None else 0
         info["unrecorded_calls"] = missed if spec.kind == "module_forward" else 0
+        info["engine_run"] = self._engine_runs
         info["state_from"] = "attribute" if spec.state else None
         if isinstance(obj, torch.nn.Module):
             if not spec.state:
@@ -610,6 +614,7 @@ class Session(GraphEvents):
         alive = [s for s in self._streams.streams if s.weak and s.obj() is not None]
         if self._streams.streams and not alive:
             rec = self._next_part()
+            self._engine_runs += 1
         from replay.core.state import with_scalars  # keyframes keep the target's Python scalars too
 
         name = new_stream_name(self._streams.streams, spec.step, obj)

@@ -292,7 +292,12 @@ class _Takeover:
         self.compile_kwargs: dict[str, Any] = {}
         self.done = False
         self._real_compile: Any = None
-        self._checked: dict[int, bool] = {}
+        self._checked: dict[int, tuple[Any, bool]] = {}  # id -> (weak reference, is the stream's model)
+        # The part's engine among those the program built one after another (``engine_run``):
+        # a new one begins, as when recording, at a new object once the earlier ones are gone.
+        self.engine_run = _count(target.get("engine_run"))
+        self._run = 0
+        self._run_objects: list[Any] = []  # weak references to this run's objects
         self._claim_lock = threading.Lock()
         # Calls of the step the recording missed (discovery chose the step at the first): they
         # run as the program runs them, and the next one is the recording's step 0. With
@@ -353,6 +358,8 @@ class _Takeover:
             live = dict(bound.arguments)
             if not me._is_stream(live):
                 return fn(*args, **kwargs)  # another model through the same callable (the draft)
+            if not me._in_run(me._object_of(live, next(iter(live), None))):
+                return fn(*args, **kwargs)  # an engine built before (or after) the part's own
             me._claim()
             me._take(lambda: me._rerun(fn, live))
             return None  # not reached: _take stops the program
@@ -392,6 +399,8 @@ class _Takeover:
             live = dict(bound.arguments)
             if not me._is_stream(live):
                 return forward(module, *args, **kwargs)  # another model of the class (the draft)
+            if not me._in_run(module):
+                return forward(module, *args, **kwargs)  # an engine built before (or after) the part's own
             me.module_step = True
             me._claim()
             me._take(lambda: me._rerun(forward, live))
@@ -425,6 +434,9 @@ class _Takeover:
             return
         if not self._is_stream(frame.f_locals):
             return  # another model of the loop (the draft, say) through the same callable
+        first = code.co_varnames[0] if code.co_argcount else None
+        if not self._in_run(self._object_of(frame.f_locals, first)):
+            return  # an engine the program built before (or after) the part's own
         if not self._is_process():
             self._claim()  # another worker process of the program: it runs as the program runs it
             return
@@ -448,6 +460,41 @@ class _Takeover:
         mp = sys.modules.get("multiprocessing")
         return str(mp.current_process().name if mp is not None else "MainProcess") == want
 
+    def _object_of(self, live: dict[str, Any], first: str | None) -> Any:
+        """The call's target object, as the recorder took it: the argument holding the model of
+        a function step, else the method's own object."""
+        from replay.rerun.target import StepKind
+
+        arg = self.target.get("object_arg")
+        if isinstance(arg, str) and arg in live:
+            return live[arg]
+        if first is not None and (self.kind in (StepKind.METHOD, StepKind.MODULE_FORWARD) or "." in self.qualname):
+            return live.get(first)
+        return None
+
+    def _in_run(self, obj: Any) -> bool:
+        """Whether ``obj`` belongs to the part's engine run. The recorder started a new part at a
+        new target object once every earlier one had died (a script that builds one engine after
+        another, each a part): counted here the same way, at the step's calls."""
+        if self.engine_run <= 0:
+            return True  # the first run's calls come first: the step is taken among them
+        if obj is None:
+            return self._run == self.engine_run
+        if not any(r() is obj for r in self._run_objects):
+            if self._run_objects and all(r() is None for r in self._run_objects):
+                self._run += 1
+                self._run_objects = []
+            self._remember(obj)
+        return self._run == self.engine_run
+
+    def _remember(self, obj: Any) -> None:
+        import weakref
+
+        try:
+            self._run_objects.append(weakref.ref(obj))
+        except TypeError:
+            pass  # not weak-referenceable: the recorder could not tell its runs apart either
+
     def _is_stream(self, live: dict[str, Any]) -> bool:
         """Whether this call's object is the model of the stream to re-run: with several streams,
         the one whose parameters are that stream's recorded ones (each object checked once)."""
@@ -459,7 +506,9 @@ class _Takeover:
         obj = next((v for v in live.values() if isinstance(v, torch.nn.Module)), None)
         if obj is None:
             return True
-        seen = self._checked.get(id(obj))
+        ref, seen = self._checked.get(id(obj), (None, None))
+        if ref is not None and ref() is not obj:
+            seen = None  # another object at a freed one's address
         if seen is None:
             from replay.core.weights import weight_digests
 
@@ -467,7 +516,12 @@ class _Takeover:
             # By names and shapes, not digests: weights that changed since the recording are
             # still this model (the re-run then says which differ).
             seen = set(have) == set(weights) and all(list(have[n]["shape"]) == list(weights[n].get("shape") or []) for n in have)
-            self._checked[id(obj)] = seen
+            try:
+                import weakref
+
+                self._checked[id(obj)] = (weakref.ref(obj), seen)
+            except TypeError:
+                pass
         return seen
 
     def _take(self, rerun: Any) -> None:
