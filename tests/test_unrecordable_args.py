@@ -130,6 +130,13 @@ def test_an_output_without_plain_bytes_is_named_in_the_step_and_the_rest_recorde
         assert json.loads(rf.tables.string(sid))["__unrecorded__"] == {"outputs.parts": "nested tensor", "outputs.adj": "sparse_coo tensor"}
     err = capsys.readouterr().err
     assert err.count("outputs.parts is a nested tensor: not recorded") == 1 and "recording stopped" not in err, err
+    # `replay info` names them too: no verdict of this recording compares them.
+    from replay import api
+    from replay.cli.info_text import render_info
+
+    summary = api.info(open_recording(tmp_path / "r"))
+    assert summary.summary["unrecorded_fields"] == {"outputs.adj": "sparse_coo tensor", "outputs.parts": "nested tensor"}
+    assert "not recorded  outputs.adj (a sparse_coo tensor), outputs.parts (a nested tensor)" in render_info(summary)
 
 
 NESTED_OUTPUT = textwrap.dedent("""

@@ -226,9 +226,35 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
     _label_streams(part, out)
     if with_details:
+        out["unrecorded_fields"] = unrecorded_fields(part)
         out["tuner_differences"] = _tuner_differences(part)
         out["kernel_differences"] = _kernel_differences(part)
     return out
+
+
+def unrecorded_fields(part: Part) -> dict[str, str]:
+    """What the steps gave the recorder that it could not record (a nested or sparse output),
+    by field name, with its kind: no verdict compares them. Read from each distinct argument
+    text of each rank's steps that names them (``UNRECORDED_ARG``)."""
+    import json
+
+    from replay.core.structure import UNRECORDED_ARG
+
+    found: dict[str, str] = {}
+    for rf in part.values():
+        t = rf.tables
+        ids = t.steps["args"]
+        for sid in np.unique(ids[ids >= 0]).tolist():
+            text = t.string(int(sid))
+            if UNRECORDED_ARG not in text:
+                continue
+            try:
+                fields = json.loads(text).get(UNRECORDED_ARG)
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(fields, dict):
+                found.update({k: v for k, v in fields.items() if isinstance(k, str) and isinstance(v, str)})
+    return dict(sorted(found.items()))
 
 
 def verdict_line(summary: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     lines += _header(s)
     lines.append(_rank_table(s["ranks"]))
     lines += _stream_lines(s)
+    lines += _unrecorded_lines(s)
     lines += _rank_problems(s)
     lines += _divergence_lines(s)
     lines += _difference_lines(s)
@@ -84,6 +85,15 @@ def _where(d: dict[str, Any]) -> str:
     if d.get("stream") is None:
         return f"step {d['step']}"
     return f"step {d['step']} (stream {escape(str(d['stream']))}, its step {d.get('stream_step', '?')})"
+
+
+def _unrecorded_lines(s: dict[str, Any]) -> list[str]:
+    """Fields the recorder could not record: no verdict of this recording covers them."""
+    fields = s.get("unrecorded_fields") or {}
+    if not fields:
+        return []
+    named = ", ".join(f"{escape(k)} (a {escape(v)})" for k, v in fields.items())
+    return [f"not recorded  {named}: values that are not a dense array; no verdict compares them"]
 
 
 def _rank_problems(s: dict[str, Any]) -> list[str]:
