@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+# The step argument naming what the recorder could not record is defined with the format, which
+# ``info`` reads without torch.
+from replay.format.schema import UNRECORDED_ARG
+
 __all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "UNRECORDED_ARG", "MAX_OBJECT_BYTES", "unrecordable", "flatten_tensors", "flatten_object", "rebuild_inputs",
            "RecordedObject", "object_fields", "positional_names", "call_arguments"]
 
@@ -20,10 +24,6 @@ STRUCTURE_ARG = "__structure__"
 # The recorded arguments' reserved key naming, in order, the arguments a re-run passes by
 # position (``*args`` items as ``args.0``, ``args.1``, ...); absent when keywords do.
 POSITIONAL_ARG = "__positional__"
-# The step argument naming the tensors a step gave the recorder that it could not record
-# (``unrecordable``: a nested or sparse output), ``{"outputs.parts": "nested tensor"}``; a
-# re-run says they were not compared.
-UNRECORDED_ARG = "__unrecorded__"
 _MAX_NESTED = 1 << 16
 
 
