@@ -238,7 +238,7 @@ def unrecorded_fields(part: Part) -> dict[str, str]:
     text of each rank's steps that names them (``UNRECORDED_ARG``)."""
     import json
 
-    from replay.format.schema import UNRECORDED_ARG
+    from replay.core.argnames import UNRECORDED_ARG
 
     found: dict[str, str] = {}
     for rf in part.values():

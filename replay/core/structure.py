@@ -12,18 +12,12 @@ from typing import Any
 
 import torch
 
-# The step argument naming what the recorder could not record is defined with the format, which
-# ``info`` reads without torch.
-from replay.format.schema import UNRECORDED_ARG
+# The reserved keys of a step's recorded arguments live in a module without torch: ``info`` reads them.
+from replay.core.argnames import POSITIONAL_ARG, STRUCTURE_ARG, UNRECORDED_ARG
 
 __all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "UNRECORDED_ARG", "MAX_OBJECT_BYTES", "unrecordable", "flatten_tensors", "flatten_object", "rebuild_inputs",
            "RecordedObject", "object_fields", "positional_names", "call_arguments"]
 
-# The recorded arguments' reserved key holding the shape of nested tensor arguments.
-STRUCTURE_ARG = "__structure__"
-# The recorded arguments' reserved key naming, in order, the arguments a re-run passes by
-# position (``*args`` items as ``args.0``, ``args.1``, ...); absent when keywords do.
-POSITIONAL_ARG = "__positional__"
 _MAX_NESTED = 1 << 16
 
 

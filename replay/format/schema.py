@@ -26,13 +26,7 @@ if TYPE_CHECKING:
 else:
     torch = LazyModule("torch", globals())
 
-# The step argument naming the tensors a step gave the recorder that it could not record
-# (``unrecordable``: a nested or sparse output), ``{"outputs.parts": "nested tensor"}``; a
-# re-run says they were not compared, ``info`` names them.
-UNRECORDED_ARG = "__unrecorded__"
-
 __all__ = [
-    "UNRECORDED_ARG",
     "FORMAT_VERSION",
     "RANK_FILE_KIND",
     "TensorKind",
