@@ -376,7 +376,8 @@ def _relaunched_scan_one(a: _StreamBisect, lo: int, hi: int, res: StepsBisection
     res.notes.append(f"re-run inside the re-launched program (no factory): {'stream ' + a.stream + ', ' if a.stream else ''}"
                      f"steps {result.keyframe}..{hi} scanned in one launch")
     for note in result.notes:
-        if note.startswith(("started from the program's own state", "caught up from step 0")) and note not in res.notes:
+        if note.startswith(("started from the program's own state", "caught up from step 0", "restored the keyframes at steps")) \
+                and note not in res.notes:
             res.notes.append(note)
     if iv.departed is not None:
         res.unrecorded = list(result.unrecorded)  # as ``replay step`` says it: not evidence against the program alone

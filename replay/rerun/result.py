@@ -250,7 +250,18 @@ class StepRerun:
         each = " in each mode" if len(same) > 1 else ""
         raised = self._raised_kinds()
         also = f"; it raised {', '.join(raised)} as it did when recorded" if raised else ""
-        return f"reproduced: {where} re-ran bit for bit in {', '.join(same)} ({n} output(s) bitwise equal to the recording{each}){also}"
+        return (f"reproduced: {where} re-ran bit for bit in {', '.join(same)} ({n} output(s) bitwise equal to the "
+                f"recording{each}){also}{self._catch_up_caveat()}")
+
+    def _catch_up_caveat(self) -> str:
+        """The step matched, but a catch-up step before it did not: said in the verdict line, not
+        left to the body, since the state the step ran from was not the recorded one."""
+        off = [m for m in self.modes.values() if m.departed is not None]
+        if not off:
+            return ""
+        first = min((m.departed for m in off if m.departed is not None), key=lambda d: d.step)
+        return (f"; but catch-up {first} departed from the recording in {', '.join(m.mode for m in off)}: the steps "
+                f"before it did not all re-run as recorded")
 
     def to_json(self) -> dict[str, Any]:
         verdicts = [c.to_json() for c in self.comparisons]

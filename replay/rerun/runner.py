@@ -393,6 +393,7 @@ class Replayer:
         self.keyframe: int = 0
         self.uncompared: list[int] = []  # catch-up steps with no recorded output to compare with
         self.caught_up: list[int] = []  # the catch-up steps goto() ran (its stream's only)
+        self.restored_on_the_way: list[int] = []  # later keyframes goto() restored as it reached them
 
     def _compiled(self) -> str | None:
         """How torch.compile runs a function step in this mode (None: the Python function).
@@ -478,7 +479,15 @@ class Replayer:
         self.uncompared = []
         self.caught_up = []
         self.keyframe = kf_step
+        # Caught up past a later keyframe (a bisection's one launch from its first step): that
+        # keyframe is restored when reached, so each step starts from the state ``replay step``
+        # gives it; catch-up alone misses what the program did between steps (a buffer the loop
+        # changed, a cache it reordered), which the keyframe holds.
+        later = [] if live else [k for k in self.rf.keyframe_steps() if kf_step < k <= step]
+        self.restored_on_the_way = later
         for s in progress(range(kf_step, step), label=f"rank {self.rank} {self.mode}: steps {kf_step}..{step - 1}"):
+            if s in later:
+                self._restore(s)
             if self.stream is not None and stream_of(self.rf, s) != self.stream:
                 continue  # another model's step: it does not touch this one's state
             self.caught_up.append(s)
@@ -489,8 +498,17 @@ class Replayer:
                 self.departed = StepDeparture(s, bad)
             if not compared:
                 self.uncompared.append(s)  # incl. one that raised as recorded: compared with nothing
+        if step in later:
+            self._restore(step)
         self.position = step
         return self.departed
+
+    def _restore(self, step: int) -> None:
+        _, kf_state = self.keyframe_for(step)
+        kf_state = stream_state(self.rf, kf_state, self.stream)
+        if kf_state:
+            assert self.target is not None
+            self.target.load_state(kf_state)
 
     def _raise_if_catch_up_failed(self, s: int, step: int) -> None:
         """A catch-up step that raised leaves the state unknown: step ``step`` cannot be re-run.
@@ -666,6 +684,12 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
     if result.weights is None:
         result.weights = check_weights(rp.target)
     departed = rp.goto(step, keyframe_at=kf_step, progress=progress, live=live)
+    if rp.restored_on_the_way:
+        ks = rp.restored_on_the_way
+        shown = ", ".join(map(str, ks[:6])) + (f", ... ({len(ks)} in all)" if len(ks) > 6 else "")
+        note = f"restored the keyframes at steps {shown} as catch-up reached them, as `replay step` starts each of those steps"
+        if note not in result.notes:
+            result.notes.append(note)
     _note_scalars(rp.target, rp.keyframe, result)
     saved = rp.target.snapshot() if repeat > 1 else None
     outs = rp.run(step)
