@@ -83,3 +83,78 @@ def test_a_step_that_matches_after_a_catch_up_departure_says_so_in_its_verdict_l
     head = one.stdout.splitlines()[0]
     assert head.startswith("reproduced"), one.stdout + one.stderr[-2000:]
     assert "but catch-up step 1 (output.logits) departed from the recording in eager" in head, head
+
+
+# A draft and a target model in one loop, recorded as two streams; the environment changes the
+# target's weights (SCALE), compiles it (COMPILE) or skips one draft call (SKIP).
+_SPEC = """
+    import os, torch
+    torch.manual_seed(0)
+    class Draft(torch.nn.Module):
+        def __init__(self):
+            super().__init__(); self.lin = torch.nn.Linear(8, 16)
+        def forward(self, x):
+            return self.lin(x)
+    class Target(torch.nn.Module):
+        def __init__(self):
+            super().__init__(); self.lin = torch.nn.Linear(8, 16); self.out = torch.nn.Linear(16, 16)
+        def forward(self, x):
+            return self.out(self.lin(x).relu())
+    draft, target = Draft().eval(), Target().eval()
+    if os.environ.get("SCALE"):
+        with torch.no_grad():
+            target.out.weight.mul_(float(os.environ["SCALE"]))
+    if os.environ.get("COMPILE"):
+        target = torch.compile(target, backend=os.environ["COMPILE"])
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        for i in range(6):
+            d = draft(x) if not (os.environ.get("SKIP") and i == 3) else torch.zeros(1, 16)
+            t = target(x)
+            x = (d + t)[:, :8].tanh()
+"""
+
+
+def _record_spec(tmp: Path, name: str, **env: str) -> Path:
+    import os
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    out = tmp / name
+    p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--step", "spec:Draft", "--step", "spec:Target",
+                        "--out", str(out), "--", sys.executable, "spec.py"], cwd=tmp, env={**_env(), **env},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert os.path.isdir(out)
+    return out
+
+
+def test_diff_compares_each_model_of_a_loop_and_names_its_stream(tmp_path: Path) -> None:
+    """``replay diff`` of a draft-and-target loop: the target's changed weights are named with
+    its stream (before: "weights the same", only the first model's compared), the first
+    difference says which model's step it is, a compile backend given to the target only is
+    named (before: "config the same"), and a run that called its models in another order says
+    from which step the steps it pairs are of different models."""
+    _script(tmp_path, "spec", _SPEC)
+    a = _record_spec(tmp_path, "a")
+    scaled = _record_spec(tmp_path, "scaled", SCALE="1.001")
+    compiled = _record_spec(tmp_path, "compiled", COMPILE="aot_eager")
+    skipped = _record_spec(tmp_path, "skipped", SKIP="1")
+
+    d = _replay("diff", a, scaled, "--json", cwd=tmp_path)
+    assert d.returncode == 1, d.stdout + d.stderr[-2000:]
+    r = json.loads(d.stdout)
+    weights = next(c for c in r["other_differences"] if c["category"] == "weights")
+    assert [i["name"] for i in weights["items"]] == ["out.weight (stream target)"], weights
+    first = r["first_difference"]
+    assert (first["step"], first["model_stream"], first["model_stream_step"]) == (1, "target", 0), first
+    assert "step 1 (stream target, its step 0)" in r["headline"], r["headline"]
+
+    c = json.loads(_replay("diff", a, compiled, "--json", cwd=tmp_path).stdout)
+    config = next(x for x in c["other_differences"] if x["category"] == "config")
+    assert [i["name"] for i in config["items"]] == ["target.compile (stream target)"], config
+    assert "aot_eager" in str(config["items"][0]["b"]), config
+
+    s = json.loads(_replay("diff", a, skipped, "--json", cwd=tmp_path).stdout)
+    assert any("from step 6 the runs ran their models in another order (A draft, B target)" in n for n in s["notes"]), s["notes"]

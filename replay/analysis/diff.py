@@ -34,6 +34,7 @@ from replay.analysis.diff_records import (
 from replay.analysis.diff_sides import Side, open_sides
 from replay.analysis.diff_streams import Names, compare_stream, used_ids, within_tolerance
 from replay.analysis.divergence import computed_fields
+from replay.analysis.streams import step_streams
 from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_shape, whole_tensor
 from replay.format.reader import RankFile
 
@@ -125,7 +126,35 @@ class _PairJob:
 def _run_pair(job: _PairJob) -> tuple[StreamDiff, RankMeta, RankMeta, dict[str, Any] | None]:
     ra, rb = RankFile(job.dir_a, job.rank_a), RankFile(job.dir_b, job.rank_b)
     s = compare_stream(ra, rb, Names(), lambda n: n not in job.excluded, job.opts, job.same_layout)
+    _label_models(s, ra, rb)
     return s, rank_meta(ra), rank_meta(rb), first_numerics_difference(ra, rb)
+
+
+def _label_models(s: StreamDiff, ra: RankFile, rb: RankFile) -> None:
+    """Name the model (draft, target) of each first difference, and the first step the runs ran
+    different models at, when a loop runs several."""
+    steps_a, index_a, names_a = step_streams(ra)
+    if not names_a:
+        return
+    for f in (s.first, s.first_token, s.first_beyond_tolerance):
+        if f is None:
+            continue
+        at = np.flatnonzero(steps_a == f.step)
+        if at.size:
+            i = int(index_a[at[0]])
+            f.model, f.model_step = names_a[i], int(((index_a == i) & (steps_a < f.step)).sum())
+    steps_b, index_b, names_b = step_streams(rb)
+    if not names_b:
+        return
+    common, xa, xb = np.intersect1d(steps_a, steps_b, return_indices=True)
+    model_a = np.array(names_a, dtype=object)[index_a[xa]]
+    model_b = np.array(names_b, dtype=object)[index_b[xb]]
+    apart = np.flatnonzero(model_a != model_b)
+    if apart.size:
+        i = int(apart[0])
+        s.models_apart = (f"{s.name}: from step {int(common[i])} the runs ran their models in another order (A {model_a[i]}, "
+                          f"B {model_b[i]}): steps are paired by number, so from there a step of one model is compared "
+                          f"with a step of the other")
 
 
 # Rank files larger than this in all (bytes of .h5/.journal) are compared in parallel processes:
@@ -213,6 +242,7 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
                      opts=opts, same_layout=wa == wb) for x, y in pairs]
     done = _compare_pairs(jobs)
     streams = [s for s, _, _, _ in done]
+    notes += [s.models_apart for s in streams if s.models_apart]
     batching = _batching(streams[0], files[0])
     context = context_differences([(ma, mb) for _, ma, mb, _ in done], a.recording.manifest, b.recording.manifest,
                                   same_layout=wa == wb, numerics_per_step=next((n for *_, n in done if n), None))
@@ -347,10 +377,10 @@ def _different_headline(rd: RunDiff) -> str:
     assert rd.first is not None
     s, f = rd.first
     steps = sum(x.differing_steps for x in rd.streams if x is s)
-    text = f"different: {s.name} step {f.step}: {f.field} first differs; {steps} of {s.facts.common.size} steps differ"
+    text = f"different: {s.name} {f.where}: {f.field} first differs; {steps} of {s.facts.common.size} steps differ"
     if rd.first_token is not None:
         t = rd.first_token[1]
-        text += f"; first token divergence step {t.step} ({t.field}, smallest top-2 margin of its rows A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
+        text += f"; first token divergence {t.where} ({t.field}, smallest top-2 margin of its rows A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
     elif any(x.token_fields for x in rd.streams):
         text += "; no token divergence"
     else:

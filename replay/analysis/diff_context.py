@@ -107,19 +107,53 @@ def _target(rf: RankMeta) -> dict[str, Any]:
     return t if isinstance(t, dict) else {}
 
 
+def _models(m: RankMeta) -> dict[str | None, dict[str, Any]]:
+    """The target info of each model of a loop that runs several (draft and target), by stream
+    name, each with the part's entries under its own; {None: the target info} for one model.
+    The part's top-level entries are its first model's only: compared alone, a second model's
+    weights or compile settings would go unseen."""
+    t = _target(m)
+    streams = t.get("streams")
+    if not isinstance(streams, dict) or len(streams) < 2:
+        return {None: t}
+    return {str(k): {**t, **v} for k, v in streams.items() if isinstance(v, dict)}
+
+
+def _by_model(pairs: list[tuple[RankMeta, RankMeta]]) -> list[tuple[str | None, list[tuple[dict[str, Any], dict[str, Any]]]]]:
+    """(model name, [(A's target info of it, B's), per rank pair]) for each model both runs
+    have; a model only one run has is (name, []) so the caller can say so."""
+    names: list[str | None] = []
+    for a, b in pairs:
+        for n in [*_models(a), *_models(b)]:
+            if n not in names:
+                names.append(n)
+    out = []
+    for n in names:
+        both = [(_models(a).get(n), _models(b).get(n)) for a, b in pairs]
+        out.append((n, [(x, y) for x, y in both if x is not None and y is not None]))
+    return out
+
+
+def _of_model(name: str, model: str | None) -> str:
+    return name if model is None else f"{name} (stream {model})"
+
+
 def _capped(cat: Category, items: list[dict[str, Any]], note: str = "") -> ContextDiff:
     return ContextDiff(category=cat, items=items[:_CAP], count=len(items), note=note)
 
 
 def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> ContextDiff:
-    wa = [_target(a).get("weights") for a, _ in pairs]
-    wb = [_target(b).get("weights") for _, b in pairs]
-    have_a = all(isinstance(w, dict) and w for w in wa)
-    have_b = all(isinstance(w, dict) and w for w in wb)
-    if not have_a or not have_b:
-        which = "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
-        return ContextDiff(category=Category.WEIGHTS, compared=False, note=f"weights not recorded in {which}")
-    merged = _digest_items(pairs, wa, wb)
+    merged: list[dict[str, Any]] = []
+    for model, infos in _by_model(pairs):
+        wa = [ta.get("weights") for ta, _ in infos]
+        wb = [tb.get("weights") for _, tb in infos]
+        have_a = bool(infos) and all(isinstance(w, dict) and w for w in wa)
+        have_b = bool(infos) and all(isinstance(w, dict) and w for w in wb)
+        if not have_a or not have_b:
+            which = "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
+            return ContextDiff(category=Category.WEIGHTS, compared=False,
+                               note=f"weights not recorded in {which}" + (f" for stream {model}" if model else ""))
+        merged += [{**it, "name": _of_model(it["name"], model)} for it in _digest_items(pairs, wa, wb)]
     if same_layout:
         return _capped(Category.WEIGHTS, merged)
     if not merged:
@@ -133,13 +167,17 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
 def _buffers(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> ContextDiff:
     """Buffers as they were when each run's first step was recorded: a quantised model's weights
     (int8 and scales), and state such as caches."""
-    ba = [_target(a).get("buffers") for a, _ in pairs]
-    bb = [_target(b).get("buffers") for _, b in pairs]
-    if not all(isinstance(x, dict) for x in ba + bb):
-        return ContextDiff(category=Category.BUFFERS, compared=False, note="buffers not recorded in both runs")
     if not same_layout:
         return ContextDiff(category=Category.BUFFERS, compared=False, note="digests are per shard: not compared across layouts")
-    return _capped(Category.BUFFERS, _digest_items(pairs, ba, bb), "as at each run's first recorded step")
+    items: list[dict[str, Any]] = []
+    for model, infos in _by_model(pairs):
+        ba = [ta.get("buffers") for ta, _ in infos]
+        bb = [tb.get("buffers") for _, tb in infos]
+        if not infos or not all(isinstance(x, dict) for x in ba + bb):
+            return ContextDiff(category=Category.BUFFERS, compared=False,
+                               note="buffers not recorded in both runs" + (f" for stream {model}" if model else ""))
+        items += [{**it, "name": _of_model(it["name"], model)} for it in _digest_items(pairs, ba, bb)]
+    return _capped(Category.BUFFERS, items, "as at each run's first recorded step")
 
 
 def _digest_items(pairs: list[tuple[RankMeta, RankMeta]], da: list[dict[str, Any]], db: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -202,16 +240,37 @@ def _merge_ranks(items: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str,
 
 
 def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
-    ta, tb = _target(a), _target(b)
-    ca, cb = ta.get("config"), tb.get("config")
-    if ca is None and cb is None:
-        ca, cb = a.attrs.get("config"), b.attrs.get("config")
-    if ca is None and cb is None:
+    """Each model's config, and how it was called: its factory, its step, and the arguments of
+    ``torch.compile`` (another backend or mode computes otherwise)."""
+    items: list[dict[str, Any]] = []
+    configs = False
+    for n, (model, infos) in enumerate(_by_model([(a, b)])):
+        if not infos:
+            side = "A" if model in _models(a) else "B"
+            items.append({"name": _of_model("target", model), "a": "recorded" if side == "A" else "absent",
+                          "b": "recorded" if side == "B" else "absent"})
+            continue
+        ta, tb = infos[0]
+        ca, cb = ta.get("config"), tb.get("config")
+        if ca is None and cb is None and n == 0:  # the part's config: its first model's
+            ca, cb = a.attrs.get("config"), b.attrs.get("config")
+        if ca is not None or cb is not None:
+            configs = True
+            items += [{**it, "name": _of_model(it["name"], model)} for it in
+                      _dict_diff(ca if isinstance(ca, dict) else {"config": ca}, cb if isinstance(cb, dict) else {"config": cb})]
+        for k in ("factory", "step"):
+            if ta.get(k) != tb.get(k):
+                items.append({"name": _of_model(f"target.{k}", model), "a": _short(ta.get(k)), "b": _short(tb.get(k))})
+        ka, kb = ta.get("compile") or {}, tb.get("compile") or {}
+        if ka != kb:
+            if not ka or not kb:
+                items.append({"name": _of_model("target.compile", model), "a": _short(ka) if ka else "not compiled",
+                              "b": _short(kb) if kb else "not compiled"})
+            else:
+                items += [{**it, "name": _of_model(f"target.{it['name']}", model)}
+                          for it in _dict_diff({"compile": ka}, {"compile": kb})]
+    if not configs and not items:
         return ContextDiff(category=Category.CONFIG, compared=False, note="no target config recorded")
-    items = _dict_diff(ca if isinstance(ca, dict) else {"config": ca}, cb if isinstance(cb, dict) else {"config": cb})
-    for k in ("factory", "step"):
-        if ta.get(k) != tb.get(k):
-            items.append({"name": f"target.{k}", "a": _short(ta.get(k)), "b": _short(tb.get(k))})
     return _capped(Category.CONFIG, items)
 
 

@@ -128,10 +128,20 @@ class FirstDifference:
     margin_b: float | None = None
     comparison: dict[str, Any] | None = None  # compare_tensors' verdict, when both tensors were kept
     note: str = ""
+    # The model of the step, when a loop runs several (draft and target): its name and the
+    # step's index among that model's steps in run A, as ``replay info`` numbers them.
+    model: str | None = None
+    model_step: int | None = None
+
+    @property
+    def where(self) -> str:
+        """"step 9" or "step 9 (stream draft, its step 4)"."""
+        return f"step {self.step}" + (f" (stream {self.model}, its step {self.model_step})" if self.model is not None else "")
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "field": self.field, "digest_a": self.digest_a, "digest_b": self.digest_b,
-                "margin_a": self.margin_a, "margin_b": self.margin_b, "comparison": self.comparison, "note": self.note}
+                "margin_a": self.margin_a, "margin_b": self.margin_b, "comparison": self.comparison, "note": self.note,
+                "model_stream": self.model, "model_stream_step": self.model_step}
 
 
 @dataclass(slots=True)
@@ -153,6 +163,9 @@ class StreamDiff:
     same_layout: bool = True  # both runs have as many ranks: rank r is named once
     by_field: dict[str, int] = field(default_factory=dict)  # field -> steps at which it differs (the most first)
     token_fields: bool = True  # a token field was recorded (else no token divergence can be claimed)
+    # The first common step the two runs ran with different models (A's draft where B's target):
+    # steps are paired by number, so from there one model's step is compared with the other's.
+    models_apart: str = ""
 
     @property
     def name(self) -> str:

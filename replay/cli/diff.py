@@ -81,7 +81,7 @@ def _margins(f: dict[str, Any] | Any) -> str:
 
 
 def _where(f: Any) -> str:
-    return "-" if f is None else f"step {f.step} {_e(f.field)}"
+    return "-" if f is None else f"{f.where} {_e(f.field)}"
 
 
 def _comparison_line(f: Any, bitwise: bool = False) -> str:
@@ -149,12 +149,12 @@ def _stream_lines(r: RunDiff) -> list[str]:
         s, f = r.first
         detail = _comparison_line(f, bitwise=r.tolerance == "bitwise")
         if detail:
-            lines.append(f"at the first difference ({s.name}, step {f.step}, {_e(f.field)}): {detail}")
+            lines.append(f"at the first difference ({s.name}, {f.where}, {_e(f.field)}): {detail}")
     lines += _field_groups(r)
     for s in r.streams:
         if s.first_beyond_tolerance is not None:
             f = s.first_beyond_tolerance
-            lines.append(f"{s.name}: first beyond tolerance at step {f.step} {_e(f.field)}: {_comparison_line(f)}")
+            lines.append(f"{s.name}: first beyond tolerance at {f.where} {_e(f.field)}: {_comparison_line(f)}")
         lines += [f"{s.name}: {_e(reason)}" for reason in s.reasons]
     return lines
 
