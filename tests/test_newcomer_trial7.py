@@ -158,3 +158,87 @@ def test_diff_compares_each_model_of_a_loop_and_names_its_stream(tmp_path: Path)
 
     s = json.loads(_replay("diff", a, skipped, "--json", cwd=tmp_path).stdout)
     assert any("from step 6 the runs ran their models in another order (A draft, B target)" in n for n in s["notes"]), s["notes"]
+
+
+# The program picks its torch.compile backend from the environment; it sets a variable of its own.
+_COMPILED_BY_ENV = """
+    import os, torch
+    os.environ["MY_ENGINE_MODE"] = "fast"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)).eval()
+    step = torch.compile(model, backend=os.environ.get("BACKEND", "eager"))
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        for i in range(5):
+            y = step(x)
+            x = y[:, :8].tanh()
+"""
+
+
+def test_a_compiled_step_is_compiled_again_as_recorded_and_led_by_its_recorded_mode(tmp_path: Path) -> None:
+    """Recorded with BACKEND=aot_eager, re-run where BACKEND is not set: the compiled mode runs
+    the recorded backend (before: the re-launched program's own, 'eager'), says so, comes first
+    in the verdict, and a variable the program set itself is not called a difference of the
+    environment (before: 'MY_ENGINE_MODE (not set here)')."""
+    import os
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "comp", _COMPILED_BY_ENV)
+    rec = tmp_path / "rec"
+    p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(rec), "--", sys.executable, "comp.py"],
+                       cwd=tmp_path, env={**_env(), "BACKEND": "aot_eager"}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and os.path.isdir(rec), p.stderr[-2000:]
+    s = _replay("step", rec, "--step", 2, "--no-save", "--json", cwd=tmp_path)
+    assert s.returncode == 0, s.stdout + s.stderr[-2000:]
+    r = json.loads(s.stdout)
+    assert list(r["modes"]) == ["compiled", "eager"], list(r["modes"])
+    assert "backend='aot_eager'" in r["modes"]["compiled"]["ran_as"], r["modes"]["compiled"]
+    assert any("called torch.compile with backend='eager'; compiled again as recorded" in n for n in r["notes"]), r["notes"]
+    assert r["env_differences"] == ["BACKEND (not set here)"], r["env_differences"]
+
+
+# The loop grows the model's cache buffer between steps (a new, longer tensor each step).
+_GROW = """
+    import torch
+    torch.manual_seed(0)
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.register_buffer("cache", torch.zeros(1, 8))
+        def forward(self, x, pos):
+            return self.lin(x + self.cache[pos])
+    model = Decoder().eval()
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        for i in range(8):
+            y = model(x, i)
+            model.cache = torch.cat([model.cache, y])
+            x = y.tanh()
+"""
+
+
+def test_a_cache_the_loop_grows_is_restored_from_a_keyframe_and_a_catch_up_says_what_to_record(tmp_path: Path) -> None:
+    """A keyframe of a buffer the loop grows is set in place of the program's shorter one (before:
+    "was the target built from another config?", with no factory); a step that then raises
+    after catch-up, and a catch-up step that raises, name ``--keyframe-every 1``; with it, every
+    step reproduces."""
+    _script(tmp_path, "grow", _GROW)
+    none, _ = _record(tmp_path, "grow")
+    caught = _replay("step", none, "--step", 4, "--no-save", cwd=tmp_path)
+    assert caught.returncode == 7, caught.stdout + caught.stderr[-2000:]
+    assert "catch-up step 1 raised IndexError" in caught.stderr and "--keyframe-every 1" in caught.stderr, caught.stderr[-2000:]
+
+    every3 = tmp_path / "every3"
+    _replay("record", "--quiet", "--keyframe-every", 3, "--out", every3, "--", sys.executable, "grow.py", cwd=tmp_path)
+    raised = _replay("step", every3, "--step", 4, "--no-save", cwd=tmp_path)
+    assert raised.returncode == 7, raised.stdout + raised.stderr[-2000:]
+    assert raised.stdout.startswith("not compared: rank 0 step 4: eager: step 4 raised IndexError"), raised.stdout
+    assert "another config" not in raised.stdout + raised.stderr and "--keyframe-every 1" in raised.stdout, raised.stdout
+
+    every1 = tmp_path / "every1"
+    _replay("record", "--quiet", "--keyframe-every", 1, "--out", every1, "--", sys.executable, "grow.py", cwd=tmp_path)
+    ok = _replay("step", every1, "--step", 5, "--no-save", cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-2000:]

@@ -203,7 +203,12 @@ def _error_line(r: StepRerun, m: ModeRun) -> str:
         return style(f"  {m.mode}: step {r.step} raised {escape(kind)}, as it did when recorded: {escape(m.recorded_error)}", fg="yellow")
     what = f"raised {escape(m.error)}" if m.error else "completed"
     rec = f"raised {escape(m.recorded_error)}" if m.recorded_error else "completed"
-    return style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}", fg="red")
+    # Raised after a catch-up where it completed when recorded: what it read was not there,
+    # most often state the loop changes between steps, which only a keyframe at the step holds.
+    hint = ("; if the program changes its state between steps (a cache it grows or reorders, a counter), record with "
+            "--keyframe-every 1 so each step starts from its own keyframe") if (
+        m.error and not m.recorded_error and m.caught_up and r.keyframe < r.step and not r.unrecorded) else ""
+    return style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}{hint}", fg="red")
 
 
 def _verdict_table(r: StepRerun) -> list[str]:

@@ -49,6 +49,10 @@ def module_name(mod: str) -> str:
 # a program that calls os.chdir() before its loop is still re-launched from where it started
 # (its argv names the script relative to this).
 _START_CWD = os.getcwd()
+# The environment it was started with, taken then for the same reason: a re-launch is compared
+# with what the program started with, not with what it or torch set since (torch.compile sets
+# TORCHINDUCTOR_CACHE_DIR; a program may set its own variables), which a re-launch sets again.
+_START_ENV = env_digests(os.environ)
 
 
 def launch_info() -> dict[str, Any]:
@@ -62,7 +66,7 @@ def launch_info() -> dict[str, Any]:
         "main_file": os.path.abspath(f) if f else None,
         "main_name": main_name(),
         "env_numerics": numerics.env_numerics(),
-        "env_digests": env_digests(os.environ),  # names and value digests, never values
+        "env_digests": dict(_START_ENV),  # names and value digests, never values
         # A program's ``multiprocessing`` workers run the same script: a re-run takes over the
         # one of this name ("SpawnProcess-1"), not whichever calls the step first.
         "process_name": _process_name(),

@@ -563,7 +563,11 @@ class _Takeover:
             args_json = recorded_args(rf, self.spec.step)
             holder = next((k for k, v in args_json.items() if isinstance(v, dict) and v.get("target")), None)
             obj = live.get(holder) if holder else None
-        compile_kwargs = dict(getattr(fn, "_replay_compile_kwargs", None) or self.compile_kwargs or spec.compile)
+        # Compiled again as recorded: the re-launched program may pass torch.compile other
+        # arguments (a backend chosen by a variable not set here), which compute otherwise.
+        relaunched_kwargs = dict(getattr(fn, "_replay_compile_kwargs", None) or self.compile_kwargs)
+        compile_kwargs = dict(spec.compile or relaunched_kwargs)
+        other_compile = bool(spec.compile) and bool(relaunched_kwargs) and relaunched_kwargs != dict(spec.compile)
         spec.compile = compile_kwargs
         if compile_kwargs and kind is StepKind.FUNCTION:
             kind = StepKind.COMPILED
@@ -587,6 +591,9 @@ class _Takeover:
                                 spec=spec, stream=self.spec.stream, keyframe_at=self.spec.keyframe_at,
                                 live_from=self.spec.take_at or None)
         result = rerun_step(self.part, self.spec.rank, self.spec.step, settings)
+        if other_compile:
+            result.notes.append(f"the re-launched program called torch.compile with {_kwargs_text(relaunched_kwargs)}; "
+                                f"compiled again as recorded, with {_kwargs_text(compile_kwargs)}")
         result.notes.append("re-run inside the re-launched program (no factory): its objects at the step's first call, "
                             "state and RNG from the recording" if not self.spec.take_at else
                             "re-run inside the re-launched program (no factory): its objects and state as the program "
@@ -629,3 +636,7 @@ def recorded_args(rf: Any, step: int) -> dict[str, Any]:
     except (ValueError, KeyError):
         return {}
     return args if isinstance(args, dict) else {}
+
+
+def _kwargs_text(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items()) if v is not None) or "no arguments"

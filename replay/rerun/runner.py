@@ -394,6 +394,7 @@ class Replayer:
         self.uncompared: list[int] = []  # catch-up steps with no recorded output to compare with
         self.caught_up: list[int] = []  # the catch-up steps goto() ran (its stream's only)
         self.restored_on_the_way: list[int] = []  # later keyframes goto() restored as it reached them
+        self.live_start = False  # goto() started from the program's own state, restoring no keyframe
 
     def _compiled(self) -> str | None:
         """How torch.compile runs a function step in this mode (None: the Python function).
@@ -479,6 +480,7 @@ class Replayer:
         self.uncompared = []
         self.caught_up = []
         self.keyframe = kf_step
+        self.live_start = live
         # Caught up past a later keyframe (a bisection's one launch from its first step): that
         # keyframe is restored when reached, so each step starts from the state ``replay step``
         # gives it; catch-up alone misses what the program did between steps (a buffer the loop
@@ -521,9 +523,20 @@ class Replayer:
         if not view.ok and err.split(":")[0] == view.reason.split(":")[0]:
             return
         when = "completed" if view.ok else f"raised {view.reason}"
+        kf = self.rf.keyframe(self.keyframe)
+        restored = kf is not None and kf[0] == self.keyframe and not self.live_start
+        start = (f"the keyframe at step {self.keyframe}" if restored else
+                 f"step {self.keyframe} (no keyframe there: the program's own state)")
+        # A step that completed when recorded raises when caught up to: what it read was not
+        # there, most often state the program changed between steps, which only a keyframe at
+        # each step holds (none to offer when the step has its own keyframe already).
+        own = self.rf.keyframe(s)
+        hint = ("; if the program changes its state between steps (a cache it grows or reorders, a counter), "
+                "record with --keyframe-every 1 so each step starts from its own keyframe"
+                if view.ok and s > self.keyframe and (own is None or own[0] != s) else "")
         raise CatchUpRaised(
             f"rank {self.rank} ({self.mode}): catch-up step {s} raised {err} in the re-run (when recorded it {when}); "
-            f"step {step} cannot be re-run from the keyframe at step {self.keyframe}",
+            f"step {step} cannot be re-run from {start}{hint}",
             step=s, keyframe=self.keyframe,
         )
 
@@ -671,6 +684,9 @@ def rerun_step(
         run.seconds = time.perf_counter() - t0
         result.modes[rp.mode] = run
     _compare_across(result, part, rank, step, modes)
+    if first.spec.kind is StepKind.COMPILED and "compiled" in result.modes:
+        # Recorded compiled: the verdict line and the tables lead with the mode it ran in.
+        result.modes = {"compiled": result.modes["compiled"], **result.modes}
     if first.rf.keyframe(step) is None:
         result.notes.append(NO_KEYFRAME_NOTE)
     return result
@@ -787,7 +803,7 @@ def default_modes(part: Part, rank: int, step: int, device: str, *, relaunch: bo
         # engine's does): its factory rebuilds it with cudagraph on, so compare both.
         return ["eager", "cudagraph"]
     if spec.kind is StepKind.COMPILED and (spec.compile or relaunch):
-        return ["eager", "compiled"]
+        return ["eager", "compiled"]  # eager first: an error it meets is plain (Dynamo wraps one in compiled)
     return ["eager"]
 
 

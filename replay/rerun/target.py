@@ -238,11 +238,30 @@ class Target:
         for name, t in tensors.items():
             dst = live[name]
             if dst.shape != t.shape or dst.dtype != t.dtype:
-                raise RerunError(
-                    f"state {name!r}: recorded {tuple(t.shape)} {t.dtype}, rebuilt {tuple(dst.shape)} {dst.dtype}; "
-                    "was the target built from another config?"
-                )
+                if self._replace(name, dst, t):
+                    continue
+                why = ("the program changes its shape between steps (a cache it grows or replaces), and this tensor "
+                       "cannot be replaced here" if self.own_objects else "was the target built from another config?")
+                raise RerunError(f"state {name!r}: recorded {tuple(t.shape)} {t.dtype}, "
+                                 f"{'the program has' if self.own_objects else 'rebuilt'} {tuple(dst.shape)} {dst.dtype}; {why}")
             dst.copy_(t.to(dst.device))
+
+    def _replace(self, name: str, dst: torch.Tensor, recorded: torch.Tensor) -> bool:
+        """The program's own module whose buffer (or tensor attribute) the loop grows or swaps
+        between steps: set the recorded tensor in its place, as the program would have. Not for a
+        rebuilt target (another shape there is another config) nor an engine that captured its
+        own CUDA graphs (they read the old tensor's memory)."""
+        if not self.own_objects or not isinstance(self.obj, torch.nn.Module) or callable(getattr(self.obj, "capture_graphs", None)):
+            return False
+        owner_path, _, leaf = name.rpartition(".")
+        try:
+            owner = self.obj.get_submodule(owner_path) if owner_path else self.obj
+        except AttributeError:
+            return False
+        if getattr(owner, leaf, None) is not dst:
+            return False
+        setattr(owner, leaf, recorded.to(dst.device).clone())
+        return True
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         snap = {k: v.detach().clone() for k, v in self.state().items()}
