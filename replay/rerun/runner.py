@@ -459,6 +459,7 @@ class Replayer:
             self._ctx.enter_context(installed_probes(self.spec.probes, self._driver.probe_sink, self.spec.imports))
         if self.mode == "cudagraph":
             target.prepare()
+            target.replaceable_state = False  # a captured graph reads a tensor's memory: never swap one
         self.target = target
         return target
 

@@ -164,6 +164,9 @@ class Target:
         # The recorded program's own objects (a re-launched program), not a rebuilt target: its
         # scalars that looked like configuration are set back to their recorded values too.
         self.own_objects = False
+        # Whether a keyframe tensor of another shape may replace the program's own (not once CUDA
+        # graphs may have captured the old one's memory).
+        self.replaceable_state = True
 
     def state(self) -> dict[str, torch.Tensor]:
         if self.obj is None:
@@ -251,7 +254,8 @@ class Target:
         between steps: set the recorded tensor in its place, as the program would have. Not for a
         rebuilt target (another shape there is another config) nor an engine that captured its
         own CUDA graphs (they read the old tensor's memory)."""
-        if not self.own_objects or not isinstance(self.obj, torch.nn.Module) or callable(getattr(self.obj, "capture_graphs", None)):
+        if (not self.own_objects or not self.replaceable_state or not isinstance(self.obj, torch.nn.Module)
+                or callable(getattr(self.obj, "capture_graphs", None))):
             return False
         owner_path, _, leaf = name.rpartition(".")
         try:
