@@ -242,3 +242,51 @@ def test_a_cache_the_loop_grows_is_restored_from_a_keyframe_and_a_catch_up_says_
     _replay("record", "--quiet", "--keyframe-every", 1, "--out", every1, "--", sys.executable, "grow.py", cwd=tmp_path)
     ok = _replay("step", every1, "--step", 5, "--no-save", cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-2000:]
+
+
+# An engine whose step is ``async def``, driven by asyncio (as a serving loop is).
+_ASYNC = """
+    import asyncio, sys, torch
+    torch.manual_seed(0)
+    class Engine:
+        def __init__(self):
+            self.model = torch.nn.Linear(8, 8).eval()
+        async def step(self, x):
+            await asyncio.sleep(float(sys.argv[1]))
+            with torch.no_grad():
+                return self.model(x)
+    async def main():
+        eng = Engine()
+        x = torch.randn(1, 8)
+        for i in range(5):
+            y = await eng.step(x)
+            x = y.tanh()
+        print("sum", float(x.sum()))
+    asyncio.run(main())
+"""
+
+
+def test_an_async_step_is_recorded_when_awaited_and_re_run(tmp_path: Path) -> None:
+    """``--step mod:Engine.step`` naming an ``async def``: its outputs are recorded when the
+    program awaits it (before: a coroutine, no output recorded, and info still offered
+    ``replay step``), a re-run runs the coroutine and reproduces the step; one that waits on a
+    real future inside the program's loop is refused in one line, never called reproduced."""
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "asy", _ASYNC)
+    plain = subprocess.run([sys.executable, "asy.py", "0"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    recs = {}
+    for name, delay in (("bare", "0"), ("io", "0.001")):
+        recs[name] = tmp_path / name
+        p = _replay("record", "--quiet", "--step", "asy:Engine.step", "--out", recs[name], "--", sys.executable, "asy.py", delay,
+                    cwd=tmp_path)
+        assert p.returncode == 0 and p.stdout == plain.stdout, p.stdout + p.stderr[-2000:]
+    info = json.loads(_replay("info", recs["bare"], "--json", cwd=tmp_path).stdout)
+    assert info["output_fields"] and info["ranks"][0]["steps"] == 5, info
+    ok = _replay("step", recs["bare"], "--step", 2, "--no-save", cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-2000:]
+    io = _replay("step", recs["io"], "--step", 2, "--no-save", cwd=tmp_path)
+    assert io.returncode != 0 and "Traceback" not in io.stderr, io.stdout + io.stderr[-2000:]
+    assert "the async step waits on Future" in io.stderr and "reproduced" not in io.stdout, io.stdout + io.stderr[-2000:]

@@ -690,14 +690,41 @@ class Session(GraphEvents):
                          after_call: Callable[[], None] | None = None,
                          written: Callable[[], dict[str, tuple[torch.Tensor, int | None]]] | None = None) -> Any:
         self._step_replays = 0
+        if inspect.iscoroutinefunction(fn):
+            # ``async def step``: the call makes a coroutine; the step runs, and ends, when the
+            # program awaits it. Begun here, at the call, as a plain step is.
+            return self._awaited_and_recorded(spec, fn(*args, **kwargs), rec, obj, after_call, written)
         try:
             out = fn(*args, **kwargs)
         except BaseException as e:
-            if after_call is not None:
-                self._safely(after_call)
-            rec.end_step(error=e)
-            rec.flush_ring(f"step raised {e.__class__.__name__}")
+            self._step_raised(e, rec, after_call)
             raise
+        return self._record_result(spec, out, rec, obj, after_call, written)
+
+    async def _awaited_and_recorded(self, spec: StepSpec, coro: Any, rec: Recorder, obj: Any,
+                                    after_call: Callable[[], None] | None,
+                                    written: Callable[[], dict[str, tuple[torch.Tensor, int | None]]] | None) -> Any:
+        # Steps other coroutines call while this one is awaited are not recorded: one rank's
+        # steps are one sequence (as nested steps are not).
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            out = await coro
+        except BaseException as e:
+            self._step_raised(e, rec, after_call)
+            raise
+        finally:
+            self._local.depth -= 1
+        return self._record_result(spec, out, rec, obj, after_call, written)
+
+    def _step_raised(self, e: BaseException, rec: Recorder, after_call: Callable[[], None] | None) -> None:
+        if after_call is not None:
+            self._safely(after_call)
+        rec.end_step(error=e)
+        rec.flush_ring(f"step raised {e.__class__.__name__}")
+
+    def _record_result(self, spec: StepSpec, out: Any, rec: Recorder, obj: Any, after_call: Callable[[], None] | None,
+                       written: Callable[[], dict[str, tuple[torch.Tensor, int | None]]] | None) -> Any:
+        """Everything recorded after the step returned ``out``: its outputs, then the step's end."""
         if after_call is not None and not self._safely(after_call):
             return out
         try:

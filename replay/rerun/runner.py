@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import json
 import time
 from dataclasses import dataclass, field
@@ -250,6 +252,8 @@ class _StepDriver:
             self.context_differences = numerics.differences(recorded, numerics.capture()) if recorded else []
             self.context_differences += [f"{n}: could not be set here" for n in failed]
             out = self._invoke(fn, step, {**inputs, **args})
+            if inspect.iscoroutine(out):
+                out = _run_coroutine(out, step)
         if self.collectives is not None:
             self.collectives.end_step()
         fields = _recorded_fields(self.rf, step)
@@ -260,6 +264,29 @@ class _StepDriver:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         return {k: local_tensor(v).detach().to("cpu", copy=True) for k, v in outs.items()}
+
+
+def _run_coroutine(coro: Any, step: int) -> Any:
+    """An ``async def`` step's coroutine, run to its end. Inside the program's running event
+    loop (a re-launch takes the step at its call) it is stepped by hand: a step that awaits
+    only bare yields (``asyncio.sleep(0)``) runs; one that waits on I/O or another task cannot."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(coro)
+        finally:
+            loop.close()
+    try:
+        while True:
+            waits_on = coro.send(None)
+            if waits_on is not None:
+                coro.close()
+                raise RerunError(f"step {step}: the async step waits on {type(waits_on).__name__} (I/O or another task), "
+                                 "which a re-run inside the program's event loop cannot wait for")
+    except StopIteration as done:
+        return done.value
 
 
 def _named_outputs(out: Any, names: tuple[str, ...], recorded: dict[str, int]) -> dict[str, torch.Tensor]:
