@@ -290,3 +290,42 @@ def test_an_async_step_is_recorded_when_awaited_and_re_run(tmp_path: Path) -> No
     io = _replay("step", recs["io"], "--step", 2, "--no-save", cwd=tmp_path)
     assert io.returncode != 0 and "Traceback" not in io.stderr, io.stdout + io.stderr[-2000:]
     assert "the async step waits on Future" in io.stderr and "reproduced" not in io.stdout, io.stdout + io.stderr[-2000:]
+
+
+# A loop over a torch.jit.script'ed model, and the same model called through a Python function.
+_SCRIPTED = """
+    import sys, torch
+    torch.manual_seed(0)
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__(); self.lin = torch.nn.Linear(8, 8)
+        def forward(self, x):
+            return self.lin(x).relu()
+    def decode(m, x):
+        return m(x)
+    m = torch.jit.script(M().eval())
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        for i in range(6):
+            x = decode(m, x) if sys.argv[1:] == ["function"] else m(x)
+"""
+
+
+def test_a_torchscript_model_is_named_as_such_and_the_function_that_calls_it_is_recorded(tmp_path: Path) -> None:
+    """No flags, or ``--step`` naming the ScriptModule class: one line says it is TorchScript and
+    what to name instead (before: "name the step with --step MODULE:QUALNAME", then an internal
+    "'_CachedForward' object has no attribute" for the name it suggested); the Python function
+    that calls it is recorded and reproduces."""
+    _script(tmp_path, "scripted", _SCRIPTED)
+    for flags in ([], ["--step", "torch.jit._script:RecursiveScriptModule"]):
+        out = tmp_path / f"rec{len(flags)}"
+        p = _replay("record", "--out", out, *flags, "--", sys.executable, "scripted.py", cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "TorchScript (torch.jit.script or trace), whose forward runs no Python" in p.stderr, p.stderr[-2000:]
+        assert "--step MODULE:FUNCTION" in p.stderr and "_CachedForward" not in p.stderr, p.stderr[-2000:]
+    rec = tmp_path / "fn"
+    p = _replay("record", "--quiet", "--step", "scripted:decode", "--out", rec, "--", sys.executable, "scripted.py", "function",
+                cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ok = _replay("step", rec, "--step", 3, "--no-save", cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-2000:]

@@ -363,6 +363,24 @@ def _unreported_line(step: str, c: dict[str, Any], held: int) -> str:
                      "forked child ends, or a kill); to record another"))
 
 
+# What a TorchScript module (torch.jit.script, torch.jit.trace) is called as: its forward runs
+# in the TorchScript interpreter, no Python frame the recorder can wrap.
+TORCHSCRIPT_HINT = ("TorchScript (torch.jit.script or trace), whose forward runs no Python that replay can record: name the "
+                    "Python function that calls the model with --step MODULE:FUNCTION, or record the model before it "
+                    "is scripted")
+
+
+def is_torchscript(step: str) -> bool:
+    return step.startswith("torch.jit.")
+
+
+def _torchscript_seen(seen: Counter[str]) -> str:
+    from replay.textsafe import escape
+
+    ts = [k for k in seen if is_torchscript(k)]
+    return f"; {', '.join(escape(k) for k in ts[:3])} {'is' if len(ts) == 1 else 'are'} {TORCHSCRIPT_HINT}" if ts else ""
+
+
 def _nothing_found(seen: Counter[str], chosen: str | None = None, direct: bool = False) -> str:
     from replay.textsafe import escape
 
@@ -381,7 +399,10 @@ def _nothing_found(seen: Counter[str], chosen: str | None = None, direct: bool =
                 f" outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME")
     if seen:
         most = ", ".join(f"{escape(k)} ({v})" for k, v in seen.most_common(5))
-        return f"replay: no step found; outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME"
+        if all(is_torchscript(k) for k in seen):
+            return f"replay: no step found; outermost nn.Module calls seen: {most}{_torchscript_seen(seen)}"
+        return (f"replay: no step found; outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME"
+                + _torchscript_seen(seen))
     return ("replay: no step found: no nn.Module forward or torch.compile'd function ran;"
             " name the step with --step MODULE:QUALNAME")
 
@@ -420,7 +441,9 @@ def summary_lines(reports: list[dict[str, Any]], *, recorded_steps: int = 0) -> 
     lines += [_chosen_line(step, c, ran.get(step, 0)) if ran.get(step) or c.get("kind") != "module_forward"
               else _unreported_line(step, c, recorded_steps) if unreported
               else _nothing_found(seen, step, bool(c.get("direct"))) for step, c in chosen.items() if c.get("kind") != "boundary"]
-    lines += [f"replay: --step {escape(step)} never ran: no call of it was seen (check the module and qualname)"
+    lines += [f"replay: --step {escape(step)} never ran: no call of it was seen ("
+              + ("it is " + TORCHSCRIPT_HINT if is_torchscript(step) else "check the module and qualname" + _torchscript_seen(seen)
+                 .replace("; ", "; if it was scripted or traced: ", 1)) + ")"
               for step in sorted(named) if not ran.get(step) and step not in inside]
     if not chosen and not named and not ran and reports:
         lines.append(_nothing_found(seen))

@@ -186,7 +186,9 @@ class Session(GraphEvents):
             self._binding[target] = _binding_of(target, root)
             patch_callable(target, make, root=root)
         except Exception as e:  # noqa: BLE001
-            self.warn_once(f"patch:{target}", f"cannot record {target}: {e}")
+            from replay.record.discovery import TORCHSCRIPT_HINT, is_torchscript
+
+            self.warn_once(f"patch:{target}", f"cannot record {target}: {'it is ' + TORCHSCRIPT_HINT if is_torchscript(target) else e}")
 
     def _arm_step(self, spec: StepSpec) -> None:
         self._arm(spec.step, lambda fn, t, spec=spec: self._wrap_step(fn, t, spec))
