@@ -242,7 +242,7 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
                      opts=opts, same_layout=wa == wb) for x, y in pairs]
     done = _compare_pairs(jobs)
     streams = [s for s, _, _, _ in done]
-    notes += [s.models_apart for s in streams if s.models_apart]
+    notes += _models_apart(streams)
     batching = _batching(streams[0], files[0])
     context = context_differences([(ma, mb) for _, ma, mb, _ in done], a.recording.manifest, b.recording.manifest,
                                   same_layout=wa == wb, numerics_per_step=next((n for *_, n in done if n), None))
@@ -264,6 +264,10 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     rd.headline = _headline(rd)
     rd.next = _next_command(rd, a, b)
     return rd
+
+
+def _models_apart(streams: list[StreamDiff]) -> list[str]:
+    return [s.models_apart for s in streams if s.models_apart]
 
 
 def _unless_nothing_computed(verdict: DiffVerdict, files: list[tuple[RankFile, RankFile]], notes: list[str]) -> DiffVerdict:

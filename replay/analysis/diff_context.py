@@ -256,22 +256,29 @@ def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
             ca, cb = a.attrs.get("config"), b.attrs.get("config")
         if ca is not None or cb is not None:
             configs = True
-            items += [{**it, "name": _of_model(it["name"], model)} for it in
-                      _dict_diff(ca if isinstance(ca, dict) else {"config": ca}, cb if isinstance(cb, dict) else {"config": cb})]
-        for k in ("factory", "step"):
-            if ta.get(k) != tb.get(k):
-                items.append({"name": _of_model(f"target.{k}", model), "a": _short(ta.get(k)), "b": _short(tb.get(k))})
-        ka, kb = ta.get("compile") or {}, tb.get("compile") or {}
-        if ka != kb:
-            if not ka or not kb:
-                items.append({"name": _of_model("target.compile", model), "a": _short(ka) if ka else "not compiled",
-                              "b": _short(kb) if kb else "not compiled"})
-            else:
-                items += [{**it, "name": _of_model(f"target.{it['name']}", model)}
-                          for it in _dict_diff({"compile": ka}, {"compile": kb})]
+            items += _named(model, _dict_diff(ca if isinstance(ca, dict) else {"config": ca},
+                                              cb if isinstance(cb, dict) else {"config": cb}))
+        items += _named(model, _how_called(ta, tb))
     if not configs and not items:
         return ContextDiff(category=Category.CONFIG, compared=False, note="no target config recorded")
     return _capped(Category.CONFIG, items)
+
+
+def _named(model: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**it, "name": _of_model(it["name"], model)} for it in items]
+
+
+def _how_called(ta: dict[str, Any], tb: dict[str, Any]) -> list[dict[str, Any]]:
+    """The factory, the step callable and the torch.compile arguments, where A's and B's differ."""
+    items = [{"name": f"target.{k}", "a": _short(ta.get(k)), "b": _short(tb.get(k))}
+             for k in ("factory", "step") if ta.get(k) != tb.get(k)]
+    ka, kb = ta.get("compile") or {}, tb.get("compile") or {}
+    if ka == kb:
+        return items
+    if not ka or not kb:
+        return items + [{"name": "target.compile", "a": _short(ka) if ka else "not compiled",
+                         "b": _short(kb) if kb else "not compiled"}]
+    return items + [{**it, "name": f"target.{it['name']}"} for it in _dict_diff({"compile": ka}, {"compile": kb})]
 
 
 def _numerics(a: RankMeta, b: RankMeta, per_step: dict[str, Any] | None) -> ContextDiff:
