@@ -221,7 +221,7 @@ _GROW = """
 
 
 def test_a_cache_the_loop_grows_is_restored_from_a_keyframe_and_a_catch_up_says_what_to_record(tmp_path: Path) -> None:
-    """A keyframe of a buffer the loop grows is set in place of the program's shorter one (before:
+    """(And the report of a step that raised says so.) A keyframe of a buffer the loop grows is set in place of the program's shorter one (before:
     "was the target built from another config?", with no factory); a step that then raises
     after catch-up, and a catch-up step that raises, name ``--keyframe-every 1``; with it, every
     step reproduces."""
@@ -233,10 +233,17 @@ def test_a_cache_the_loop_grows_is_restored_from_a_keyframe_and_a_catch_up_says_
 
     every3 = tmp_path / "every3"
     _replay("record", "--quiet", "--keyframe-every", 3, "--out", every3, "--", sys.executable, "grow.py", cwd=tmp_path)
-    raised = _replay("step", every3, "--step", 4, "--no-save", cwd=tmp_path)
+    raised = _replay("step", every3, "--step", 4, cwd=tmp_path)  # saved: the report shows it below
     assert raised.returncode == 7, raised.stdout + raised.stderr[-2000:]
     assert raised.stdout.startswith("not compared: rank 0 step 4: eager: step 4 raised IndexError"), raised.stdout
     assert "another config" not in raised.stdout + raised.stderr and "--keyframe-every 1" in raised.stdout, raised.stdout
+    # The report shows the saved result's verdict and why nothing was compared (before: "No
+    # verdicts recorded.", as if the step had not been re-run).
+    page = tmp_path / "report.html"
+    assert _replay("report", every3, "-o", page, cwd=tmp_path).returncode == 0
+    html = page.read_text()
+    assert "Nothing was compared: eager: step 4 raised IndexError" in html and "No verdicts recorded" not in html
+    assert "<b>not compared: rank 0 step 4" in html
 
     every1 = tmp_path / "every1"
     _replay("record", "--quiet", "--keyframe-every", 1, "--out", every1, "--", sys.executable, "grow.py", cwd=tmp_path)

@@ -355,9 +355,16 @@ def _result_step(r: dict[str, Any]) -> str:
 
     Saved results are data from disk: every field is checked for its type before it is shown."""
     lines = [_step_head(r)] + _mode_facts(r.get("modes"))
+    headline = r.get("headline")
+    if isinstance(headline, str) and headline:
+        lines.insert(0, f"<b>{_e(headline)}</b>")  # the verdict `replay step` led with
     notes = [n for n in r.get("notes") or [] if isinstance(n, str)] if isinstance(r.get("notes"), list) else []
     extra = "".join(f'<p class="none">{_e(n)}</p>' for n in notes[:10])
-    return "".join(f"<p>{x}</p>" for x in lines) + _verdict_table(r.get("verdicts")) + extra
+    # A step that raised, or whose outputs had nothing recorded to compare with, has no verdict:
+    # the table says why, not that none was recorded.
+    problem = r.get("problem") if isinstance(r.get("problem"), str) else None
+    empty = f"Nothing was compared: {_e(problem)}" if problem else None
+    return "".join(f"<p>{x}</p>" for x in lines) + _verdict_table(r.get("verdicts"), empty) + extra
 
 
 def _step_head(r: dict[str, Any]) -> str:
@@ -383,6 +390,8 @@ def _mode_facts(modes: Any) -> list[str]:
         facts = []
         if isinstance(m.get("repeats_equal"), bool):
             facts.append("repeats equal" if m["repeats_equal"] else "<b>repeats differ</b> (nondeterministic)")
+        if isinstance(m.get("error"), str):
+            facts.append(f"<b>raised {_e(m['error'])}</b> in the re-run")
         dep = m.get("departed")
         if isinstance(dep, dict):
             facts.append(f"departed from the recording at step {_fmt(dep.get('step'))} ({_fmt(dep.get('field'))})")
@@ -391,7 +400,7 @@ def _mode_facts(modes: Any) -> list[str]:
     return lines
 
 
-def _verdict_table(raw: Any) -> str:
+def _verdict_table(raw: Any, empty: str | None = None) -> str:
     verdicts = [v for v in raw or [] if isinstance(v, dict)] if isinstance(raw, list) else []
     has_output = any("output" in v for v in verdicts)
     cols = ["max_abs", "max_rel", "ulp", "argmax_agree", "topk_overlap", "margin"]
@@ -401,7 +410,7 @@ def _verdict_table(raw: Any) -> str:
         row = [_fmt(v.get("a")), _fmt(v.get("b"))] + ([_fmt(v.get("output"))] if has_output else [])
         rows.append(row + [_pill(v.get("verdict", "?"))] + [_fmt(v.get(c)) for c in cols] + [diff, _fmt(v.get("note", ""))])
     if not rows:
-        return '<p class="none">No verdicts recorded.</p>'
+        return f'<p class="none">{empty or "No verdicts recorded."}</p>'
     heads = ["a", "b"] + (["output"] if has_output else []) + ["verdict", "max abs", "max rel", "ulp", "argmax agrees",
                                                                "top-k overlap", "margin", "elements differ", "note"]
     first_num = 4 if has_output else 3
