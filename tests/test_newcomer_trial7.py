@@ -35,6 +35,7 @@ _HALVE = """
 """
 
 
+@pytest.mark.smoke
 def test_bisect_against_rerun_restores_each_keyframe_it_reaches_as_replay_step_does(tmp_path: Path) -> None:
     """Recorded with ``--keyframe-every 1``: ``replay step`` reproduces every step from its own
     keyframe, so ``bisect steps --against-rerun`` finds no departure (before: its one launch
@@ -73,6 +74,7 @@ _ONCE = """
 """
 
 
+@pytest.mark.smoke
 def test_a_step_that_matches_after_a_catch_up_departure_says_so_in_its_verdict_line(tmp_path: Path) -> None:
     """``replay step 3`` catches up over steps 0..2 and step 1 departs; step 3 itself matches.
     The verdict line says both (before: a bare "reproduced ... bit for bit", the departure only
