@@ -338,3 +338,8 @@ def test_a_torchscript_model_is_named_as_such_and_the_function_that_calls_it_is_
     assert p.returncode == 0, p.stderr[-2000:]
     ok = _replay("step", rec, "--step", 3, "--no-save", cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-2000:]
+    # info names what was recorded as the step (before: nowhere, though the docs said so).
+    info = _replay("info", rec, cwd=tmp_path).stdout
+    assert "step        scripted:decode (a function)" in info, info
+    data = json.loads(_replay("info", rec, "--json", cwd=tmp_path).stdout)
+    assert data["step_callables"] == [{"stream": None, "step": "scripted:decode", "kind": "function"}], data

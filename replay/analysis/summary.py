@@ -225,10 +225,30 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
     _label_streams(part, out)
+    out["step_callables"] = step_callables(part)
     if with_details:
         out["unrecorded_fields"] = unrecorded_fields(part)
         out["tuner_differences"] = _tuner_differences(part)
         out["kernel_differences"] = _kernel_differences(part)
+    return out
+
+
+def step_callables(part: Part) -> list[dict[str, Any]]:
+    """What was recorded as the step, per model (stream): ``{"stream", "step", "kind"}`` as the
+    lowest rank's target info names it (``generate:decode_one_token``, a function). Data from
+    disk: only strings are kept."""
+    if not len(part):
+        return []
+    t = part[min(part)].attrs.get("target")
+    if not isinstance(t, dict):
+        return []
+    streams = t.get("streams") if isinstance(t.get("streams"), dict) and len(t["streams"]) > 1 else {None: t}
+    out = []
+    for name, info in streams.items():
+        if isinstance(info, dict) and isinstance(info.get("step"), str) and info["step"]:
+            kind = info.get("step_kind")
+            out.append({"stream": name if isinstance(name, str) else None, "step": info["step"],
+                        "kind": kind if isinstance(kind, str) else None})
     return out
 
 

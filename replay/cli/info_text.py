@@ -49,7 +49,18 @@ def _header(s: dict[str, Any]) -> list[str]:
                  for p in s["parts"]]
         lines.append(f"parts       {', '.join(marks)}; showing {escape(s['part'])}")
     lines.append(f"world size  {s['world_size']}")
+    steps = s.get("step_callables") or []
+    if steps:
+        # Which callable each step is: what a re-run calls, and what --step would name.
+        shown = ", ".join((f"{escape(c['stream'])}: " if c.get("stream") else "") + escape(c["step"])
+                          + (f" ({escape(_KIND.get(c.get('kind') or '', c.get('kind') or ''))})" if c.get("kind") else "")
+                          for c in steps)
+        lines.append(f"step        {shown}")
     return lines
+
+
+_KIND = {"module_forward": "an nn.Module's forward", "compiled": "torch.compile'd", "function": "a function",
+         "method": "a method"}
 
 
 def _rank_table(ranks: list[dict[str, Any]]) -> str:
