@@ -343,3 +343,64 @@ def test_a_torchscript_model_is_named_as_such_and_the_function_that_calls_it_is_
     assert "step        scripted:decode (a function)" in info, info
     data = json.loads(_replay("info", rec, "--json", cwd=tmp_path).stdout)
     assert data["step_callables"] == [{"stream": None, "step": "scripted:decode", "kind": "function"}], data
+
+
+# A serving loop whose step is an engine method with no arguments: it builds its batch from its
+# own requests (a dict the loop changes between steps) and runs its one model.
+_SERVE = """
+    import dataclasses, torch
+    torch.manual_seed(0)
+    @dataclasses.dataclass
+    class Batch:
+        tokens: torch.Tensor
+        positions: torch.Tensor
+        slots: torch.Tensor
+    class TinyLM(torch.nn.Module):
+        def __init__(self, vocab=64, dim=32):
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, dim)
+            self.kv = torch.nn.Linear(dim, dim)
+            self.out = torch.nn.Linear(dim, vocab)
+            self.register_buffer("k_cache", torch.zeros(8, 32, dim))
+        def forward(self, batch):
+            h = self.emb(batch.tokens)
+            self.k_cache[batch.slots, batch.positions] = self.kv(h)
+            return self.out(h + self.k_cache[batch.slots].sum(1))
+    class Engine:
+        def __init__(self):
+            self.model = TinyLM().eval()
+            self.requests = {}
+        @torch.no_grad()
+        def step(self):
+            slots = sorted(self.requests)
+            batch = Batch(torch.tensor([self.requests[s][-1] for s in slots]),
+                          torch.tensor([len(self.requests[s]) - 1 for s in slots]), torch.tensor(slots))
+            nxt = self.model(batch).argmax(-1)
+            for s, t in zip(slots, nxt.tolist()):
+                self.requests[s].append(t)
+            return nxt
+    eng = Engine()
+    eng.requests = {0: [5], 3: [9]}
+    for i in range(8):
+        if i == 4:
+            eng.requests[5] = [17]
+        eng.step()
+"""
+
+
+def test_an_engine_method_s_model_is_digested_and_kept_and_its_python_state_named(tmp_path: Path) -> None:
+    """``--step serve:Engine.step``: the one model the engine holds has its weights digested and
+    its buffers in keyframes (before: "no state keyframe recorded: a fresh target", weights not
+    recorded), and a step that does not reproduce because it builds its batch from the engine's
+    Python state says so in its verdict line, instead of offering --keyframe-every 1 again."""
+    _script(tmp_path, "serve", _SERVE)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--keyframe-every", 1, "--step", "serve:Engine.step", "--out", rec, "--",
+                sys.executable, "serve.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    s = _replay("step", rec, "--step", 6, "--no-save", cwd=tmp_path)
+    assert s.returncode == 0, s.stdout + s.stderr[-2000:]  # compared: a difference is a result (docs/rerun.md)
+    head = s.stdout.splitlines()[0]
+    assert head.startswith("not reproduced") and "computes from its Engine object's Python state" in head, s.stdout
+    assert "from the keyframe at step 6" in s.stdout and "weights: all 5 parameters have the digests recorded" in s.stdout, s.stdout
+    assert "--keyframe-every 1" not in s.stdout, s.stdout

@@ -184,7 +184,7 @@ def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
         # A keyframe cannot restore an object recorded by class name only: no hint then.
         hint = ("; if the program changes the model's state between steps (a beam search reordering its cache, a "
                 "reset), a keyframe every step restores it: replay record --keyframe-every 1") if (
-            r.keyframe < m.departed.step < r.step and not r.unrecorded) else ""
+            r.keyframe < m.departed.step < r.step and not r.unrecorded and not r.state_outside) else ""
         if m.departed.step == r.keyframe > 0 and not r.live_start:
             # The first step after the restore: what the keyframe holds is the likeliest cause.
             hint = ("; that is the keyframe's own step: the keyframe may not hold all the state the step reads "
@@ -207,7 +207,8 @@ def _error_line(r: StepRerun, m: ModeRun) -> str:
     # most often state the loop changes between steps, which only a keyframe at the step holds.
     hint = ("; if the program changes its state between steps (a cache it grows or reorders, a counter), record with "
             "--keyframe-every 1 so each step starts from its own keyframe") if (
-        m.error and not m.recorded_error and m.caught_up and r.keyframe < r.step and not r.unrecorded) else ""
+        m.error and not m.recorded_error and m.caught_up and r.keyframe < r.step and not r.unrecorded
+        and not r.state_outside) else ""
     return style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}{hint}", fg="red")
 
 

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["SCALAR_PREFIX", "UNCHANGED_PREFIX", "GENERATOR_PREFIX", "module_state", "named_state", "capture_generators",
+__all__ = ["SCALAR_PREFIX", "UNCHANGED_PREFIX", "GENERATOR_PREFIX", "module_state", "named_state", "held_module",
+           "held_module_state", "capture_generators",
            "split_generators", "restore_generators", "capture_scalars", "split_scalars", "restore_scalars", "with_scalars"]
 
 SCALAR_PREFIX = "__py__."
@@ -31,16 +32,40 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 def named_state(value: Any, name: str) -> dict[str, torch.Tensor]:
     """What ``--state NAME`` names, as keyframes hold it: a dict of tensors (or pairs), or one
-    tensor, kept under ``NAME`` (a KV pool held as ``engine.kv``)."""
+    tensor, kept under ``NAME`` (a KV pool held as ``engine.kv``); an ``nn.Module`` (``--state
+    model``) stands for its buffers (``module_state``), kept as ``NAME.<buffer>``."""
     if isinstance(value, torch.Tensor):
         return {name: value}
     if value is None:
         return {}
+    if isinstance(value, torch.nn.Module):
+        return {f"{name}.{k}": v for k, v in module_state(value).items()}
     try:
         return dict(value)
     except (TypeError, ValueError):
         raise TypeError(f"--state {name} is a {type(value).__name__}: it must name a tensor, a dict of tensors, "
                         "or a method returning one") from None
+
+
+def held_module(obj: Any) -> tuple[str, torch.nn.Module] | None:
+    """The one ``nn.Module`` an engine object that is not a module holds as an attribute
+    (``Engine.model``): (attribute, module); None when it holds none or several. The step of
+    such an object (``Engine.step``) runs that model: its weights and buffers are the step's."""
+    if obj is None or isinstance(obj, torch.nn.Module) or not hasattr(obj, "__dict__"):
+        return None
+    try:
+        found = [(k, v) for k, v in vars(obj).items() if isinstance(v, torch.nn.Module)]
+    except TypeError:
+        return None
+    return found[0] if len(found) == 1 else None
+
+
+def held_module_state(obj: Any) -> dict[str, torch.Tensor] | None:
+    """The default keyframe state of an engine object that holds one model: that model's
+    buffers, named ``<attribute>.<buffer>`` (as ``--state <attribute>`` names them); None when
+    the object is a module itself, or holds none or several."""
+    held = held_module(obj)
+    return None if held is None else named_state(held[1], held[0])
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ import torch
 from replay import numerics
 from replay.core.outputs import nested_outputs, tensor_version, written_arguments, written_outputs
 from replay.log import get_logger
+from replay.core.state import held_module, held_module_state
 from replay.record.config import RecordConfig, RecorderConfig
 from replay.record.calls import (
     Binder,
@@ -520,14 +521,18 @@ class Session(GraphEvents):
         info["unrecorded_calls"] = missed if spec.kind == "module_forward" else 0
         info["engine_run"] = self._engine_runs
         info["state_from"] = "attribute" if spec.state else None
-        if isinstance(obj, torch.nn.Module):
+        # An engine object that holds one model (``Engine.step`` with ``self.model``): that
+        # model's weights and buffers are the step's, as a re-run's ``Target.module()`` takes them.
+        held = None if isinstance(obj, torch.nn.Module) else held_module(obj)
+        model = obj if isinstance(obj, torch.nn.Module) else held[1] if held is not None else None
+        if model is not None:
             if not spec.state:
-                info["state_from"] = "module_buffers"
+                info["state_from"] = "module_buffers" if model is obj else f"held_module:{held[0]}"  # type: ignore[index]
             try:
                 from replay.core.weights import buffer_digests, weight_digests
 
-                info["weights"] = weight_digests(obj)
-                info["buffers"] = buffer_digests(obj)
+                info["weights"] = weight_digests(model)
+                info["buffers"] = buffer_digests(model)
             except Exception as e:  # noqa: BLE001
                 self.warn_once(f"weights:{spec.step}", f"cannot digest the weights of {spec.step} ({e})")
         return info
@@ -584,6 +589,12 @@ class Session(GraphEvents):
                 return module_state(o) if o is not None else {}
 
             return buffers_fn
+        if held_module(obj) is not None:
+            def held_fn(ref: Any = ref) -> dict[str, torch.Tensor]:
+                o = ref()
+                return (held_module_state(o) or {}) if o is not None else {}
+
+            return held_fn
         return None
 
     def _merged_info(self) -> dict[str, Any]:

@@ -161,6 +161,9 @@ class StepRerun:
     # Environment variables the re-launched program got otherwise than the recorded one
     # ("LORA (not set here)"): a program that reads them computes something else.
     env_differences: list[str] = field(default_factory=list)
+    # The step's object when it is not a model and the step took no recorded tensor argument:
+    # what the step computes from is that object's Python state, which no keyframe holds.
+    state_outside: str = ""
 
     def problem(self) -> str | None:
         """Why step ``step`` could not be re-run or checked against the recording; None if it was.
@@ -237,6 +240,11 @@ class StepRerun:
             out.append(f"; but the step ran with other weights than the re-run's ({len(self.weights.differ)} differ: "
                        f"{', '.join(self.weights.differ[:3])}{', ...' if len(self.weights.differ) > 3 else ''}): the "
                        "difference may be theirs, not the program's")
+        if self.state_outside:
+            out.append(f"; but the step took no tensor argument: it computes from its {self.state_outside} object's "
+                       "Python state (a scheduler's requests, lists, dicts), which no keyframe holds and a re-run cannot "
+                       "set back; record the model's forward instead (no flags find it), whose inputs are recorded "
+                       "every step")
         if self.unrecorded:
             # Not evidence against the program: the re-run may have run with other contents.
             out.append(f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
@@ -285,6 +293,7 @@ class StepRerun:
             "unrecorded_arguments": self.unrecorded,
             "live_start": self.live_start,
             "env_differences": self.env_differences,
+            "state_outside": self.state_outside or None,
             "problem": self.problem(),
             "raised": self.raised(),
             "headline": self.headline(),
@@ -304,6 +313,7 @@ class StepRerun:
                    factory=d.get("factory"), modes=modes, comparisons=across, notes=list(d.get("notes") or []),
                    stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None,
                    unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []], live_start=d.get("live_start") is True,
-                   env_differences=[str(e) for e in d.get("env_differences") or []])
+                   env_differences=[str(e) for e in d.get("env_differences") or []],
+                   state_outside=str(d.get("state_outside") or ""))
 
 

@@ -706,6 +706,8 @@ def rerun_step(
         t0 = time.perf_counter()
         try:
             run = _run_mode(rp, step, kf_step, settings.repeat, result, progress, live=live)
+            if not result.state_outside:
+                result.state_outside = _state_outside(rp, step)
         finally:
             rp.close()
         _compare_with_recording(run, part, rank, step)
@@ -718,6 +720,18 @@ def rerun_step(
     if first.rf.keyframe(step) is None:
         result.notes.append(NO_KEYFRAME_NOTE)
     return result
+
+
+def _state_outside(rp: Replayer, step: int) -> str:
+    """The class of a step's object that is not a model and gave the step no recorded tensor
+    argument (``Engine.step()`` building its batch from its own requests): everything the step
+    computes from is that object's Python state, which no keyframe holds. "" otherwise."""
+    obj = rp.target.obj if rp.target is not None else None
+    if obj is None or isinstance(obj, torch.nn.Module):
+        return ""
+    if any(name.startswith("input.") for name, _ in rp.rf.step(step).fields()):
+        return ""
+    return type(obj).__qualname__
 
 
 def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRerun,

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from replay.errors import FactoryError, OutOfRange, RerunError
-from replay.core.state import (capture_generators, capture_scalars, module_state, named_state, restore_generators, restore_scalars, split_generators,
+from replay.core.state import (capture_generators, capture_scalars, held_module_state, module_state, named_state, restore_generators, restore_scalars, split_generators,
                                split_scalars)
 from replay.format.reader import RankFile
 from replay.rerun.imports import ImportContext, import_recorded
@@ -176,7 +176,8 @@ class Target:
             # as the recorder names them (replay.record.calls.module_state).
             if isinstance(self.obj, torch.nn.Module):
                 return module_state(self.obj)
-            return {}
+            # An engine object holding one model: that model's buffers, as the recorder keeps them.
+            return held_module_state(self.obj) or {}
         attr: Any = self.obj
         for part in self.spec.state.split("."):
             attr = getattr(attr, part)
