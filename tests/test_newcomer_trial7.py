@@ -4,14 +4,30 @@ before its fix. Nothing in the scripts was adapted to replay."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.test_newcomer_scripts import _record, _replay, _script
+from tests.test_newcomer_scripts import _env, _record, _replay, _script
 
 pytestmark = pytest.mark.e2e
+
+
+def _run(*cmd: Any, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """A command with the tests' environment and ``env`` on top (a program that reads a variable)."""
+    return subprocess.run(list(map(str, cmd)), cwd=cwd, env={**_env(), **env}, capture_output=True, text=True, timeout=300)
+
+
+def _record_with(tmp: Path, out: Path, script: str, *flags: Any, args: tuple[str, ...] = (), **env: str) -> Path:
+    """``replay record --quiet [flags] --out OUT -- python SCRIPT [args]`` with ``env`` set."""
+    p = _run(sys.executable, "-m", "replay", "record", "--quiet", *flags, "--out", out, "--", sys.executable, script, *args,
+             cwd=tmp, **env)
+    assert p.returncode == 0 and os.path.isdir(out), p.stderr[-2000:]
+    return out
 
 # The loop changes the model's state between steps, outside the step: only a keyframe at each
 # step holds that; catch-up from an earlier keyframe cannot.
@@ -118,18 +134,7 @@ _SPEC = """
 
 
 def _record_spec(tmp: Path, name: str, **env: str) -> Path:
-    import os
-    import subprocess
-
-    from tests.test_newcomer_scripts import _env
-
-    out = tmp / name
-    p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--step", "spec:Draft", "--step", "spec:Target",
-                        "--out", str(out), "--", sys.executable, "spec.py"], cwd=tmp, env={**_env(), **env},
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert os.path.isdir(out)
-    return out
+    return _record_with(tmp, tmp / name, "spec.py", "--step", "spec:Draft", "--step", "spec:Target", **env)
 
 
 def test_diff_compares_each_model_of_a_loop_and_names_its_stream(tmp_path: Path) -> None:
@@ -182,16 +187,8 @@ def test_a_compiled_step_is_compiled_again_as_recorded_and_led_by_its_recorded_m
     the recorded backend (before: the re-launched program's own, 'eager'), says so, comes first
     in the verdict, and a variable the program set itself is not called a difference of the
     environment (before: 'MY_ENGINE_MODE (not set here)')."""
-    import os
-    import subprocess
-
-    from tests.test_newcomer_scripts import _env
-
     _script(tmp_path, "comp", _COMPILED_BY_ENV)
-    rec = tmp_path / "rec"
-    p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(rec), "--", sys.executable, "comp.py"],
-                       cwd=tmp_path, env={**_env(), "BACKEND": "aot_eager"}, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and os.path.isdir(rec), p.stderr[-2000:]
+    rec = _record_with(tmp_path, tmp_path / "rec", "comp.py", BACKEND="aot_eager")
     s = _replay("step", rec, "--step", 2, "--no-save", "--json", cwd=tmp_path)
     assert s.returncode == 0, s.stdout + s.stderr[-2000:]
     r = json.loads(s.stdout)
@@ -233,8 +230,7 @@ def test_a_cache_the_loop_grows_is_restored_from_a_keyframe_and_a_catch_up_says_
     assert caught.returncode == 7, caught.stdout + caught.stderr[-2000:]
     assert "catch-up step 1 raised IndexError" in caught.stderr and "--keyframe-every 1" in caught.stderr, caught.stderr[-2000:]
 
-    every3 = tmp_path / "every3"
-    _replay("record", "--quiet", "--keyframe-every", 3, "--out", every3, "--", sys.executable, "grow.py", cwd=tmp_path)
+    every3 = _record_with(tmp_path, tmp_path / "every3", "grow.py", "--keyframe-every", 3)
     raised = _replay("step", every3, "--step", 4, cwd=tmp_path)  # saved: the report shows it below
     assert raised.returncode == 7, raised.stdout + raised.stderr[-2000:]
     assert raised.stdout.startswith("not compared: rank 0 step 4: eager: step 4 raised IndexError"), raised.stdout
@@ -247,8 +243,7 @@ def test_a_cache_the_loop_grows_is_restored_from_a_keyframe_and_a_catch_up_says_
     assert "Nothing was compared: eager: step 4 raised IndexError" in html and "No verdicts recorded" not in html
     assert "<b>not compared: rank 0 step 4" in html
 
-    every1 = tmp_path / "every1"
-    _replay("record", "--quiet", "--keyframe-every", 1, "--out", every1, "--", sys.executable, "grow.py", cwd=tmp_path)
+    every1 = _record_with(tmp_path, tmp_path / "every1", "grow.py", "--keyframe-every", 1)
     ok = _replay("step", every1, "--step", 5, "--no-save", cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-2000:]
 
@@ -280,12 +275,8 @@ def test_an_async_step_is_recorded_when_awaited_and_re_run(tmp_path: Path) -> No
     program awaits it (before: a coroutine, no output recorded, and info still offered
     ``replay step``), a re-run runs the coroutine and reproduces the step; one that waits on a
     real future inside the program's loop is refused in one line, never called reproduced."""
-    import subprocess
-
-    from tests.test_newcomer_scripts import _env
-
     _script(tmp_path, "asy", _ASYNC)
-    plain = subprocess.run([sys.executable, "asy.py", "0"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    plain = _run(sys.executable, "asy.py", "0", cwd=tmp_path)
     recs = {}
     for name, delay in (("bare", "0"), ("io", "0.001")):
         recs[name] = tmp_path / name
@@ -332,10 +323,7 @@ def test_a_torchscript_model_is_named_as_such_and_the_function_that_calls_it_is_
         assert p.returncode == 0, p.stderr[-2000:]
         assert "TorchScript (torch.jit.script or trace), whose forward runs no Python" in p.stderr, p.stderr[-2000:]
         assert "--step MODULE:FUNCTION" in p.stderr and "_CachedForward" not in p.stderr, p.stderr[-2000:]
-    rec = tmp_path / "fn"
-    p = _replay("record", "--quiet", "--step", "scripted:decode", "--out", rec, "--", sys.executable, "scripted.py", "function",
-                cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-2000:]
+    rec = _record_with(tmp_path, tmp_path / "fn", "scripted.py", "--step", "scripted:decode", args=("function",))
     ok = _replay("step", rec, "--step", 3, "--no-save", cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.startswith("reproduced"), ok.stdout + ok.stderr[-2000:]
     # info names what was recorded as the step (before: nowhere, though the docs said so).
@@ -394,10 +382,7 @@ def test_an_engine_method_s_model_is_digested_and_kept_and_its_python_state_name
     recorded), and a step that does not reproduce because it builds its batch from the engine's
     Python state says so in its verdict line, instead of offering --keyframe-every 1 again."""
     _script(tmp_path, "serve", _SERVE)
-    rec = tmp_path / "rec"
-    p = _replay("record", "--quiet", "--keyframe-every", 1, "--step", "serve:Engine.step", "--out", rec, "--",
-                sys.executable, "serve.py", cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-2000:]
+    rec = _record_with(tmp_path, tmp_path / "rec", "serve.py", "--keyframe-every", 1, "--step", "serve:Engine.step")
     s = _replay("step", rec, "--step", 6, "--no-save", cwd=tmp_path)
     assert s.returncode == 0, s.stdout + s.stderr[-2000:]  # compared: a difference is a result (docs/rerun.md)
     head = s.stdout.splitlines()[0]

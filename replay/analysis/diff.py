@@ -34,7 +34,7 @@ from replay.analysis.diff_records import (
 from replay.analysis.diff_sides import Side, open_sides
 from replay.analysis.diff_streams import Names, compare_stream, used_ids, within_tolerance
 from replay.analysis.divergence import computed_fields
-from replay.analysis.streams import step_streams
+from replay.analysis.streams import step_streams, stream_position
 from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_shape, whole_tensor
 from replay.format.reader import RankFile
 
@@ -137,12 +137,9 @@ def _label_models(s: StreamDiff, ra: RankFile, rb: RankFile) -> None:
     if not names_a:
         return
     for f in (s.first, s.first_token, s.first_beyond_tolerance):
-        if f is None:
-            continue
-        at = np.flatnonzero(steps_a == f.step)
-        if at.size:
-            i = int(index_a[at[0]])
-            f.model, f.model_step = names_a[i], int(((index_a == i) & (steps_a < f.step)).sum())
+        at = stream_position(steps_a, index_a, names_a, f.step) if f is not None else None
+        if at is not None:
+            f.model, f.model_step = at  # type: ignore[union-attr]
     steps_b, index_b, names_b = step_streams(rb)
     if not names_b:
         return

@@ -145,10 +145,13 @@ def _capped(cat: Category, items: list[dict[str, Any]], note: str = "") -> Conte
 def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> ContextDiff:
     merged: list[dict[str, Any]] = []
     for model, infos in _by_model(pairs):
+        if not infos:  # a model one run has and the other has not: nothing to compare it with
+            side = "A" if any(model in _models(a) for a, _ in pairs) else "B"
+            return ContextDiff(category=Category.WEIGHTS, compared=False, note=f"stream {model} recorded in run {side} only")
         wa = [ta.get("weights") for ta, _ in infos]
         wb = [tb.get("weights") for _, tb in infos]
-        have_a = bool(infos) and all(isinstance(w, dict) and w for w in wa)
-        have_b = bool(infos) and all(isinstance(w, dict) and w for w in wb)
+        have_a = all(isinstance(w, dict) and w for w in wa)
+        have_b = all(isinstance(w, dict) and w for w in wb)
         if not have_a or not have_b:
             which = "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
             return ContextDiff(category=Category.WEIGHTS, compared=False,

@@ -16,7 +16,7 @@ import numpy as np
 
 from replay.format.reader import RankFile
 
-__all__ = ["step_streams"]
+__all__ = ["step_streams", "stream_position"]
 
 # ``replay.numerics.STREAM_ARG``, spelled here: reading a recording (``replay info``) needs no torch.
 STREAM_ARG = "__stream__"
@@ -61,3 +61,14 @@ def step_streams(rf: RankFile) -> tuple[np.ndarray, np.ndarray, list[str]]:
             names.append(n)
     index = {n: i for i, n in enumerate(names)}
     return steps["step"], np.array([index[n] for n in per_step], dtype=np.int64), names
+
+
+def stream_position(steps: np.ndarray, index: np.ndarray, names: list[str], step: int) -> tuple[str, int] | None:
+    """(the stream of ``step``, the step's index among that stream's steps), from
+    ``step_streams``' arrays, as ``replay info`` numbers them; None when the step is not there
+    or the rank recorded one model."""
+    at = np.flatnonzero(steps == step)
+    if not names or not at.size:
+        return None
+    i = int(index[at[0]])
+    return names[i], int(((index == i) & (steps < step)).sum())

@@ -196,11 +196,10 @@ def _label_streams(part: Part, out: dict[str, Any]) -> None:
 
 def _in_stream(d: dict[str, Any], steps: Any, idx: Any, names: list[str]) -> dict[str, Any]:
     """``d`` with the stream of its step and the step's index within that stream."""
-    at = np.flatnonzero(steps == d["step"])
-    if at.size:
-        i = int(idx[at[0]])
-        d = {**d, "stream": names[i], "stream_step": int(((idx == i) & (steps < d["step"])).sum())}
-    return d
+    from replay.analysis.streams import stream_position
+
+    at = stream_position(steps, idx, names, d["step"])
+    return {**d, "stream": at[0], "stream_step": at[1]} if at is not None else d
 
 
 def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:

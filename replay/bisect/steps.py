@@ -214,11 +214,9 @@ class _StreamLabels:
 
     def label(self, step: int) -> tuple[str | None, int | None]:
         """(the stream of ``step``, its index among that stream's steps); (None, None) for one model."""
-        at = (self.steps == step).nonzero()[0]
-        if not self.names or not at.size:
-            return None, None
-        i = int(self.index[at[0]])
-        return self.names[i], int(((self.index == i) & (self.steps < step)).sum())
+        from replay.analysis.streams import stream_position
+
+        return stream_position(self.steps, self.index, self.names, step) or (None, None)
 
     def own_divergence(self, part: Part, ranks: list[int], stream: str) -> str:
         """One stream's own first divergence, bisected on its steps alone."""

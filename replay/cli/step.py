@@ -15,7 +15,7 @@ from replay.errors import ReplayError, RerunError, UsageError
 from replay.format.reader import Part
 from replay.textsafe import escape
 from replay.rerun.result import ModeRun, StepRerun
-from replay.rerun.runner import NO_KEYFRAME_NOTE, RerunOptions, default_modes
+from replay.rerun.runner import KEYFRAME_EVERY_STEP_HINT, NO_KEYFRAME_NOTE, RerunOptions, default_modes
 from replay.rerun.step import run_step, uses_relaunch
 
 EPILOG = """\b
@@ -205,8 +205,7 @@ def _error_line(r: StepRerun, m: ModeRun) -> str:
     rec = f"raised {escape(m.recorded_error)}" if m.recorded_error else "completed"
     # Raised after a catch-up where it completed when recorded: what it read was not there,
     # most often state the loop changes between steps, which only a keyframe at the step holds.
-    hint = ("; if the program changes its state between steps (a cache it grows or reorders, a counter), record with "
-            "--keyframe-every 1 so each step starts from its own keyframe") if (
+    hint = f"; {KEYFRAME_EVERY_STEP_HINT}" if (
         m.error and not m.recorded_error and m.caught_up and r.keyframe < r.step and not r.unrecorded
         and not r.state_outside) else ""
     return style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}{hint}", fg="red")

@@ -703,15 +703,16 @@ class Session(GraphEvents):
                          after_call: Callable[[], None] | None = None,
                          written: Callable[[], dict[str, tuple[torch.Tensor, int | None]]] | None = None) -> Any:
         self._step_replays = 0
-        if inspect.iscoroutinefunction(fn):
-            # ``async def step``: the call makes a coroutine; the step runs, and ends, when the
-            # program awaits it. Begun here, at the call, as a plain step is.
-            return self._awaited_and_recorded(spec, fn(*args, **kwargs), rec, obj, after_call, written)
         try:
             out = fn(*args, **kwargs)
         except BaseException as e:
             self._step_raised(e, rec, after_call)
             raise
+        if inspect.iscoroutine(out):
+            # ``async def step``: the call made a coroutine; the step runs, and ends, when the
+            # program awaits it. Begun here, at the call, as a plain step is. (Asked of the
+            # result, one isinstance, not of the function on every step.)
+            return self._awaited_and_recorded(spec, out, rec, obj, after_call, written)
         return self._record_result(spec, out, rec, obj, after_call, written)
 
     async def _awaited_and_recorded(self, spec: StepSpec, coro: Any, rec: Recorder, obj: Any,

@@ -63,6 +63,10 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
 
 
 NO_KEYFRAME_NOTE = "the recording holds no state keyframe: steps were re-run from a fresh target"
+# Said where a step raised or departed after a catch-up: catch-up cannot redo what the program
+# did to its state between steps; a keyframe at each step holds it.
+KEYFRAME_EVERY_STEP_HINT = ("if the program changes its state between steps (a cache it grows or reorders, a counter), "
+                            "record with --keyframe-every 1 so each step starts from its own keyframe")
 
 
 def check_device(device: str) -> None:
@@ -500,10 +504,7 @@ class Replayer:
         if live and keyframe_at is not None:
             kf_step = min(keyframe_at, step)
         else:
-            kf_step, kf_state = self.keyframe_for(step if keyframe_at is None else min(keyframe_at, step))
-            kf_state = stream_state(self.rf, kf_state, self.stream)
-            if kf_state:
-                self.target.load_state(kf_state)
+            kf_step = self._restore(step if keyframe_at is None else min(keyframe_at, step))
         self.departed = None
         self.uncompared = []
         self.caught_up = []
@@ -533,12 +534,15 @@ class Replayer:
         self.position = step
         return self.departed
 
-    def _restore(self, step: int) -> None:
-        _, kf_state = self.keyframe_for(step)
+    def _restore(self, step: int) -> int:
+        """Load the keyframe at or before ``step`` (this stream's state of it) into the target;
+        the keyframe's step (0 with none)."""
+        kf_step, kf_state = self.keyframe_for(step)
         kf_state = stream_state(self.rf, kf_state, self.stream)
         if kf_state:
             assert self.target is not None
             self.target.load_state(kf_state)
+        return kf_step
 
     def _raise_if_catch_up_failed(self, s: int, step: int) -> None:
         """A catch-up step that raised leaves the state unknown: step ``step`` cannot be re-run.
@@ -551,17 +555,14 @@ class Replayer:
         if not view.ok and err.split(":")[0] == view.reason.split(":")[0]:
             return
         when = "completed" if view.ok else f"raised {view.reason}"
-        kf = self.rf.keyframe(self.keyframe)
-        restored = kf is not None and kf[0] == self.keyframe and not self.live_start
+        keyframes = self.rf.keyframe_steps()
+        restored = self.keyframe in keyframes and not self.live_start
         start = (f"the keyframe at step {self.keyframe}" if restored else
                  f"step {self.keyframe} (no keyframe there: the program's own state)")
         # A step that completed when recorded raises when caught up to: what it read was not
         # there, most often state the program changed between steps, which only a keyframe at
         # each step holds (none to offer when the step has its own keyframe already).
-        own = self.rf.keyframe(s)
-        hint = ("; if the program changes its state between steps (a cache it grows or reorders, a counter), "
-                "record with --keyframe-every 1 so each step starts from its own keyframe"
-                if view.ok and s > self.keyframe and (own is None or own[0] != s) else "")
+        hint = f"; {KEYFRAME_EVERY_STEP_HINT}" if view.ok and s > self.keyframe and s not in keyframes else ""
         raise CatchUpRaised(
             f"rank {self.rank} ({self.mode}): catch-up step {s} raised {err} in the re-run (when recorded it {when}); "
             f"step {step} cannot be re-run from {start}{hint}",
@@ -609,10 +610,7 @@ class Replayer:
         assert self.target is not None and self._driver is not None
         kf_step = first
         if self.spec.state is not None or self.rf.keyframe(first) is not None:
-            kf_step, kf_state = self.keyframe_for(first)
-            kf_state = stream_state(self.rf, kf_state, self.stream)
-            if kf_state:
-                self.target.load_state(kf_state)
+            kf_step = self._restore(first)
         self.keyframe = kf_step
         self.uncompared = []
         found: StepDeparture | None = None
