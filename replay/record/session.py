@@ -48,6 +48,7 @@ from replay.record.profiles import PROFILES, Profile, StepSpec
 from replay.record.graph_events import GraphEvents
 from replay.record.parts import PartStreams, Stream, allocate_part, new_stream_name
 from replay.record.recorder import Recorder
+from replay.record.tracebacks import without_recorder_frames
 
 __all__ = ["Session", "allocate_part"]
 
@@ -329,7 +330,10 @@ class Session(GraphEvents):
             # itself, so nothing of the recorder (locks, thread-locals, I/O) is ever traced.
             if torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
-            return self._call_step(spec, fn, binder, is_method, args, kwargs)
+            try:
+                return self._call_step(spec, fn, binder, is_method, args, kwargs)
+            except BaseException as e:
+                raise e.with_traceback(without_recorder_frames(e.__traceback__))  # noqa: B904 - replay's recorder re-raises the step's own exception
 
         step_wrapper.__replay_step_fn__ = fn  # type: ignore[attr-defined]
         step_wrapper.__replay_spec__ = spec  # type: ignore[attr-defined]
@@ -364,7 +368,10 @@ class Session(GraphEvents):
                 s = self._boundary_spec(target, holder, args, kwargs)
                 if s is None:
                     return compiled_fn(*args, **kwargs)
-            return self._call_step(s, compiled_fn, binder, False, args, kwargs)
+            try:
+                return self._call_step(s, compiled_fn, binder, False, args, kwargs)
+            except BaseException as e:
+                raise e.with_traceback(without_recorder_frames(e.__traceback__))  # noqa: B904 - replay's recorder re-raises the step's own exception
 
         functools.update_wrapper(boundary_wrapper, original)
         boundary_wrapper.__replay_boundary__ = holder  # type: ignore[attr-defined]
@@ -394,7 +401,10 @@ class Session(GraphEvents):
                 s = self._boundary_spec(target, holder, (mod,), {})
             if s is None or mod is None:
                 return compiled_forward(*args, **kwargs)
-            return self._call_step(s, call, binder, True, (mod, *args), kwargs)
+            try:
+                return self._call_step(s, call, binder, True, (mod, *args), kwargs)
+            except BaseException as e:
+                raise e.with_traceback(without_recorder_frames(e.__traceback__))  # noqa: B904 - replay's recorder re-raises the step's own exception
 
         functools.update_wrapper(forward_boundary, compiled_forward)
         forward_boundary.__replay_boundary__ = holder  # type: ignore[attr-defined]

@@ -1,0 +1,62 @@
+"""Found by the eighth newcomer trial (issue 15's session 18), each a test that failed before its
+fix. Nothing in the scripts was adapted to replay."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_newcomer_scripts import _env, _plain, _record, _replay, _script
+
+pytestmark = pytest.mark.e2e
+
+
+def _run(*cmd: Any, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(list(map(str, cmd)), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+# The loop catches a step's exception and logs its traceback, as serving loops do.
+_LOGS_ITS_TRACEBACK = """
+    import traceback
+    import torch
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+        def forward(self, x, i):
+            if i == 3:
+                raise ValueError("request 3 has no KV blocks left")
+            return self.lin(x)
+    model = Decoder()
+    with torch.no_grad():
+        for i in range(5):
+            try:
+                model(torch.ones(2, 4), i)
+            except ValueError as e:
+                print("frames", [(f.filename.rsplit("/", 1)[-1], f.name) for f in traceback.extract_tb(e.__traceback__)])
+"""
+
+
+def test_a_step_s_exception_keeps_the_program_s_traceback_with_one_recorder_frame(tmp_path: Path) -> None:
+    """A step that raises under the recorder: the program's traceback holds its own frames as in
+    the plain run and one frame of the recorder's (before: four, from session.py)."""
+    _script(tmp_path, "logs", _LOGS_ITS_TRACEBACK)
+    plain = _plain(tmp_path, "logs")
+    assert plain.returncode == 0, plain.stderr
+    out, p = _record(tmp_path, "logs")
+    frames = [eval(ln.split(" ", 1)[1]) for ln in p.stdout.splitlines() if ln.startswith("frames")]  # noqa: S307
+    plain_frames = [eval(ln.split(" ", 1)[1]) for ln in plain.stdout.splitlines() if ln.startswith("frames")]  # noqa: S307
+    assert len(frames) == len(plain_frames) == 1, p.stdout
+    ours = [f for f in frames[0] if f[0] == "session.py"]
+    assert ours == [("session.py", "step_wrapper")], frames[0]
+    # The program's own frames, in order (torch's own call path may hold one more frame while
+    # the recorder's module hooks are installed).
+    program = [f for f in frames[0] if f[0] == "logs.py"]
+    assert program == [f for f in plain_frames[0] if f[0] == "logs.py"] == [("logs.py", "<module>"), ("logs.py", "forward")]
+    info = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert sum(r["raised_steps"] for r in info["ranks"]) == 1, info["ranks"]
