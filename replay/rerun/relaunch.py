@@ -578,6 +578,8 @@ class _Takeover:
                 step_fn, ran_as = function_step(fn.__get__(obj, type(obj)), StepKind.COMPILED, spec, rp._compiled())  # noqa: SLF001
             elif kind in (StepKind.METHOD, StepKind.MODULE_FORWARD):
                 step_fn, ran_as = fn.__get__(obj, type(obj)), ""
+                if rp._compiled() is not None:  # noqa: SLF001 - --mode compiled: the bound step, compiled for real
+                    step_fn, ran_as = function_step(step_fn, StepKind.COMPILED, spec, rp._compiled())  # noqa: SLF001
             else:
                 step_fn, ran_as = function_step(fn, kind, spec, rp._compiled())  # noqa: SLF001
             t = Target(spec, obj, step_fn, rp.device, kind=kind)

@@ -474,6 +474,10 @@ class Replayer:
         else:
             target = build_target(self.spec, rank=self.target_rank, world_size=self.world, device=self.device,
                                   options=self.options, factory=self.factory, compiled=self._compiled())
+        if self._compiled() is not None and not target.ran_as.startswith("torch.compile("):
+            # A verdict "in compiled" is only ever about a step torch.compile compiled here.
+            raise RerunError(f"{self.mode} mode: the step ran as the Python function here, not compiled by torch.compile "
+                             f"({target.ran_as or 'nothing compiled it'}): not re-run {self.mode}")
         graphed = None
         if self.mode == "cudagraph" and "cudagraph" not in target.toggles() and not self._compiled():
             if not self.device.startswith("cuda"):

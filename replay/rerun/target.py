@@ -327,7 +327,14 @@ def build_target(
         target = Target(spec, obj, step_fn, device, kind=kind)
         target.ran_as = ran_as
         return target
-    return Target(spec, obj, step_fn, device, kind=kind)
+    ran_as = ""
+    if compiled is not None:
+        # --mode compiled of a method or a module's forward: the bound step, compiled for real
+        # (before: the Python method ran and was reported as compiled).
+        step_fn, ran_as = function_step(step_fn, StepKind.COMPILED, spec, compiled)
+    target = Target(spec, obj, step_fn, device, kind=kind)
+    target.ran_as = ran_as
+    return target
 
 
 COMPILE_ARGS = ("fullgraph", "dynamic", "backend", "mode", "options")
@@ -357,7 +364,10 @@ def function_step(fn: Any, kind: StepKind, spec: TargetSpec, compiled: str | Non
         # (a torch.compile replaced by the program, or by replay's own re-launch hook).
         raise RerunError(f"torch.compile({shown}) returned {getattr(base, '__qualname__', 'the step')} uncompiled "
                          "here: the step cannot be re-run compiled")
-    return _compiled_for_sure(fn_compiled, base, shown), f"torch.compile({shown})"
+    ran_as = f"torch.compile({shown})"
+    if not spec.compile and spec.kind is not StepKind.COMPILED:
+        ran_as += " of a step recorded uncompiled: inductor's kernels may round otherwise than the recorded ones"
+    return _compiled_for_sure(fn_compiled, base, shown), ran_as
 
 
 def _compiled_for_sure(fn_compiled: Callable[..., Any], base: Any, shown: str) -> Callable[..., Any]:
