@@ -92,3 +92,36 @@ def test_compiled_mode_of_an_eager_module_step_compiles_it_for_real(tmp_path: Pa
     run = json.loads(p.stdout)["modes"]["compiled"]
     assert run["ran_as"].startswith("torch.compile("), run
     assert "recorded uncompiled" in run["ran_as"]
+
+
+_DEBUG_ONLY_CLAMP = """
+    import torch
+    torch.manual_seed(0)
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(30, 16)
+            self.head = torch.nn.Linear(16, 30)
+        def forward(self, tok):
+            logits = self.head(torch.tanh(self.emb(tok)))
+            if __debug__:  # left out under python -O
+                logits = logits.clamp(-0.1, 0.1)
+            return logits
+    lm = LM().eval()
+    tok = torch.tensor([1])
+    with torch.no_grad():
+        for _ in range(6):
+            tok = lm(tok).argmax(-1)
+"""
+
+
+def test_a_program_run_with_interpreter_options_is_re_launched_with_them(tmp_path: Path) -> None:
+    """``python3 -O script.py``: the re-launch passes -O again, and the step reproduces (before:
+    re-launched as ``python3 script.py``, its debug-only code ran, "not reproduced")."""
+    _script(tmp_path, "opt", _DEBUG_ONLY_CLAMP)
+    out = tmp_path / "rec-opt"
+    p = _run(sys.executable, "-m", "replay", "record", "--quiet", "--out", out, "--", sys.executable, "-O", "opt.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = _replay("step", out, "--step", 3, cwd=tmp_path)
+    assert f"{sys.executable} -O opt.py" in p.stderr, p.stderr
+    assert p.returncode == 0 and p.stdout.startswith("reproduced:"), p.stdout + p.stderr

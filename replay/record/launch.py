@@ -61,6 +61,7 @@ def launch_info() -> dict[str, Any]:
     return {
         "argv": list(sys.argv),
         "executable": sys.executable,
+        "interpreter_options": interpreter_options(getattr(sys, "orig_argv", [])),
         "cwd": _START_CWD,
         "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
         "main_file": os.path.abspath(f) if f else None,
@@ -71,6 +72,25 @@ def launch_info() -> dict[str, Any]:
         # one of this name ("SpawnProcess-1"), not whichever calls the step first.
         "process_name": _process_name(),
     }
+
+
+def interpreter_options(orig_argv: list[str]) -> list[str]:
+    """The options given to the interpreter itself (``python3 -O -W error script.py`` gives
+    ``["-O", "-W", "error"]``): a re-launch passes them again, as they change what the program
+    computes (``-O`` drops its asserts and ``if __debug__`` code)."""
+    opts: list[str] = []
+    i = 1
+    while i < len(orig_argv):
+        a = orig_argv[i]
+        if a in ("-m", "-c", "-", "--") or not a.startswith("-"):
+            break
+        if a in ("-W", "-X") and i + 1 < len(orig_argv):
+            opts += [a, orig_argv[i + 1]]
+            i += 2
+            continue
+        opts.append(a)
+        i += 1
+    return opts
 
 
 def _process_name() -> str | None:

@@ -122,10 +122,12 @@ def _command(exe: str, argv: list[str], launch: dict[str, Any]) -> list[str]:
     if argv[0] in ("-c", ""):
         raise RerunError("the recorded program was `python -c ...` (its code is not recorded): pass --factory")
     name, main_file = launch.get("main_name"), launch.get("main_file")
+    # The interpreter's own options as recorded (-O, -W error, -X ...): they change what runs.
+    opts = [str(o) for o in launch.get("interpreter_options") or [] if isinstance(o, str)]
     if isinstance(name, str) and isinstance(main_file, str) and Path(main_file).stem != name.rsplit(".", 1)[-1] or (
             isinstance(name, str) and "." in name):
-        return [exe, "-m", name, *argv[1:]]
-    return [exe, *argv]
+        return [exe, *opts, "-m", name, *argv[1:]]
+    return [exe, *opts, *argv]
 
 
 def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
