@@ -249,6 +249,27 @@ def test_the_step_headline_claims_only_what_was_compared(modes, expected):
     assert r.headline().startswith(expected), r.headline()
 
 
+@pytest.mark.parametrize("recorded, expected", [
+    ("compiled", "reproduced: rank 1 step 7 re-ran bit for bit in compiled, the mode it ran in when recorded (1 output(s) "
+                 "bitwise equal to the recording); it differs from the recording in the mode it did not run in: in eager "
+                 "logits is different"),
+    ("eager", "not reproduced: rank 1 step 7 in eager: logits is different from the recording; compiled reproduces it"),
+], ids=["recorded-mode-reproduces", "recorded-mode-differs"])
+def test_the_step_headline_leads_with_the_mode_the_step_was_recorded_in(recorded, expected):
+    """A compiled step whose eager re-run differs (inductor's kernels round otherwise) reproduced
+    in the mode it ran in: "reproduced", the other mode named as differing (before: "not
+    reproduced ... in eager"); a difference in the recorded mode stays "not reproduced"."""
+    from replay.rerun.result import StepRerun
+
+    r = StepRerun(recording="r", part="run-000", rank=1, step=7, keyframe=0, device="cpu", factory=None,
+                  modes={"compiled": _mode_run("compiled", {"logits": True}), "eager": _mode_run("eager", {"logits": False})},
+                  recorded_mode=recorded)
+    if recorded == "eager":
+        r.modes = {"eager": _mode_run("eager", {"logits": False}), "compiled": _mode_run("compiled", {"logits": True})}
+    assert r.headline().startswith(expected), r.headline()
+    assert StepRerun.from_json(r.to_json()).recorded_mode == recorded
+
+
 def test_the_step_headline_of_a_step_that_raised_is_not_compared():
     from replay.rerun.result import StepRerun
 

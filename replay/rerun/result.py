@@ -164,6 +164,9 @@ class StepRerun:
     # The step's object when it is not a model and the step took no recorded tensor argument:
     # what the step computes from is that object's Python state, which no keyframe holds.
     state_outside: str = ""
+    # The mode the step ran in when recorded (compiled, cudagraph: a graph replay, or eager):
+    # a verdict leads with it, since a mode it did not run in may round otherwise by design.
+    recorded_mode: str = ""
 
     def problem(self) -> str | None:
         """Why step ``step`` could not be re-run or checked against the recording; None if it was.
@@ -214,6 +217,10 @@ class StepRerun:
         differ = [m for m in self.modes.values() if m.mode not in same]
         if not differ:
             return self._reproduced(where, same)
+        if self.recorded_mode in same:
+            # The step reproduced in the mode it ran in; the modes it did not run in are findings
+            # about them (inductor's kernels, a graph's), not a failure to reproduce it.
+            return self._reproduced(where, same) + self._others_differ(differ)
         first = differ[0]
         bad = [(k, c) for k, c in first.vs_recording.items() if not c.equal]
         name, c = bad[0]
@@ -225,6 +232,13 @@ class StepRerun:
         if same:
             line += f"; {', '.join(same)} reproduce{'s' if len(same) == 1 else ''} it bit for bit"
         return line + "".join(self._caveats())
+
+    def _others_differ(self, differ: list[ModeRun]) -> str:
+        parts = []
+        for m in differ:
+            bad = [k for k, c in m.vs_recording.items() if not c.equal]
+            parts.append(f"in {m.mode} {bad[0]} is {m.vs_recording[bad[0]].verdict}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        return f"; it differs from the recording in the mode{'s' if len(differ) > 1 else ''} it did not run in: {'; '.join(parts)}"
 
     def _caveats(self) -> list[str]:
         """Why a not-reproduced step may not be the program's doing: the re-run differed from the
@@ -258,13 +272,15 @@ class StepRerun:
         each = " in each mode" if len(same) > 1 else ""
         raised = self._raised_kinds()
         also = f"; it raised {', '.join(raised)} as it did when recorded" if raised else ""
-        return (f"reproduced: {where} re-ran bit for bit in {', '.join(same)} ({n} output(s) bitwise equal to the "
-                f"recording{each}){also}{self._catch_up_caveat()}")
+        as_recorded = f", the mode it ran in when recorded" if len(same) == 1 and same[0] == self.recorded_mode and \
+            len(self.modes) > 1 else ""
+        return (f"reproduced: {where} re-ran bit for bit in {', '.join(same)}{as_recorded} ({n} output(s) bitwise equal to "
+                f"the recording{each}){also}{self._catch_up_caveat(same)}")
 
-    def _catch_up_caveat(self) -> str:
+    def _catch_up_caveat(self, same: list[str]) -> str:
         """The step matched, but a catch-up step before it did not: said in the verdict line, not
         left to the body, since the state the step ran from was not the recorded one."""
-        off = [m for m in self.modes.values() if m.departed is not None]
+        off = [m for m in self.modes.values() if m.departed is not None and m.mode in same]
         if not off:
             return ""
         first = min((m.departed for m in off if m.departed is not None), key=lambda d: d.step)
@@ -294,6 +310,7 @@ class StepRerun:
             "live_start": self.live_start,
             "env_differences": self.env_differences,
             "state_outside": self.state_outside or None,
+            "recorded_mode": self.recorded_mode or None,
             "problem": self.problem(),
             "raised": self.raised(),
             "headline": self.headline(),
@@ -314,6 +331,6 @@ class StepRerun:
                    stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None,
                    unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []], live_start=d.get("live_start") is True,
                    env_differences=[str(e) for e in d.get("env_differences") or []],
-                   state_outside=str(d.get("state_outside") or ""))
+                   state_outside=str(d.get("state_outside") or ""), recorded_mode=str(d.get("recorded_mode") or ""))
 
 

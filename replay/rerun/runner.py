@@ -716,6 +716,8 @@ def rerun_step(
         run.seconds = time.perf_counter() - t0
         result.modes[rp.mode] = run
     _compare_across(result, part, rank, step, modes)
+    result.recorded_mode = ("compiled" if first.spec.kind is StepKind.COMPILED else
+                            "cudagraph" if first.rf.step(step).mode == "graph" else "eager")
     if first.spec.kind is StepKind.COMPILED and "compiled" in result.modes:
         # Recorded compiled: the verdict line and the tables lead with the mode it ran in.
         result.modes = {"compiled": result.modes["compiled"], **result.modes}
