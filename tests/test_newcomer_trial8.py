@@ -125,3 +125,40 @@ def test_a_program_run_with_interpreter_options_is_re_launched_with_them(tmp_pat
     p = _replay("step", out, "--step", 3, cwd=tmp_path)
     assert f"{sys.executable} -O opt.py" in p.stderr, p.stderr
     assert p.returncode == 0 and p.stdout.startswith("reproduced:"), p.stdout + p.stderr
+
+
+_READS_ITS_ARGV = """
+    import sys
+    import torch
+    print("THE SCRIPT'S LOOP RAN", file=sys.stderr)
+    seed = int(sys.argv[1])
+    torch.manual_seed(seed)
+    class MoELM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.out = torch.nn.Linear(8, 16)
+        def forward(self, ids):
+            return self.out(self.emb(ids))
+    model = MoELM().eval()
+    ids = torch.tensor([1, 2])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = model(ids).argmax(-1)
+"""
+
+
+def test_bisect_layers_across_runs_with_no_factory_never_runs_the_script(tmp_path: Path) -> None:
+    """Two runs of a script whose model class is defined in it, no factory: ``bisect layers
+    --between run:A,run:B`` says it needs a factory (before: it imported the script, which ran its
+    loop in replay's process and failed on replay's own argv)."""
+    _script(tmp_path, "moe", _READS_ITS_ARGV)
+    for seed in (0, 1):
+        p = _run(sys.executable, "-m", "replay", "record", "--quiet", "--out", tmp_path / f"rec{seed}", "--",
+                 sys.executable, "moe.py", seed, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+    p = _replay("bisect", "layers", "--between", f"run:{tmp_path / 'rec0'},run:{tmp_path / 'rec1'}", "--step", 1, cwd=tmp_path)
+    assert p.returncode != 0
+    assert "THE SCRIPT'S LOOP RAN" not in p.stderr + p.stdout
+    assert "names no factory" in p.stderr and "--factory" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

@@ -301,8 +301,10 @@ def build_target(
         named = ([] if factory or fac_name is None else [fac_name]) + ([] if kind is StepKind.METHOD else [spec.step])
         trust.admit(spec.origin, named + [p for p, _ in spec.probes], user_names=[factory] if factory else [])
     resolved: Any = None
-    if kind is not StepKind.METHOD:
-        resolved = import_recorded(spec.step, "step", spec.imports)
+    if kind not in (StepKind.METHOD, StepKind.MODULE_FORWARD) or fac_name is not None:
+        # Never imported when no factory could build its object: importing a class defined in
+        # the recorded script runs the whole script (its loop) in this process.
+        resolved = import_recorded(spec.step, "step", spec.imports) if kind is not StepKind.METHOD else None
         kind = kind or _kind_of(resolved, spec.step)
     assert kind is not None
     if kind in (StepKind.METHOD, StepKind.MODULE_FORWARD) and fac_name is None:
