@@ -328,3 +328,12 @@ def test_only_data_objects_are_recorded_field_by_field() -> None:
     assert flatten_object("c", Cache()) is None
     big = Batch(torch.zeros(MAX_OBJECT_BYTES // 4 + 1, dtype=torch.float32), 1.0, [])
     assert flatten_object("big", big) is None
+    # A serving batch: Python lists beside the tensors (request ids, temperatures) are kept as
+    # values (before: one such field made the whole batch "recorded by class name only").
+    served = Batch(torch.arange(2), 1.0, [["req-a", "req-b"], {"temps": [0.7, 1.0]}, []])
+    t3, s3 = flatten_object("batch", served)
+    assert set(t3) == {"batch.ids"}
+    again = rebuild_inputs(dict(t3), {"batch": s3})["batch"]
+    assert again.cache == [["req-a", "req-b"], {"temps": [0.7, 1.0]}, []]
+    # A prompt's token ids as a Python list would go into every step's record: not kept.
+    assert flatten_object("batch", Batch(torch.arange(2), 1.0, list(range(1000)))) is None

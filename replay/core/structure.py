@@ -19,6 +19,9 @@ __all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "UNRECORDED_ARG", "MAX_OBJECT_BYTE
            "RecordedObject", "object_fields", "positional_names", "call_arguments"]
 
 _MAX_NESTED = 1 << 16
+# Python values kept beside a step's tensors in one argument (request ids, temperatures): more
+# than this (a list of a prompt's token ids) would go into every step's record as JSON.
+_MAX_VALUES = 256
 
 
 def unrecordable(t: torch.Tensor) -> str | None:
@@ -37,13 +40,15 @@ def unrecordable(t: torch.Tensor) -> str | None:
     return None
 
 
-def flatten_tensors(name: str, v: Any, *, values: bool = False) -> tuple[dict[str, torch.Tensor], Any] | None:
+def flatten_tensors(name: str, v: Any, *, values: bool = False, empty: bool = False) -> tuple[dict[str, torch.Tensor], Any] | None:
     """A container of tensors (lists, tuples, dicts, nested, with ``None`` holes: an HF
     ``past_key_values``) as ``{name.i.j: tensor}`` and its structure for ``rebuild_inputs``;
     None when ``v`` is not such a container (no tensor in it, or anything else inside).
     ``values``: numbers, strings and booleans beside the tensors are kept in the structure (a
-    step's ``batch`` dict with its request ids and temperature)."""
+    step's ``batch`` dict with its request ids and temperature); ``empty``: a container of such
+    values alone is one too (a data object's ``request_ids`` list beside its tensor fields)."""
     out: dict[str, torch.Tensor] = {}
+    leaves = [0]
 
     def walk(prefix: str, x: Any, depth: int) -> Any:
         if isinstance(x, torch.Tensor):
@@ -52,6 +57,9 @@ def flatten_tensors(name: str, v: Any, *, values: bool = False) -> tuple[dict[st
         if x is None:
             return None
         if values and isinstance(x, _JSON_LEAVES) and not (isinstance(x, float) and x != x):
+            leaves[0] += 1
+            if leaves[0] > _MAX_VALUES:
+                raise ValueError("too many values")  # a prompt's token ids as a list: not into every step's record
             return {"type": "value", "value": x}
         if depth > 8 or len(out) > _MAX_NESTED:
             raise ValueError("too deep")
@@ -65,7 +73,7 @@ def flatten_tensors(name: str, v: Any, *, values: bool = False) -> tuple[dict[st
         structure = walk(name, v, 0)
     except ValueError:
         return None
-    return (out, structure) if out else None
+    return (out, structure) if out or (empty and structure is not None) else None
 
 
 _MAX_FIELDS = 64
@@ -131,7 +139,7 @@ def flatten_object(name: str, v: Any) -> tuple[dict[str, torch.Tensor], Any] | N
         elif isinstance(x, _JSON_LEAVES) and not (isinstance(x, float) and x != x):
             spec = {"type": "value", "value": x}
         else:
-            found = flatten_tensors(f"{name}.{k}", x) if isinstance(x, (list, tuple, dict)) else None
+            found = flatten_tensors(f"{name}.{k}", x, values=True, empty=True) if isinstance(x, (list, tuple, dict)) else None
             if found is None:
                 return None
             out.update(found[0])
