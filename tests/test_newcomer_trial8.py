@@ -162,3 +162,38 @@ def test_bisect_layers_across_runs_with_no_factory_never_runs_the_script(tmp_pat
     assert "THE SCRIPT'S LOOP RAN" not in p.stderr + p.stdout
     assert "names no factory" in p.stderr and "--factory" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+_OUT_BUFFER_UNDER_INFERENCE_MODE = """
+    import torch
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(40, 24)
+            self.head = torch.nn.Linear(24, 40)
+        def forward(self, tok, out):
+            torch.matmul(torch.tanh(self.emb(tok)), self.head.weight.T, out=out)
+    @torch.inference_mode()
+    def main():
+        torch.manual_seed(0)
+        lm = LM().eval()
+        logits = torch.empty(1, 40)
+        tok = torch.tensor([1])
+        for _ in range(6):
+            lm(tok, logits)
+            tok = logits.argmax(-1)
+    main()
+"""
+
+
+def test_a_step_whose_results_cannot_be_seen_is_said_at_record_and_by_info(tmp_path: Path) -> None:
+    """A step writing into an ``out=`` buffer made under inference mode (whose writes cannot be
+    told): the recorder says nothing it computes is recorded, and ``info`` says a re-run has
+    nothing to compare instead of offering one (before: silence, then "next: replay step")."""
+    _script(tmp_path, "outbuf", _OUT_BUFFER_UNDER_INFERENCE_MODE)
+    out = tmp_path / "rec-outbuf"
+    p = _run(sys.executable, "-m", "replay", "record", "--out", out, "--", sys.executable, "outbuf.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "returns None and wrote into no tensor argument" in p.stderr and "inference tensors" in p.stderr, p.stderr
+    info = _replay("info", out, cwd=tmp_path)
+    assert "nothing to compare a re-run with" in info.stdout and "next: replay step" not in info.stdout, info.stdout

@@ -31,7 +31,7 @@ def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     # No --mode: `replay step` picks the modes this recording and this machine can run.
     if target is not None:
         lines.append(f"next: replay step --rank {target['ranks'][0]} --step {target['step']}")
-    elif len(s["ranks"]) == 1 and s["ranks"][0].get("steps"):
+    elif len(s["ranks"]) == 1 and s["ranks"][0].get("steps") and s.get("output_fields") is not False:
         r = s["ranks"][0]
         lines.append(f"next: replay step --rank {r['rank']} --step {int(r['steps']) - 1}   (re-run a step against its recording)")
     return "\n".join(lines)
@@ -139,6 +139,11 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
         # One rank: nothing was compared across ranks, so no verdict about them.
         lines = ["one rank can be read: nothing to compare across ranks" if s["unreadable_ranks"]
                  else "one rank: nothing to compare across ranks"]
+        if s.get("output_fields") is False and any(int(r.get("steps") or 0) for r in s["ranks"]):
+            # Nor would a re-run of one of its steps compare anything: said before it is tried.
+            lines.append("nothing to compare a re-run with: the steps recorded no output or token field, only what "
+                         "went into them; name what a step computes with --output-name, or record a callable inside "
+                         "it with --probe")
     elif d is None and any(not int(r.get("steps") or 0) for r in s["ranks"]):
         lines = ["nothing compared: a rank recorded no step, so the ranks share no step to compare"]
     elif d is None and s.get("output_fields") is False:

@@ -763,6 +763,15 @@ class Session(GraphEvents):
                 self.warn_once(f"no-tensor:{spec.step}", f"{spec.step} returns a {type(out).__name__} with no tensor in "
                                "it: its results are not recorded, and a re-run of its steps has nothing to compare "
                                "(a step that returns its logits or tokens as tensors is compared)")
+            elif not outs and written is not None:
+                unseen = [n for n, (_t, v) in written().items() if v is None]
+                why = (f" (its argument{'s' if len(unseen) > 1 else ''} {', '.join(unseen[:3])} "
+                       f"{'are' if len(unseen) > 1 else 'is an'} inference tensor{'s' if len(unseen) > 1 else ''}, made "
+                       "under torch.inference_mode, whose writes cannot be told)" if unseen else "")
+                self.warn_once(f"no-written:{spec.step}", f"{spec.step} returns None and wrote into no tensor argument "
+                               f"the recorder could see{why}: nothing it computes is recorded, and a re-run of its "
+                               "steps has nothing to compare (a step that returns its logits, or writes them into "
+                               "an argument made outside torch.inference_mode, is compared)")
             rec.record_outputs(**outs)
             self._set_run(rec, spec, obj)
             if self._tuner_dirty:
