@@ -197,3 +197,35 @@ def test_a_step_whose_results_cannot_be_seen_is_said_at_record_and_by_info(tmp_p
     assert "returns None and wrote into no tensor argument" in p.stderr and "inference tensors" in p.stderr, p.stderr
     info = _replay("info", out, cwd=tmp_path)
     assert "nothing to compare a re-run with" in info.stdout and "next: replay step" not in info.stdout, info.stdout
+
+
+_DRAFT_SUBCLASSES_TARGET = """
+    import torch
+    torch.manual_seed(0)
+    class TinyGPT(torch.nn.Module):
+        def __init__(self, width=16):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, width)
+            self.out = torch.nn.Linear(width, 32)
+        def forward(self, ids):
+            return self.out(torch.tanh(self.emb(ids)))
+    class DraftGPT(TinyGPT):
+        pass
+    target, draft = TinyGPT().eval(), DraftGPT(8).eval()
+    ids = torch.tensor([1, 2])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = draft(ids).argmax(-1)
+            ids = target(ids).argmax(-1)
+"""
+
+
+def test_a_draft_class_that_subclasses_the_target_is_recorded_when_both_are_named(tmp_path: Path) -> None:
+    """``--step m:DraftGPT --step m:TinyGPT`` with ``class DraftGPT(TinyGPT)`` (the command the
+    record summary suggests): both are steps, each its own stream (before: "--step m:DraftGPT
+    never ran ... check the module and qualname", its calls recorded under TinyGPT)."""
+    _script(tmp_path, "spec", _DRAFT_SUBCLASSES_TARGET)
+    out, p = _record(tmp_path, "spec", "--step", "spec:DraftGPT", "--step", "spec:TinyGPT")
+    assert "never ran" not in p.stderr, p.stderr
+    info = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert sorted(c["step"] for c in info["step_callables"]) == ["spec:DraftGPT", "spec:TinyGPT"], info["step_callables"]

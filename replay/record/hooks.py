@@ -151,8 +151,27 @@ def resolve(target: str, root: Any = None) -> tuple[Any, str, Any]:
     for p in parts[:-1]:
         owner = getattr(owner, p)
     name = parts[-1]
-    value = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
+    value = _class_attribute(owner, name) if isinstance(owner, type) else getattr(owner, name)
     return owner, name, value
+
+
+def _class_attribute(cls: type, name: str) -> Any:
+    """``cls``'s attribute as its class body holds it (a staticmethod or classmethod object, not
+    what getattr makes of it), from the first class of its MRO that defines it."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return getattr(cls, name)
+
+
+def _own_original(owner: Any, name: str, value: Any) -> Any:
+    """A subclass named on its own whose method is its base's, already patched for the base
+    (``--step m:Draft --step m:Target``, ``class Draft(Target)``): the base's original, which the
+    subclass gets its own wrapper around (before: the base's wrapper was taken as the subclass's,
+    and the subclass's step "never ran")."""
+    if isinstance(owner, type) and name not in owner.__dict__ and getattr(value, _PATCHED, False):
+        return getattr(value, "__wrapped__", value)
+    return value
 
 
 def patch_callable(target: str, make_wrapper: Callable[[Callable[..., Any], str], Callable[..., Any]], *, root: Any = None) -> bool:
@@ -167,12 +186,13 @@ def patch_callable(target: str, make_wrapper: Callable[[Callable[..., Any], str]
 
         if not issubclass(value, nn.Module):
             raise TypeError(f"{target} is a class but not an nn.Module: name a method or function")
-        owner, name, value = value, "forward", value.__dict__.get("forward", value.forward)
+        owner, name, value = value, "forward", _class_attribute(value, "forward")
     kind = None
     if isinstance(value, staticmethod):
         kind, value = staticmethod, value.__func__
     elif isinstance(value, classmethod):
         kind, value = classmethod, value.__func__
+    value = _own_original(owner, name, value)
     if getattr(value, _PATCHED, False):
         return False
     if not callable(value):
