@@ -229,3 +229,47 @@ def test_a_draft_class_that_subclasses_the_target_is_recorded_when_both_are_name
     assert "never ran" not in p.stderr, p.stderr
     info = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
     assert sorted(c["step"] for c in info["step_callables"]) == ["spec:DraftGPT", "spec:TinyGPT"], info["step_callables"]
+
+
+# vLLM-style: the runner sets a global forward context the model reads; the model's inputs are
+# only the token ids.
+_GLOBAL_FORWARD_CONTEXT = """
+    import torch
+    torch.manual_seed(0)
+    FORWARD_CONTEXT = {}
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.out = torch.nn.Linear(16, 32)
+        def forward(self, ids):
+            return self.out(self.emb(ids) * FORWARD_CONTEXT["scale"])
+    class Runner:
+        def __init__(self):
+            self.model = Model().eval()
+        def execute_model(self, ids, step):
+            FORWARD_CONTEXT["scale"] = torch.full((1,), 1.0 + step)
+            return self.model(ids)
+    runner = Runner()
+    ids = torch.tensor([1, 2])
+    with torch.no_grad():
+        for step in range(6):
+            ids = runner.execute_model(ids, step).argmax(-1)
+"""
+
+
+def test_a_step_that_reads_its_caller_s_global_context_names_the_caller_to_record(tmp_path: Path) -> None:
+    """The model reads a global forward context its runner sets: from its own keyframe it is
+    not reproduced, and the verdict names the runner's method to record instead, which then
+    reproduces (before: a bare "not reproduced", and a --keyframe-every 1 hint that did not help)."""
+    _script(tmp_path, "ctx", _GLOBAL_FORWARD_CONTEXT)
+    out, _ = _record(tmp_path, "ctx", "--keyframe-every", "1")
+    p = _replay("step", out, "--step", 2, cwd=tmp_path)
+    head = p.stdout.splitlines()[0]
+    assert head.startswith("not reproduced") and "replay record --step ctx:Runner.execute_model" in head, p.stdout + p.stderr
+    rec = tmp_path / "rec-runner"
+    r = _run(sys.executable, "-m", "replay", "record", "--quiet", "--out", rec, "--step", "ctx:Runner.execute_model", "--",
+             sys.executable, "ctx.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    p = _replay("step", rec, "--step", 2, cwd=tmp_path)
+    assert p.stdout.startswith("reproduced:"), p.stdout + p.stderr

@@ -136,14 +136,7 @@ def _ranks(xs: list[int]) -> str:
 def _divergence_lines(s: dict[str, Any]) -> list[str]:
     d, t = s["first_divergence"], s["first_token_divergence"]
     if d is None and len(s["ranks"]) < 2:
-        # One rank: nothing was compared across ranks, so no verdict about them.
-        lines = ["one rank can be read: nothing to compare across ranks" if s["unreadable_ranks"]
-                 else "one rank: nothing to compare across ranks"]
-        if s.get("output_fields") is False and any(int(r.get("steps") or 0) for r in s["ranks"]):
-            # Nor would a re-run of one of its steps compare anything: said before it is tried.
-            lines.append("nothing to compare a re-run with: the steps recorded no output or token field, only what "
-                         "went into them; name what a step computes with --output-name, or record a callable inside "
-                         "it with --probe")
+        lines = _one_rank_lines(s)
     elif d is None and any(not int(r.get("steps") or 0) for r in s["ranks"]):
         lines = ["nothing compared: a rank recorded no step, so the ranks share no step to compare"]
     elif d is None and s.get("output_fields") is False:
@@ -164,6 +157,18 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
         lines.append("no token field recorded: the ranks differ in bits; what they sampled was not recorded as tokens")
     elif d is not None:
         lines.append("no token divergence: the ranks differ in bits but sampled the same tokens")
+    return lines
+
+
+def _one_rank_lines(s: dict[str, Any]) -> list[str]:
+    # One rank: nothing was compared across ranks, so no verdict about them.
+    lines = ["one rank can be read: nothing to compare across ranks" if s["unreadable_ranks"]
+             else "one rank: nothing to compare across ranks"]
+    if s.get("output_fields") is False and any(int(r.get("steps") or 0) for r in s["ranks"]):
+        # Nor would a re-run of one of its steps compare anything: said before it is tried.
+        lines.append("nothing to compare a re-run with: the steps recorded no output or token field, only what "
+                     "went into them; name what a step computes with --output-name, or record a callable inside "
+                     "it with --probe")
     return lines
 
 

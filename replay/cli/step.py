@@ -15,7 +15,7 @@ from replay.errors import ReplayError, RerunError, UsageError
 from replay.format.reader import Part
 from replay.textsafe import escape
 from replay.rerun.result import ModeRun, StepRerun
-from replay.rerun.runner import KEYFRAME_EVERY_STEP_HINT, NO_KEYFRAME_NOTE, RerunOptions, default_modes
+from replay.rerun.runner import KEYFRAME_EVERY_STEP_HINT, NO_KEYFRAME_NOTE, RerunOptions, caller_hint, default_modes
 from replay.rerun.step import run_step, uses_relaunch
 
 EPILOG = """\b
@@ -208,6 +208,7 @@ def _error_line(r: StepRerun, m: ModeRun) -> str:
     hint = f"; {KEYFRAME_EVERY_STEP_HINT}" if (
         m.error and not m.recorded_error and m.caught_up and r.keyframe < r.step and not r.unrecorded
         and not r.state_outside) else ""
+    hint += caller_hint(r.caller) if m.error and not m.recorded_error and not r.state_outside else ""
     return style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}{hint}", fg="red")
 
 

@@ -48,7 +48,7 @@ from replay.record.profiles import PROFILES, Profile, StepSpec
 from replay.record.graph_events import GraphEvents
 from replay.record.parts import PartStreams, Stream, allocate_part, new_stream_name
 from replay.record.recorder import Recorder
-from replay.record.tracebacks import without_recorder_frames
+from replay.record.tracebacks import program_caller, without_recorder_frames
 
 __all__ = ["Session", "allocate_part"]
 
@@ -530,6 +530,7 @@ class Session(GraphEvents):
         missed = self.calls_before_recording.pop(id(obj), 0) if obj is not None else 0
         info["unrecorded_calls"] = missed if spec.kind == "module_forward" else 0
         info["engine_run"] = self._engine_runs
+        info["caller"] = program_caller(module_name, spec.step)
         info["state_from"] = "attribute" if spec.state else None
         # An engine object that holds one model (``Engine.step`` with ``self.model``): that
         # model's weights and buffers are the step's, as a re-run's ``Target.module()`` takes them.
@@ -759,19 +760,8 @@ class Session(GraphEvents):
                 # A step that returns nothing writes its results into its arguments
                 # (``step(ids, out=logits)``): they are its outputs, as they are after the call.
                 outs = written_outputs(written())
-            if not outs and out is not None:
-                self.warn_once(f"no-tensor:{spec.step}", f"{spec.step} returns a {type(out).__name__} with no tensor in "
-                               "it: its results are not recorded, and a re-run of its steps has nothing to compare "
-                               "(a step that returns its logits or tokens as tensors is compared)")
-            elif not outs and written is not None:
-                unseen = [n for n, (_t, v) in written().items() if v is None]
-                why = (f" (its argument{'s' if len(unseen) > 1 else ''} {', '.join(unseen[:3])} "
-                       f"{'are' if len(unseen) > 1 else 'is an'} inference tensor{'s' if len(unseen) > 1 else ''}, made "
-                       "under torch.inference_mode, whose writes cannot be told)" if unseen else "")
-                self.warn_once(f"no-written:{spec.step}", f"{spec.step} returns None and wrote into no tensor argument "
-                               f"the recorder could see{why}: nothing it computes is recorded, and a re-run of its "
-                               "steps has nothing to compare (a step that returns its logits, or writes them into "
-                               "an argument made outside torch.inference_mode, is compared)")
+            if not outs:
+                self._warn_nothing_recorded(spec, out, written)
             rec.record_outputs(**outs)
             self._set_run(rec, spec, obj)
             if self._tuner_dirty:
@@ -783,6 +773,23 @@ class Session(GraphEvents):
         if self.lockstep is not None:
             self.lockstep.check(rec, outs)  # may raise LockstepDivergence on purpose
         return out
+
+    def _warn_nothing_recorded(self, spec: StepSpec, out: Any,
+                               written: Callable[[], dict[str, tuple[torch.Tensor, int | None]]] | None) -> None:
+        """A step whose results the recorder could not see: said once, at record time."""
+        if out is not None:
+            self.warn_once(f"no-tensor:{spec.step}", f"{spec.step} returns a {type(out).__name__} with no tensor in "
+                           "it: its results are not recorded, and a re-run of its steps has nothing to compare "
+                           "(a step that returns its logits or tokens as tensors is compared)")
+        elif written is not None:
+            unseen = [n for n, (_t, v) in written().items() if v is None]
+            why = (f" (its argument{'s' if len(unseen) > 1 else ''} {', '.join(unseen[:3])} "
+                   f"{'are' if len(unseen) > 1 else 'is an'} inference tensor{'s' if len(unseen) > 1 else ''}, made "
+                   "under torch.inference_mode, whose writes cannot be told)" if unseen else "")
+            self.warn_once(f"no-written:{spec.step}", f"{spec.step} returns None and wrote into no tensor argument "
+                           f"the recorder could see{why}: nothing it computes is recorded, and a re-run of its "
+                           "steps has nothing to compare (a step that returns its logits, or writes them into "
+                           "an argument made outside torch.inference_mode, is compared)")
 
     def _safely(self, fn: Callable[[], None]) -> bool:
         try:

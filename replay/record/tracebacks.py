@@ -1,4 +1,5 @@
-"""The program's own traceback for an exception its step raised under the recorder.
+"""The program's own frames: its traceback for an exception its step raised under the recorder,
+and the function of the program that called the step.
 
 A step's exception passes through the recorder's wrappers on its way out; printed as they are,
 its traceback would hold four or five of the recorder's frames between the program's call and the
@@ -8,12 +9,17 @@ program (and whoever reads its log) sees its own frames and the one wrapper fram
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Callable
 
-__all__ = ["without_recorder_frames"]
+__all__ = ["without_recorder_frames", "program_caller"]
 
 _RECORD_DIR = str(Path(__file__).resolve().parent) + "/"
+_REPLAY_DIR = str(Path(__file__).resolve().parent.parent) + "/"
+_TORCH_DIR = "/torch/"
+_MAX_FRAMES = 64
 
 
 def without_recorder_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -23,3 +29,25 @@ def without_recorder_frames(tb: TracebackType | None) -> TracebackType | None:
     while first is not None and first.tb_frame.f_code.co_filename.startswith(_RECORD_DIR):
         first = first.tb_next
     return first if first is not None else tb
+
+
+def program_caller(module_name: Callable[[str], str], step: str) -> str | None:
+    """``module:qualname`` of the program's innermost function on the stack that is not the step
+    itself, torch's or replay's (``ModelRunner.execute_model`` calling ``model(...)``): what a
+    user records instead when the step reads state its caller set outside its arguments (a
+    global forward context). None at the top level of a script, or for a local function."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        code = frame.f_code
+        path = code.co_filename
+        if not (path.startswith(_REPLAY_DIR) or _TORCH_DIR in path or path.startswith("<")):
+            qual = getattr(code, "co_qualname", code.co_name)
+            if qual == "<module>" or "<" in qual:
+                return None
+            name = f"{module_name(str(frame.f_globals.get('__name__', '?')))}:{qual}"
+            if name != step and not step.endswith(f":{qual.rsplit('.', 1)[0]}"):
+                return name
+        frame = frame.f_back
+    return None

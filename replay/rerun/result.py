@@ -167,6 +167,8 @@ class StepRerun:
     # The mode the step ran in when recorded (compiled, cudagraph: a graph replay, or eager):
     # a verdict leads with it, since a mode it did not run in may round otherwise by design.
     recorded_mode: str = ""
+    # The program's function that called the step (recorded at its stream's first step).
+    caller: str = ""
 
     def problem(self) -> str | None:
         """Why step ``step`` could not be re-run or checked against the recording; None if it was.
@@ -259,6 +261,13 @@ class StepRerun:
                        "Python state (a scheduler's requests, lists, dicts), which no keyframe holds and a re-run cannot "
                        "set back; record the model's forward instead (no flags find it), whose inputs are recorded "
                        "every step")
+        if self.caller and self.keyframe == self.step and not self.live_start and not (
+                self.env_differences or self.state_outside or self.unrecorded or (self.weights is not None and self.weights.differ)):
+            # From its own keyframe, with its recorded inputs and RNG: what the step read
+            # otherwise came from outside its arguments and its model's state.
+            out.append(f"; but the step ran from its own keyframe with its recorded inputs: if it reads what its caller "
+                       f"sets up outside its arguments (a global forward context, block tables, slot mappings), record "
+                       f"the caller as the step: replay record --step {self.caller} -- ...")
         if self.unrecorded:
             # Not evidence against the program: the re-run may have run with other contents.
             out.append(f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
@@ -311,6 +320,7 @@ class StepRerun:
             "env_differences": self.env_differences,
             "state_outside": self.state_outside or None,
             "recorded_mode": self.recorded_mode or None,
+            "caller": self.caller or None,
             "problem": self.problem(),
             "raised": self.raised(),
             "headline": self.headline(),
@@ -325,12 +335,13 @@ class StepRerun:
             raise RecordingDamaged(f"not a step result this replay can read (kind {d.get('kind')!r}, format {version!r})")
         modes = {k: ModeRun.from_json(m) for k, m in (d.get("modes") or {}).items()}
         across = [comparison_from_json(v) for v in d.get("verdicts") or [] if "output" not in v]
-        return cls(recording=str(d.get("recording") or ""), part=str(d.get("part") or ""), rank=int(d["rank"]),
-                   step=int(d["step"]), keyframe=int(d.get("keyframe") or 0), device=str(d.get("device") or ""),
+        text = {k: str(d.get(k) or "") for k in ("recording", "part", "device", "state_outside", "recorded_mode", "caller")}
+        return cls(recording=text["recording"], part=text["part"], rank=int(d["rank"]),
+                   step=int(d["step"]), keyframe=int(d.get("keyframe") or 0), device=text["device"],
                    factory=d.get("factory"), modes=modes, comparisons=across, notes=list(d.get("notes") or []),
                    stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None,
                    unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []], live_start=d.get("live_start") is True,
                    env_differences=[str(e) for e in d.get("env_differences") or []],
-                   state_outside=str(d.get("state_outside") or ""), recorded_mode=str(d.get("recorded_mode") or ""))
+                   state_outside=text["state_outside"], recorded_mode=text["recorded_mode"], caller=text["caller"])
 
 

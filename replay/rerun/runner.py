@@ -69,6 +69,17 @@ KEYFRAME_EVERY_STEP_HINT = ("if the program changes its state between steps (a c
                             "record with --keyframe-every 1 so each step starts from its own keyframe")
 
 
+def caller_hint(caller: str | None) -> str:
+    """The other remedy, where the recording knows the program's function that called the step:
+    a step that reads what its caller set up outside its arguments (a global forward context
+    with the batch's block tables, as vLLM-style runners keep) reproduces when the caller is
+    the step, since then that set-up is part of it."""
+    if not caller:
+        return ""
+    return (f"; if the step reads what its caller sets up outside its arguments (a global forward context, "
+            f"block tables, slot mappings), record the caller as the step: replay record --step {caller} -- ...")
+
+
 def check_device(device: str) -> None:
     """Refuse a CUDA device on a machine without one (before anything is built or launched)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -567,6 +578,7 @@ class Replayer:
         # there, most often state the program changed between steps, which only a keyframe at
         # each step holds (none to offer when the step has its own keyframe already).
         hint = f"; {KEYFRAME_EVERY_STEP_HINT}" if view.ok and s > self.keyframe and s not in keyframes else ""
+        hint += caller_hint(self.spec.caller) if view.ok else ""
         raise CatchUpRaised(
             f"rank {self.rank} ({self.mode}): catch-up step {s} raised {err} in the re-run (when recorded it {when}); "
             f"step {step} cannot be re-run from {start}{hint}",
@@ -701,7 +713,8 @@ def rerun_step(
         kf_step, _ = first.keyframe_for(step if settings.keyframe_at is None else min(settings.keyframe_at, step))
     first.check(kf_step, step)
     result = StepRerun(recording=settings.recording, part=part.name, rank=rank, step=step, keyframe=kf_step,
-                       device=settings.device, factory=first.factory_name, modes={}, stream=first.stream, live_start=live)
+                       device=settings.device, factory=first.factory_name, modes={}, stream=first.stream, live_start=live,
+                       caller=first.spec.caller or "")
     if first.factory_name is not None and settings.make_target is None:
         announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if settings.factory is None else " (--factory)"))
     for rp in replayers:
@@ -716,14 +729,20 @@ def rerun_step(
         run.seconds = time.perf_counter() - t0
         result.modes[rp.mode] = run
     _compare_across(result, part, rank, step, modes)
-    result.recorded_mode = ("compiled" if first.spec.kind is StepKind.COMPILED else
-                            "cudagraph" if first.rf.step(step).mode == "graph" else "eager")
+    result.recorded_mode = _recorded_mode(first, step)
     if first.spec.kind is StepKind.COMPILED and "compiled" in result.modes:
         # Recorded compiled: the verdict line and the tables lead with the mode it ran in.
         result.modes = {"compiled": result.modes["compiled"], **result.modes}
     if first.rf.keyframe(step) is None:
         result.notes.append(NO_KEYFRAME_NOTE)
     return result
+
+
+def _recorded_mode(rp: Replayer, step: int) -> str:
+    """The mode ``step`` ran in when recorded, by the name of the re-run mode that runs it so."""
+    if rp.spec.kind is StepKind.COMPILED:
+        return "compiled"
+    return "cudagraph" if rp.rf.step(step).mode == "graph" else "eager"
 
 
 def _state_outside(rp: Replayer, step: int) -> str:

@@ -63,6 +63,7 @@ class TargetSpec:
     compile: dict[str, Any] = field(default_factory=dict)  # recorded torch.compile arguments of the step
     stream: str | None = None  # the model (stream) of the part this target is
     weights: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {digest, shape, dtype}}
+    caller: str | None = None  # the program's function that called the step (module:qualname)
     # issue 16: the rank file the names came from (None: a spec the caller built), for replay.trust
     origin: Any = None
 
@@ -84,6 +85,7 @@ class TargetSpec:
             imports=ImportContext.from_target(t),
             compile=dict(t["compile"]) if isinstance(t.get("compile"), dict) else {},
             stream=_text(t, "stream"),
+            caller=_text(t, "caller"),
             weights=_weights(t.get("weights")),
             origin=rf,  # issue 16
         )
@@ -300,13 +302,7 @@ def build_target(
 
         named = ([] if factory or fac_name is None else [fac_name]) + ([] if kind is StepKind.METHOD else [spec.step])
         trust.admit(spec.origin, named + [p for p, _ in spec.probes], user_names=[factory] if factory else [])
-    resolved: Any = None
-    if kind not in (StepKind.METHOD, StepKind.MODULE_FORWARD) or fac_name is not None:
-        # Never imported when no factory could build its object: importing a class defined in
-        # the recorded script runs the whole script (its loop) in this process.
-        resolved = import_recorded(spec.step, "step", spec.imports) if kind is not StepKind.METHOD else None
-        kind = kind or _kind_of(resolved, spec.step)
-    assert kind is not None
+    resolved, kind = _resolve_step(spec, kind, fac_name)
     if kind in (StepKind.METHOD, StepKind.MODULE_FORWARD) and fac_name is None:
         what = "an nn.Module class: its forward" if kind is StepKind.MODULE_FORWARD else "a method"
         raise FactoryError(
@@ -329,10 +325,27 @@ def build_target(
         target = Target(spec, obj, step_fn, device, kind=kind)
         target.ran_as = ran_as
         return target
+    return _bound_target(spec, obj, step_fn, device, kind, compiled)
+
+
+def _resolve_step(spec: TargetSpec, kind: StepKind | None, fac_name: str | None) -> tuple[Any, StepKind]:
+    """The recorded step's callable (None for a method, found on the factory's object) and its
+    kind. Never imported when no factory could build its object: importing a class defined in
+    the recorded script runs the whole script (its loop) in this process."""
+    if kind in (StepKind.METHOD, StepKind.MODULE_FORWARD) and fac_name is None:
+        return None, kind
+    resolved = import_recorded(spec.step, "step", spec.imports) if kind is not StepKind.METHOD else None
+    kind = kind or _kind_of(resolved, spec.step)
+    assert kind is not None
+    return resolved, kind
+
+
+def _bound_target(spec: TargetSpec, obj: Any, step_fn: Callable[..., Any], device: str, kind: StepKind,
+                  compiled: str | None) -> Target:
+    """A method's or a module forward's target; ``compiled``: the bound step compiled for real
+    by torch.compile (before: the Python method ran and was reported as compiled)."""
     ran_as = ""
     if compiled is not None:
-        # --mode compiled of a method or a module's forward: the bound step, compiled for real
-        # (before: the Python method ran and was reported as compiled).
         step_fn, ran_as = function_step(step_fn, StepKind.COMPILED, spec, compiled)
     target = Target(spec, obj, step_fn, device, kind=kind)
     target.ran_as = ran_as
