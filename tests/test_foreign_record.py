@@ -573,7 +573,8 @@ def test_summary_lines_say_what_was_chosen_and_what_could_not_be_seen() -> None:
     assert "never ran again" in summary_lines(forked)[0]
     line = summary_lines(forked, recorded_steps=8)[0]
     assert line.startswith("replay: step found with no flags: loop:LM (the outermost nn.Module's forward, 8 steps in the "
-                           "recording); recorded by a process that ended without reporting (os._exit"), line
+                           "recording, from its second call: the first, which revealed it, ran unrecorded); recorded by a "
+                           "process that ended without reporting (os._exit"), line
 
 
 JIT_PROGRAM = """

@@ -273,3 +273,36 @@ def test_a_step_that_reads_its_caller_s_global_context_names_the_caller_to_recor
     assert r.returncode == 0, r.stderr[-2000:]
     p = _replay("step", rec, "--step", 2, cwd=tmp_path)
     assert p.stdout.startswith("reproduced:"), p.stdout + p.stderr
+
+
+_TEMPERATURE_HOOK = """
+    import torch
+    torch.manual_seed(0)
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.out = torch.nn.Linear(16, 32)
+        def forward(self, ids):
+            return self.out(self.emb(ids))
+    def temperature(module, args, logits):
+        return logits / 0.7
+    model = TinyLM().eval()
+    model.register_forward_hook(temperature)
+    ids = torch.tensor([1])
+    with torch.no_grad():
+        for _ in range(5):
+            ids = model(ids).argmax(-1)
+"""
+
+
+def test_the_record_summary_says_what_a_found_step_leaves_out(tmp_path: Path) -> None:
+    """A module step found with no flags: the summary says its first call ran unrecorded (step 0
+    is the program's second call), and that the program's forward hooks, which change what the
+    program gets after forward, are outside what is recorded (before: neither was said)."""
+    _script(tmp_path, "hooked", _TEMPERATURE_HOOK)
+    out = tmp_path / "rec-hooked"
+    p = _run(sys.executable, "-m", "replay", "record", "--out", out, "--", sys.executable, "hooked.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "4 calls recorded, from its second call: the first, which revealed it, ran unrecorded" in p.stderr, p.stderr
+    assert "hooked:TinyLM has forward hooks of the program's (temperature)" in p.stderr, p.stderr

@@ -350,7 +350,11 @@ def _chosen_line(step: str, c: dict[str, Any], n: int) -> str:
         how = "the outermost nn.Module, its forward called directly"
     if kind == "module_forward" and c.get("inside"):
         how = f"the nn.Module called repeatedly inside {escape(str(c['inside']))}, which runs the loop"
-    return (f"replay: step found with no flags: {escape(step)} ({how}, {n} call{'s' if n != 1 else ''} recorded);"
+    # Chosen at its first call, already running: step 0 is the program's second call (said, as
+    # the program's own step count is one ahead of the recording's).
+    first = ", from its second call: the first, which revealed it, ran unrecorded" if kind == "module_forward" and not \
+        c.get("inside") else ""
+    return (f"replay: step found with no flags: {escape(step)} ({how}, {n} call{'s' if n != 1 else ''} recorded{first});"
             f" to record another callable: replay record --step MODULE:QUALNAME -- ...")
 
 

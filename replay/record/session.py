@@ -531,6 +531,8 @@ class Session(GraphEvents):
         info["unrecorded_calls"] = missed if spec.kind == "module_forward" else 0
         info["engine_run"] = self._engine_runs
         info["caller"] = program_caller(module_name, spec.step)
+        if spec.kind == "module_forward" and isinstance(obj, torch.nn.Module):
+            self._note_output_hooks(spec, obj)
         info["state_from"] = "attribute" if spec.state else None
         # An engine object that holds one model (``Engine.step`` with ``self.model``): that
         # model's weights and buffers are the step's, as a re-run's ``Target.module()`` takes them.
@@ -547,6 +549,17 @@ class Session(GraphEvents):
             except Exception as e:  # noqa: BLE001
                 self.warn_once(f"weights:{spec.step}", f"cannot digest the weights of {spec.step} ({e})")
         return info
+
+    def _note_output_hooks(self, spec: StepSpec, module: torch.nn.Module) -> None:
+        """The program's own forward hooks on the step's module run after its forward, which is
+        what is recorded: a hook that rescales or masks the logits makes what ``model(x)`` gave
+        the program differ from the recorded outputs. Said once, with the hooks' names."""
+        hooks = list(getattr(module, "_forward_hooks", {}).values())
+        if hooks:
+            names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks[:3])
+            self.warn_once(f"hooks:{spec.step}", f"{spec.step} has forward hooks of the program's ({names}): they run "
+                           "after its forward, so the recorded outputs are forward's, before any change the hooks make "
+                           "to what the program gets (to record that, name the function that calls the model with --step)")
 
     def _config_of(self, spec: StepSpec, obj: Any) -> tuple[Any, str | None]:
         """The JSON-safe config a factory rebuilds the target from, and the attribute it came from."""
