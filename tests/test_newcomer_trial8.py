@@ -306,3 +306,43 @@ def test_the_record_summary_says_what_a_found_step_leaves_out(tmp_path: Path) ->
     assert p.returncode == 0, p.stderr[-2000:]
     assert "4 calls recorded, from its second call: the first, which revealed it, ran unrecorded" in p.stderr, p.stderr
     assert "hooked:TinyLM has forward hooks of the program's (temperature)" in p.stderr, p.stderr
+
+
+_READS_A_VARIABLE = """
+    import os
+    import torch
+    torch.manual_seed(0)
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.out = torch.nn.Linear(16, 32)
+        def forward(self, ids):
+            logits = self.out(self.emb(ids))
+            if os.environ.get("BAN"):
+                logits[..., int(os.environ["BAN"])] = -1e9
+            return logits
+    model = LM().eval()
+    ids = torch.tensor([1])
+    with torch.no_grad():
+        for _ in range(5):
+            ids = model(ids).argmax(-1)
+"""
+
+
+def test_diff_names_an_environment_variable_one_run_was_started_with(tmp_path: Path) -> None:
+    """Two runs of one script, one started with BAN=3: ``diff`` names the variable under
+    environment (before: "environment the same", though the recordings keep the variables'
+    digests)."""
+    _script(tmp_path, "ban", _READS_A_VARIABLE)
+    for name, extra in (("a", {}), ("b", {"BAN": "3"})):
+        env = {**_env(), **extra}
+        env.pop("BAN", None) if not extra else None
+        p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(tmp_path / name), "--",
+                            sys.executable, "ban.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+    d = _replay("diff", tmp_path / "a", tmp_path / "b", "--json", cwd=tmp_path)
+    text = d.stdout
+    assert "env.BAN" in text, text[-3000:]
+    plain = _replay("diff", tmp_path / "a", tmp_path / "b", cwd=tmp_path).stdout
+    assert "env.BAN: A not set, B set" in plain, plain

@@ -19,6 +19,7 @@ import numpy as np
 
 from replay.analysis.summary import short_kernel_name
 from replay.analysis.unshard import param_global_shape
+from replay.core.environment import recorded_env_differences
 from replay.format.reader import RankFile
 
 __all__ = ["Category", "ContextDiff", "RankMeta", "rank_meta", "context_differences", "first_numerics_difference"]
@@ -435,6 +436,11 @@ def _environment(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[st
     ta, tb = _target(a), _target(b)
     if ta.get("device") != tb.get("device"):
         items.append({"name": "target.device", "a": _short(ta.get("device")), "b": _short(tb.get("device"))})
+    # Variables the program started with (digests of their values): a program that reads BAN=1
+    # or a LoRA path computes otherwise, and no tensor of the recording says why.
+    la, lb = ta.get("launch") if isinstance(ta.get("launch"), dict) else {}, tb.get("launch") if isinstance(tb.get("launch"), dict) else {}
+    items += [{"name": f"env.{n}", "a": va, "b": vb}
+              for n, va, vb in recorded_env_differences(la.get("env_digests"), lb.get("env_digests"))]
     # What the recorder kept (digests or full tensors) decides what can be compared, not what ran.
     items += _dict_diff({"recorder": a.attrs.get("recorder") or {}}, {"recorder": b.attrs.get("recorder") or {}})
     return _capped(Category.ENVIRONMENT, [i for i in items if not i["name"].startswith(("recorder.out", "recorder.rank", "recorder.part", "recorder.world_size"))])

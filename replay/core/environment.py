@@ -14,7 +14,7 @@ import hashlib
 import re
 from typing import Mapping
 
-__all__ = ["env_digests", "env_differences"]
+__all__ = ["env_digests", "env_differences", "recorded_env_differences"]
 
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE", re.IGNORECASE)
 # Set by a shell, a terminal or replay itself, or per launch: they differ between two shells of
@@ -22,7 +22,7 @@ _SECRET = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH|COOKIE|SESSION|PRI
 _NOISE = re.compile(r"^(REPLAY_|PYTHONPATH$|PWD$|OLDPWD$|SHLVL$|_$|TERM|SSH_|DISPLAY$|TMUX|LS_COLORS$|PS[1-4]$|"
                     r"PROMPT_COMMAND$|HIST|COLUMNS$|LINES$|XDG_|DBUS_|WINDOWID$|COLORTERM$|MAIL|PYTEST_|COV_|"
                     r"RANK$|LOCAL_RANK$|WORLD_SIZE$|LOCAL_WORLD_SIZE$|MASTER_ADDR$|MASTER_PORT$|GROUP_RANK$|"
-                    r"ROLE_|TORCHELASTIC_|OMP_NUM_THREADS$|VSCODE_|GIT_|LESS|PAGER$|EDITOR$)")
+                    r"ROLE_|TORCHELASTIC_|OMP_NUM_THREADS$|VSCODE_|GIT_|LESS|PAGER$|EDITOR$|PYENV_|HOSTNAME$|CONDA_PROMPT)")
 _MAX = 512  # variables kept: a larger environment keeps its first ones by name
 
 
@@ -56,4 +56,24 @@ def env_differences(recorded: object, env: Mapping[str, str]) -> list[str]:
             continue  # the recording kept only its first variables
         what = "not set here" if b is None else "not set when recorded" if a is None else "another value here"
         out.append(f"{name} ({what})")
+    return out
+
+
+def recorded_env_differences(a: object, b: object) -> list[tuple[str, str, str]]:
+    """Two recordings' variables that differ, as ``(name, in A, in B)`` ("set", "not set", or
+    "a value" / "another value": values are never kept, only their digests); [] when either
+    recording kept none (an older one)."""
+    if not isinstance(a, dict) or not isinstance(b, dict) or not a or not b:
+        return []
+    out = []
+    for name in sorted(set(a) | set(b)):
+        if not isinstance(name, str) or not _kept(name) or a.get(name) == b.get(name):
+            continue
+        if (a.get(name) is None and len(a) >= _MAX) or (b.get(name) is None and len(b) >= _MAX):
+            continue  # that recording kept only its first variables
+        va, vb = a.get(name), b.get(name)
+        if va is not None and vb is not None:
+            out.append((name, "a value", "another value"))
+        else:
+            out.append((name, "set" if va is not None else "not set", "set" if vb is not None else "not set"))
     return out
