@@ -5,6 +5,10 @@ a terminal, so Ctrl-C reaches CMD and its ranks exactly as it would without ``re
 the wrapper itself receives (SIGTERM from a scheduler, say) are forwarded to that group. When CMD
 ends, however it ends, the wrapper waits for rank processes still writing, seals every journal,
 writes the manifest, and returns CMD's exit status (128 + N when a signal N ended it).
+
+When the wrapper's stdin is not a terminal (a pipe, a file), a copy of what CMD is given on it is
+kept in the recording (``stdin.bin``), so that ``replay step`` can give a re-launched program its
+input again; a terminal is CMD's own, as without ``replay``.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +40,8 @@ __all__ = ["RecordResult", "record_command", "recording_dir_for", "child_environ
 log = get_logger("replay.record")
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+STDIN_COPY = "stdin.bin"  # read back by replay/rerun/relaunch.py, which gives it to a re-launched program
+STDIN_COPY_LIMIT = 64 << 20  # a larger stdin is passed on, not kept
 
 
 @dataclass(slots=True)
@@ -151,13 +159,16 @@ def record_command(
         except (ValueError, OSError):
             pass
     tty = None
+    stdin = _stdin_copy(out, node)
     try:
         try:
-            proc = subprocess.Popen(cmd, env=env, process_group=0)
+            proc = subprocess.Popen(cmd, env=env, process_group=0, stdin=stdin.child_stdin if stdin is not None else None)
         except OSError as e:
             manifest.update(status="failed to start", error=str(e), ended_at=time.time())
             _try_write_manifest(out, manifest, node)
             raise
+        if stdin is not None:
+            stdin.feed(proc)
         child.append(proc.pid)
         tty = _take_terminal(proc.pid)
         for signum in pending:
@@ -172,6 +183,8 @@ def record_command(
         _give_back_terminal(tty)
         for sig, h in previous.items():
             signal.signal(sig, h)
+        if stdin is not None:
+            stdin.finish()
     result = RecordResult(path=out, exit_code=rc if rc >= 0 else 128 - rc, signal=-rc if rc < 0 else None)
     try:
         _finish(out, result, grace_s, sign_after=started)  # issue 16: sign what this command recorded
@@ -240,6 +253,141 @@ def _settings_json(settings: RecordSettings) -> dict[str, Any]:
     import json
 
     return json.loads(settings.to_env())
+
+
+class _StdinCopy:
+    """A copy of what CMD is given on stdin, kept in the recording for ``replay step`` (which gives
+    it to a re-launched program). A terminal stays CMD's own and is not copied; a file (or
+    /dev/null) is passed on untouched, as CMD may seek it, and its bytes are copied before CMD
+    starts; a pipe is fed to CMD through a pipe of ours, copied as it streams (read ahead of CMD by
+    at most a pipe's buffer). Past ``STDIN_COPY_LIMIT`` (or on a write error) the copy is dropped,
+    with one line at the end; CMD gets its whole stdin whatever happens to the copy."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+        self.size = 0
+        self.dropped: str | None = None
+        self.pipe = False
+        self.thread: threading.Thread | None = None
+        kind = _stdin_kind()
+        if kind in (None, "tty"):
+            return
+        try:
+            self.fd = _perms.open_new(path, os.O_WRONLY | os.O_EXCL)  # the recording's mode; never another's copy
+        except OSError:
+            return  # (a recording added to, which holds one already): stdin is passed on, not copied
+        if kind == "file":
+            self._copy_file()
+        self.pipe = kind == "stream"
+
+    @property
+    def child_stdin(self) -> int | None:
+        return subprocess.PIPE if self.pipe else None
+
+    def feed(self, proc: subprocess.Popen) -> None:
+        if not self.pipe or proc.stdin is None:
+            return
+        try:
+            self.thread = threading.Thread(target=self._pump, args=(proc.stdin,), name="replay-stdin", daemon=True)
+            self.thread.start()
+        except Exception as e:  # noqa: BLE001 - CMD then reads an empty stdin rather than wait forever
+            self.thread = None
+            proc.stdin.close()
+            self._drop(f"it could not be fed to CMD: {e}")
+
+    def finish(self) -> None:
+        """After CMD: the copy is whole unless a writer upstream still holds the pipe open (the
+        daemon thread then feeds whatever is left of CMD's processes until the wrapper exits)."""
+        if self.thread is not None:
+            self.thread.join(timeout=0.1)  # only what it took last: a pipe still open upstream never ends it
+        else:
+            self._close_copy()
+        if self.dropped:
+            _warn(f"no copy of CMD's stdin was kept ({self.dropped}): `replay step` gives a re-launched program "
+                  "an empty stdin")
+
+    def _copy_file(self) -> None:
+        try:
+            offset = os.lseek(0, 0, os.SEEK_CUR)  # where CMD will start reading
+            while self.fd is not None and (chunk := os.pread(0, 1 << 20, offset)):
+                self._keep(chunk)
+                offset += len(chunk)
+        except OSError as e:
+            self._drop(f"stdin could not be read: {e.strerror or e}")
+
+    def _pump(self, to_cmd: Any) -> None:
+        try:
+            while chunk := os.read(0, 1 << 16):
+                _write_all(to_cmd.fileno(), chunk)  # CMD gets it first; a closed pipe (EPIPE) ends it
+                self._keep(chunk)
+        except OSError:
+            pass
+        finally:
+            try:
+                to_cmd.close()  # CMD sees the end of its stdin
+            except OSError:
+                pass
+            self._close_copy()
+
+    def _keep(self, chunk: bytes) -> None:
+        if self.fd is None:
+            return
+        if self.size + len(chunk) > STDIN_COPY_LIMIT:
+            self._drop(f"it is over {STDIN_COPY_LIMIT >> 20} MiB")
+            return
+        try:
+            _write_all(self.fd, chunk)
+            self.size += len(chunk)
+        except OSError as e:
+            self._drop(f"it could not be written: {e.strerror or e}")
+
+    def _drop(self, reason: str) -> None:
+        self.dropped = self.dropped or reason
+        self._close_copy()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+    def _close_copy(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _stdin_copy(out: Path, node: int | None) -> _StdinCopy | None:
+    """The copy of CMD's stdin, or None (another node's stdin is its own; nothing here may keep
+    CMD from running as it would)."""
+    if node:
+        return None
+    try:
+        return _StdinCopy(out / STDIN_COPY)
+    except Exception as e:  # noqa: BLE001
+        _warn(f"no copy of CMD's stdin was kept ({e}); it is passed on as it is")
+        return None
+
+
+def _stdin_kind() -> str | None:
+    """``tty``, ``file`` (a regular file or /dev/null), ``stream`` (a pipe, a socket), or None (no stdin)."""
+    try:
+        st = os.fstat(0)
+        if os.isatty(0):
+            return "tty"
+        if stat.S_ISREG(st.st_mode) or os.path.samestat(st, os.stat(os.devnull)):
+            return "file"
+    except OSError:
+        return None
+    return "stream"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _take_terminal(pgid: int) -> tuple[int, int] | None:

@@ -20,12 +20,17 @@ again itself in ``--mode compiled``/``cudagraph``, with the arguments the progra
 One rank of a multi-rank run is started alone: ``init_process_group`` gets a process group that
 communicates nothing (torch's fake backend), and the collectives inside re-run steps answer with
 what the rank received when recorded.
+
+The program's start-up runs again, so its file writes go to a scratch directory of the re-launch
+(``replay.rerun.sandbox``), deleted afterwards; and it is given the stdin it was given when
+recorded, when ``replay record`` kept a copy (``stdin.bin``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -45,6 +50,9 @@ ENV_RERUN = "REPLAY_RERUN"
 _CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function's frame (a class body's has it off)
 _RECORD_ENV_PREFIX = "REPLAY_RECORD_"
 _TIMEOUT_S = float(os.environ.get("REPLAY_RERUN_TIMEOUT", "900"))
+# CMD's stdin as `replay record` kept it (replay/record/wrapper.py writes it; a re-run may not
+# import the recorder, so the name is spelled in both places).
+_STDIN_COPY = "stdin.bin"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +73,7 @@ class RelaunchSpec:
     # itself) and start from its own state there, restoring no keyframe.
     take_at: int | None = None
     out: str = ""  # where the child writes its result JSON
+    scratch: str = ""  # where the program's file writes go (replay.rerun.sandbox)
 
 
 def needs_relaunch(target: dict[str, Any] | None, args: dict[str, Any] | None = None) -> bool:
@@ -138,6 +147,8 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
     with tempfile.TemporaryDirectory(prefix="replay-relaunch-") as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec.out = str(Path(tmp) / "result.json")
+        spec.scratch = str(Path(tmp) / "scratch")
+        os.mkdir(spec.scratch)
         # The program runs elsewhere (its own cwd, and it may chdir): it finds the recording by
         # its absolute path.
         spec.recording = os.path.abspath(spec.recording) if spec.recording else spec.recording
@@ -151,22 +162,63 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
         if moved:
             announce(f"the environment here differs from the recorded program's in {len(moved)} variable(s): "
                      f"{', '.join(moved[:6])}{', ...' if len(moved) > 6 else ''}")
-        try:
-            p = subprocess.run(cmd, cwd=cwd, env=env,
-                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise RerunError(f"the re-launched program did not reach step {spec.step} within {_TIMEOUT_S:.0f} s "
-                             "(REPLAY_RERUN_TIMEOUT sets the limit)") from None
+        p, stdin_kept = _run_program(cmd, cwd, env, spec)
         out = Path(spec.out)
         if not out.exists():
             tail = " | ".join((p.stderr or p.stdout or "").strip().splitlines()[-3:])
             raise RerunError(f"the re-launched program ended (exit code {p.returncode}) without calling the recorded "
-                             f"step; it cannot be re-run this way" + (f": {tail}" if tail else ""))
+                             f"step; it cannot be re-run this way" + ("" if stdin_kept else _NO_STDIN)
+                             + (f": {tail}" if tail else ""))
         data = json.loads(out.read_text())
+        from replay.rerun.sandbox import count_files
+
+        written = count_files(spec.scratch)
     result = _read_result(data)
     if moved:
         result.env_differences = moved
+    if written:
+        result.notes.append(f"the re-launched program wrote {written} file(s): they went to a scratch directory, "
+                            "deleted now, not to your files")
     return result
+
+
+_NO_STDIN = ("; it may have read its stdin, which the recording did not keep (a terminal, or recorded before "
+             "`replay record` kept it): it was given an empty one")
+
+
+def _run_program(cmd: list[str], cwd: str, env: dict[str, str], spec: RelaunchSpec) -> tuple[Any, bool]:
+    """Run the re-launched program to its end, given the stdin it was recorded with when the
+    recording kept it (else an empty one); (the finished process, whether it got that stdin)."""
+    stdin = _recorded_stdin(spec.recording)
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL if stdin is None else stdin,
+                              capture_output=True, text=True, timeout=_TIMEOUT_S), stdin is not None
+    except subprocess.TimeoutExpired:
+        raise RerunError(f"the re-launched program did not reach step {spec.step} within {_TIMEOUT_S:.0f} s "
+                         "(REPLAY_RERUN_TIMEOUT sets the limit)") from None
+    finally:
+        if stdin is not None:
+            os.close(stdin)
+
+
+def _recorded_stdin(recording: str) -> int | None:
+    """The recording's copy of the program's stdin, opened for the program to read, or None.
+    Data only: its bytes are given to the program and never read or run here; a link or anything
+    but a regular file (a FIFO that would block) is not taken."""
+    if not recording:
+        return None
+    try:
+        fd = os.open(os.path.join(recording, _STDIN_COPY), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def _launch_command(launch: dict[str, Any]) -> tuple[list[str], str]:
@@ -208,6 +260,7 @@ def start_in_program() -> None:
     if not path:
         return None
     spec = RelaunchSpec(**json.loads(Path(path).read_text()))
+    _isolate_writes(spec.scratch, os.path.dirname(os.path.abspath(path)))
     from replay.format.reader import Recording
 
     rec = Recording(spec.recording)
@@ -219,6 +272,20 @@ def start_in_program() -> None:
     _fake_process_group(spec.rank, part.world_size)
     _Takeover(spec, part, target).arm()
     return None
+
+
+def _isolate_writes(scratch: str, relaunch_dir: str) -> None:
+    """Before any of the program's code runs: its file writes go to ``scratch``, not over the
+    user's files (its start-up runs again here); the re-launch's own files are written for real.
+    A sandbox that cannot start is one line: the program runs on, as before."""
+    if not scratch:
+        return
+    try:
+        from replay.rerun.sandbox import install
+
+        install(scratch, keep=[relaunch_dir])
+    except Exception as e:  # noqa: BLE001 - never stops the re-launch
+        sys.stderr.write(f"replay: the re-launched program's file writes are not redirected: {e.__class__.__name__}: {e}\n")
 
 
 def _stream_steps_before(rf: Any, step: int | None, stream: str | None) -> int:

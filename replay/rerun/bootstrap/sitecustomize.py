@@ -1,6 +1,7 @@
 """Injected by ``replay step`` into a re-launched recorded program (replay mode, no recording).
 
-``replay.rerun.relaunch.start_in_program`` arms the take-over of the step's first call. A failure
+``replay.rerun.relaunch.start_in_program`` points the program's file writes at a scratch directory
+(its start-up runs again: ``replay.rerun.sandbox``) and arms the take-over of the step's first call. A failure
 here is one line and the program runs on unchanged: the parent then says the step was never
 reached. Afterwards it hands over to the ``sitecustomize`` the environment had before
 (``replay.sitechain``, shared with the recorder's bootstrap).
