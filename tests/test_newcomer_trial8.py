@@ -346,3 +346,26 @@ def test_diff_names_an_environment_variable_one_run_was_started_with(tmp_path: P
     assert "env.BAN" in text, text[-3000:]
     plain = _replay("diff", tmp_path / "a", tmp_path / "b", cwd=tmp_path).stdout
     assert "env.BAN: A not set, B set" in plain, plain
+
+
+_LEAVES_THROUGH_OS_EXIT = """
+    import os
+    import torch
+    model = torch.nn.Linear(4, 4)
+    x = torch.ones(1, 4)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.tanh(model(x))
+    os._exit(5)
+"""
+
+
+def test_info_says_why_a_rank_is_not_complete(tmp_path: Path) -> None:
+    """A program that leaves through ``os._exit``: ``info`` says the rank ended without its end
+    marker and which steps are kept (before: "complete no", with no reason; only verify said)."""
+    _script(tmp_path, "exits", _LEAVES_THROUGH_OS_EXIT)
+    out = tmp_path / "rec-exits"
+    p = _run(sys.executable, "-m", "replay", "record", "--quiet", "--out", out, "--", sys.executable, "exits.py", cwd=tmp_path)
+    assert p.returncode == 5, p.stderr[-2000:]
+    info = _replay("info", out, cwd=tmp_path)
+    assert "rank 0: ended without its end marker (killed, crashed, or os._exit): steps 0..3 are kept" in info.stdout, info.stdout

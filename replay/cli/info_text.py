@@ -113,10 +113,21 @@ def _rank_problems(s: dict[str, Any]) -> list[str]:
     for r in s["ranks"]:
         if r["problem"]:
             lines.append(style(f"  rank {r['rank']}: {escape(r['problem'])}", fg="yellow"))
+        elif not r["complete"] and not r.get("live"):
+            lines.append(style(_ended_early(r), fg="yellow"))
         if r["last_error"]:
             lines.append(f"  rank {r['rank']} raised: {escape(r['last_error'])}")
         lines += _record_ring_line(r)
     return lines
+
+
+def _ended_early(r: dict[str, Any]) -> str:
+    """A rank whose process ended without its end marker: what is kept, and how to finish it."""
+    n = int(r.get("steps") or 0)
+    kept = f"steps 0..{n - 1} are kept" if n else "no step was kept"
+    seal = "; its file is not sealed: `replay seal` seals it" if not r.get("sealed") else ""
+    return (f"  rank {r['rank']}: ended without its end marker (killed, crashed, or os._exit): {kept}{seal} "
+            "(`replay verify` checks what it holds)")
 
 
 def _record_ring_line(r: dict[str, Any]) -> list[str]:
