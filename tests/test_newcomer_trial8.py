@@ -369,3 +369,16 @@ def test_info_says_why_a_rank_is_not_complete(tmp_path: Path) -> None:
     assert p.returncode == 5, p.stderr[-2000:]
     info = _replay("info", out, cwd=tmp_path)
     assert "rank 0: ended without its end marker (killed, crashed, or os._exit): steps 0..3 are kept" in info.stdout, info.stdout
+
+
+@pytest.mark.parametrize("cmd, name", [
+    (["python3", "-m", "mypkg.serve", "--steps", "12", "--seed", "3"], "mypkg.serve"),
+    (["python3", "-W", "error", "dict_step.py"], "dict_step"),
+    (["torchrun", "--nproc-per-node", "2", "train.py", "--x", "1"], "torchrun-train"),
+    (["env", "A=1", "python3", "x.py"], "x"),
+])
+def test_a_recording_is_named_after_its_program_not_an_option_s_value(cmd: list[str], name: str) -> None:
+    """(before: ``mypkg.serve-12`` and ``error-dict_step``)"""
+    from replay.record.wrapper import _slug
+
+    assert _slug(cmd) == name

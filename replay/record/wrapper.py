@@ -54,14 +54,24 @@ class RecordResult:
 
 
 def _slug(cmd: list[str]) -> str:
-    words = []
-    for a in cmd[:6]:
-        if a.startswith("-") and a not in ("-m",):
+    """A recording's name from its command: the launcher and the script or module it runs
+    (``torchrun-train``, ``mypkg.serve``), never an option's value (``python3 -W error x.py`` is
+    ``x``, not ``error-x``)."""
+    words: list[str] = []
+    skip = module = False
+    for a in cmd[:16]:
+        if skip or a.startswith("-"):
+            skip, module = a in ("-W", "-X"), a == "-m"
             continue
+        if module:
+            words.append(a)  # python -m pkg.mod: the module is the program
+            break
         base = Path(a).name
-        base = re.sub(r"\.py$", "", base)
-        if base in ("-m", "python", "python3", "env") or not base:
-            continue
+        if base.endswith(".py"):
+            words.append(base[:-3])  # the script: what follows is its arguments
+            break
+        if re.fullmatch(r"python[0-9.]*|env|[0-9.]+|\w+=.*", base) or not base:
+            continue  # an interpreter, a number (an option's value), VAR=value
         words.append(base)
         if len(words) == 2:
             break
