@@ -382,3 +382,34 @@ def test_a_recording_is_named_after_its_program_not_an_option_s_value(cmd: list[
     from replay.record.wrapper import _slug
 
     assert _slug(cmd) == name
+
+
+_RETURNS_IDS_AND_LOGITS = """
+    import torch
+    torch.manual_seed(0)
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.out = torch.nn.Linear(16, 32)
+        def forward(self, ids):
+            logits = self.out(self.emb(ids))
+            return logits.argmax(-1), logits
+    model = LM().eval()
+    ids = torch.tensor([1, 2])
+    with torch.no_grad():
+        for _ in range(5):
+            ids, _ = model(ids)
+"""
+
+
+def test_ids_a_step_returns_by_place_are_its_tokens(tmp_path: Path) -> None:
+    """``return next_ids, logits``: the unnamed integer output is a token field (compared first,
+    kept whole), and the step re-runs with both compared (before: "out0" was an output, and
+    ``diff`` said "no token field recorded to compare")."""
+    _script(tmp_path, "tup", _RETURNS_IDS_AND_LOGITS)
+    out, _ = _record(tmp_path, "tup")
+    info = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert info["token_fields"] is True, info
+    p = _replay("step", out, "--step", 2, cwd=tmp_path)
+    assert p.stdout.startswith("reproduced:") and "2 output(s) bitwise equal" in p.stdout, p.stdout + p.stderr

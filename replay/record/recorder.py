@@ -117,6 +117,18 @@ class _Step:
 _STRIDED = torch.strided
 
 
+def _unnamed_ids(name: str, t: torch.Tensor) -> bool:
+    """An integer tensor a step returns by place, unnamed (``return next_tok, logits``: ``out0``):
+    sampled ids, as a probe's integer outputs are taken; compared first, as tokens. (A named
+    output is a token field only by name: an engine's ``drafts`` stay outputs.)"""
+    return name.startswith("out") and name[3:].isdigit() and not (t.is_floating_point() or t.is_complex()) \
+        and t.dtype is not torch.bool and t.numel() <= _MAX_UNNAMED_IDS
+
+
+# An unnamed integer output kept whole as tokens up to this many elements (sampled ids of a batch).
+_MAX_UNNAMED_IDS = 1 << 16
+
+
 def _recordable(st: _Step, group: str, named: list[tuple[str, torch.Tensor]], said: set[str]) -> list[tuple[str, torch.Tensor]]:
     """``named`` without the tensors whose values are not a dense array of bytes, which are
     named in the step's arguments (``UNRECORDED_ARG``) instead, with one warning a name (``said``:
@@ -427,7 +439,8 @@ class Recorder:
         cfg = self.config
         named = _recordable(st, "outputs", [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)], self._unrecorded_said)
         items = [
-            (n, TensorKind.TOKENS, t, True) if n in cfg.token_outputs else (n, TensorKind.OUTPUT, t, cfg.outputs == "full")
+            (n, TensorKind.TOKENS, t, True) if n in cfg.token_outputs or _unnamed_ids(n, t) else
+            (n, TensorKind.OUTPUT, t, cfg.outputs == "full")
             for n, t in named
         ]
         for (name, t), e in zip(named, self._entries(st, items)):
