@@ -115,8 +115,9 @@ class StepsBisection:
             return (f"rank {r} re-run {self.mode}: no departure found in the steps compared; {len(self.uncompared)} re-run "
                     f"step(s) had no recorded output to compare with ({', '.join(map(str, self.uncompared[:8]))})")
         if self.first is None:
-            scope = "any" if self.exhaustive else "the last"
-            return f"rank {r} re-run {self.mode}: no departure from the recording found ({scope} interval re-ran as recorded)"
+            scope = "every keyframe interval re-ran as recorded" if self.exhaustive else \
+                "the last keyframe interval re-ran as recorded, so no earlier one was searched"
+            return f"rank {r} re-run {self.mode}: no departure from the recording found ({scope})"
         what = "it raised in the re-run, not as when recorded" if self.field == RAISED_FIELD else str(self.field)
         line = (f"rank {r} re-run {self.mode} first departs from the recording at {self._at(self.first, self.stream, self.stream_step, what)}, "
                 f"found with {len(self.probes)} interval re-runs ({self.steps_rerun} of {self.steps_total} steps)")
