@@ -27,7 +27,7 @@ def _first_stream(rf: RankFile) -> str | None:
     if isinstance(t, str):
         try:
             t = json.loads(t)
-        except ValueError:
+        except (ValueError, RecursionError):  # a hostile file's JSON nested past Python's stack
             return None
     if not isinstance(t, dict) or not isinstance(t.get("streams"), dict) or len(t["streams"]) < 2:
         return None

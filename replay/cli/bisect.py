@@ -155,8 +155,18 @@ def steps(run: Path | None, root: str, part: str | None, ranks_text: str | None,
             result = api.bisect_steps_rerun(p, rank, options, exhaustive=exhaustive, stream=stream, announce=_say(as_json),
                                             progress=progress)
         else:
-            result = api.bisect_steps(p, ranks=parse_ranks(ranks_text) if ranks_text else None, stream=stream)
+            chosen = parse_ranks(ranks_text) if ranks_text else None
+            _check_readable(p, chosen)
+            result = api.bisect_steps(p, ranks=chosen, stream=stream)
     return _finish(rec.path, result, save=not no_save, as_json=as_json)
+
+
+def _check_readable(p: Part, ranks: list[int] | None) -> None:
+    """The rank files to compare can be read: a damaged one, or a file that is no recording, is
+    said as the other commands say it (exit 4), not as a part with too few ranks to compare."""
+    for r in ranks if ranks is not None else list(p):
+        if r in p:
+            p[r].tables
 
 
 @bisect.command(epilog="\b\nExamples:\n  replay bisect layers --rank 3 --step 812 --between eager,cudagraph\n"

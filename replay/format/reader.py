@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 else:
     torch = LazyModule("torch", globals())
 
-from replay.errors import FormatVersionError, OutOfRange, RecordingDamaged, RecordingNotFound
+from replay.digest import digest_bytes
+from replay.errors import FormatVersionError, OutOfRange, RecordingDamaged, RecordingNotFound, RerunError
 from replay.format import h5 as _h5
 from replay.format.journal import scan_journal
 from replay.format.manifest import RECORDING_KIND, read_manifests
@@ -36,13 +37,30 @@ from replay.format.schema import FORMAT_VERSION, RunMode, StepStatus, TensorKind
 from replay.format.seal import journal_is_live
 from replay.format.tables import RankTables, TablesBuilder
 
-__all__ = ["Recording", "Part", "RankFile", "StepView", "open_recording", "find_recordings", "resolve_recording"]
+__all__ = ["Recording", "Part", "RankFile", "StepView", "TensorDamaged", "open_recording", "find_recordings",
+           "resolve_recording"]
 
 # The most ranks a recording may declare (a larger world_size attribute is taken as damage).
 MAX_WORLD_SIZE = 1 << 16
 
 # Small tables that `info` needs; /tensors, /collectives and /replays grow with the run.
 _SUMMARY_TABLES = ("steps", "fields", "graphs", "kernels", "tuner")
+
+# Stored tensors at least this large are remembered once their digest matched (not hashed again
+# when read again); smaller ones cost less to hash again than to remember, over a long re-run.
+_DIGEST_REMEMBERED_BYTES = 1 << 16
+
+
+class TensorDamaged(RecordingDamaged, RerunError):
+    """A stored tensor that cannot be read as recorded (its bytes changed, cut off, or described
+    wrongly): the recording is damaged (exit code 4).
+
+    Also a ``RerunError``, the error a re-run stops on: a re-run reads a catch-up step's inputs
+    inside the step's own call, where any other exception is taken as the step raising, and it
+    would then report damage to the file as the program departing from its recording.
+    """
+
+    exit_code = RecordingDamaged.exit_code
 
 
 def find_recordings(root: Path) -> list[Path]:
@@ -197,6 +215,9 @@ class RankFile:
         # False: the caller reads every stored tensor itself and says which are cut off (verify).
         self.check_payload_size = True
         self._by_step: tuple[np.ndarray, np.ndarray] | None = None
+        # (offset, nbytes, digest) of large stored bytes already found to match their digest: a
+        # keyframe restored again (each re-run mode, each bisection probe) is hashed once.
+        self._digest_checked: set[tuple[int, int, int]] = set()
         self._lock = threading.Lock()
 
     @property
@@ -295,23 +316,27 @@ class RankFile:
             raise OutOfRange(f"rank {self.rank} has no step {step} (recorded steps: {valid})")
         return StepView(self, steps[idx])
 
-    def read_tensor(self, row: np.void) -> torch.Tensor:
-        """The tensor a /tensors row describes, bit for bit, as a CPU tensor."""
+    def read_tensor(self, row: np.void, *, check_digest: bool = True) -> torch.Tensor:
+        """The tensor a /tensors row describes, bit for bit, as a CPU tensor.
+
+        Its bytes are checked against the digest recorded with them (``check_digest=False``: the
+        caller checks them itself, as ``verify`` does to list every damaged tensor).
+        """
         t = self.full()
         name = t.string(int(row["name"]))
         try:
             dtype = str_to_dtype(t.string(int(row["dtype"])))
         except ValueError as e:
-            raise RecordingDamaged(f"{self.path}: tensor {name!r}: {e}") from None
+            raise TensorDamaged(f"{self.path}: tensor {name!r}: {e}") from None
         ndim = int(row["ndim"])
         shape = tuple(int(x) for x in row["shape"][:ndim])
         nbytes = int(row["nbytes"])
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if ndim > len(row["shape"]) or any(s < 0 for s in shape) or math.prod(shape) * itemsize != nbytes:
-            raise RecordingDamaged(f"{self.path}: tensor {name!r}: shape {shape} does not match its {nbytes} bytes")
+            raise TensorDamaged(f"{self.path}: tensor {name!r}: shape {shape} does not match its {nbytes} bytes")
         offset = int(row["offset"])
         if offset < 0 or offset + nbytes > t.payload_size:
-            raise RecordingDamaged(f"{self.path}: tensor {name!r} lies outside the payload file")
+            raise TensorDamaged(f"{self.path}: tensor {name!r} lies outside the payload file")
         try:
             # O_NONBLOCK and the checks below: a FIFO or device put where the payload should be
             # must not block, and a row claiming more bytes than the file has must not make us
@@ -321,15 +346,15 @@ class RankFile:
             with os.fdopen(fd, "rb") as fh:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
-                    raise RecordingDamaged(f"{self.payload_path}: is not a regular file")
+                    raise TensorDamaged(f"{self.payload_path}: is not a regular file")
                 if offset + nbytes > st.st_size:
-                    raise RecordingDamaged(f"{self.payload_path}: ends before tensor {name!r} (file truncated)")
+                    raise TensorDamaged(f"{self.payload_path}: ends before tensor {name!r} (file truncated)")
                 # The payload is written front to back, never with holes: a sparse one (a file of
                 # kilobytes claiming gigabytes) is not what the writer writes, and reading a
                 # tensor from it would allocate memory for bytes that are not there.
                 blocks = getattr(st, "st_blocks", None)
                 if blocks is not None and nbytes > 16 * blocks * 512 + (1 << 20):
-                    raise RecordingDamaged(
+                    raise TensorDamaged(
                         f"{self.payload_path}: tensor {name!r} claims {nbytes} bytes but the file stores only "
                         f"{blocks * 512} (a sparse or hostile file)"
                     )
@@ -337,13 +362,32 @@ class RankFile:
                 data = fh.read(nbytes)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise RecordingDamaged(f"{self.payload_path}: is a symbolic link, not a payload file") from None
-            raise RecordingDamaged(f"{self.payload_path}: cannot be read ({_describe(e)})") from None
+                raise TensorDamaged(f"{self.payload_path}: is a symbolic link, not a payload file") from None
+            raise TensorDamaged(f"{self.payload_path}: cannot be read ({_describe(e)})") from None
         if len(data) != nbytes:
-            raise RecordingDamaged(f"{self.payload_path}: ends before tensor {name!r} (file truncated)")
+            raise TensorDamaged(f"{self.payload_path}: ends before tensor {name!r} (file truncated)")
+        if check_digest:
+            self._check_digest(row, name, data)
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def _check_digest(self, row: np.void, name: str, data: bytes) -> None:
+        """The bytes read are the bytes recorded. Every tensor a re-run feeds, restores or
+        compares with is read here: changed bytes taken as recorded would make it blame the
+        program (a departure, a difference) for damage to the file."""
+        key = (int(row["offset"]), int(row["nbytes"]), int(row["digest"]))
+        if key in self._digest_checked:
+            return
+        if digest_bytes(data) != key[2]:
+            step = int(row["step"])
+            where = f"of step {step}" if step >= 0 else "recorded outside a step"
+            raise TensorDamaged(
+                f"{self.payload_path}: tensor {name!r} {where}: its stored bytes do not match the digest recorded "
+                "with them: the recording is damaged; `replay verify` says more"
+            )
+        if key[1] >= _DIGEST_REMEMBERED_BYTES:
+            self._digest_checked.add(key)
 
     def tensor_rows(self, step: int) -> np.ndarray:
         """The /tensors rows of one step, in recording order (indexed once, then O(log n))."""

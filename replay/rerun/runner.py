@@ -24,7 +24,7 @@ import torch
 
 from replay.analysis.compare import Comparison, Verdict, compare_digests, compare_tensors
 from replay.digest import digest, local_tensor
-from replay.errors import CatchUpRaised, OutOfRange, RerunError, UsageError
+from replay.errors import CatchUpRaised, OutOfRange, RecordingDamaged, RerunError, UsageError
 from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
 from replay.core.outputs import name_outputs
@@ -223,8 +223,8 @@ class _StepDriver:
         self.last_error = None
         try:
             outs = self._call(step)
-        except (RerunError, UsageError):
-            raise
+        except (RerunError, UsageError, RecordingDamaged):
+            raise  # the re-run's own stop, or the recording's damage: never "the step raised"
         except Exception as e:  # noqa: BLE001 - a recorded step may raise (a lockstep check): compare it
             self.last_error = f"{e.__class__.__name__}: {e}"
             outs = {}
