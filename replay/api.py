@@ -461,6 +461,9 @@ def bisect_layers(part: Part, between: str, *, step: int | None = None, rank: in
 
     o = options or RerunOptions()
     toggles = dict(o.toggles)
+    ranks = list(part)
+    if rank is None and len(ranks) == 1:
+        rank = ranks[0]  # one rank: the one whose step is re-run
     if step is None:
         a0, b0 = parse_between(between, rank=rank, mode=mode, recorded=lambda r: "eager", options=toggles)
         chosen = pair_step(part, a0.rank, b0.rank)

@@ -413,3 +413,14 @@ def test_ids_a_step_returns_by_place_are_its_tokens(tmp_path: Path) -> None:
     assert info["token_fields"] is True, info
     p = _replay("step", out, "--step", 2, cwd=tmp_path)
     assert p.stdout.startswith("reproduced:") and "2 output(s) bitwise equal" in p.stdout, p.stdout + p.stderr
+
+
+def test_bisect_on_one_rank_takes_that_rank(tmp_path: Path) -> None:
+    """One rank, no factory: ``bisect config --step 1`` and ``bisect layers --between
+    eager,cudagraph --step 1`` say what they need (a factory), not "give --rank R" for the only
+    rank there is (before: 'the ranks never disagree: give --rank R and --step S')."""
+    _script(tmp_path, "eager", _EAGER_MODULE)
+    out, _ = _record(tmp_path, "eager")
+    for args in (("config", out, "--step", 1), ("layers", out, "--step", 1, "--between", "eager,cudagraph")):
+        p = _replay("bisect", *args, cwd=tmp_path)
+        assert p.returncode != 0 and "needs a factory" in p.stderr and "give --rank" not in p.stderr, p.stderr

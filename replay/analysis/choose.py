@@ -46,7 +46,11 @@ def pair_step(part: Part, a: int, b: int) -> Choice:
 
 
 def rank_and_step(part: Part, rank: int | None, step: int | None) -> Choice:
-    """``rank`` and ``step`` as given; what is left out comes from the first divergence."""
+    """``rank`` and ``step`` as given; what is left out comes from the first divergence (one
+    rank: that rank)."""
+    ranks = list(part)
+    if rank is None and len(ranks) == 1:
+        rank = ranks[0]
     if rank is not None and step is not None:
         return Choice(rank=rank, step=step)
     d = first_divergence(part)
