@@ -18,16 +18,11 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_newcomer_scripts import _env
+
 RERUN_ERROR = 7
 
 pytestmark = pytest.mark.e2e
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_RECORD_")}
-    env["PYTHONPATH"] = str(ROOT)
-    return env
 
 
 def _replay(*args: Any, cwd: Path, stdin: Any = subprocess.DEVNULL, data: bytes | None = None) -> subprocess.CompletedProcess:

@@ -44,18 +44,24 @@ def env_differences(recorded: object, env: Mapping[str, str]) -> list[str]:
     recorded, not set here)"``; [] when the recording has no digests (an older one)."""
     if not isinstance(recorded, dict):
         return []
-    here = env_digests(env)
     out = []
-    for name in sorted(set(recorded) | set(here)):
-        if not isinstance(name, str) or not _kept(name):
-            continue
-        a, b = recorded.get(name), here.get(name)
-        if a == b:
-            continue
-        if len(recorded) >= _MAX and a is None:
-            continue  # the recording kept only its first variables
+    for name, a, b in _differing(recorded, env_digests(env)):
         what = "not set here" if b is None else "not set when recorded" if a is None else "another value here"
         out.append(f"{name} ({what})")
+    return out
+
+
+def _differing(a: dict, b: dict) -> list[tuple[str, str | None, str | None]]:
+    """The variables whose digests differ between two sets, each with its digest on either side
+    (None: not set); not one that a side lacks only because it kept its first ``_MAX``."""
+    out = []
+    for name in sorted(set(a) | set(b)):
+        if not isinstance(name, str) or not _kept(name):
+            continue
+        va, vb = a.get(name), b.get(name)
+        if va == vb or (va is None and len(a) >= _MAX) or (vb is None and len(b) >= _MAX):
+            continue
+        out.append((name, va, vb))
     return out
 
 
@@ -65,15 +71,6 @@ def recorded_env_differences(a: object, b: object) -> list[tuple[str, str, str]]
     recording kept none (an older one)."""
     if not isinstance(a, dict) or not isinstance(b, dict) or not a or not b:
         return []
-    out = []
-    for name in sorted(set(a) | set(b)):
-        if not isinstance(name, str) or not _kept(name) or a.get(name) == b.get(name):
-            continue
-        if (a.get(name) is None and len(a) >= _MAX) or (b.get(name) is None and len(b) >= _MAX):
-            continue  # that recording kept only its first variables
-        va, vb = a.get(name), b.get(name)
-        if va is not None and vb is not None:
-            out.append((name, "a value", "another value"))
-        else:
-            out.append((name, "set" if va is not None else "not set", "set" if vb is not None else "not set"))
-    return out
+    return [(name, "a value", "another value") if va is not None and vb is not None else
+            (name, "set" if va is not None else "not set", "set" if vb is not None else "not set")
+            for name, va, vb in _differing(a, b)]

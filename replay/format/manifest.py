@@ -23,6 +23,7 @@ from replay.format.schema import FORMAT_VERSION
 
 __all__ = [
     "RECORDING_KIND",
+    "STDIN_COPY",
     "write_manifest",
     "read_manifests",
     "host_facts",
@@ -34,6 +35,9 @@ __all__ = [
 ]
 
 RECORDING_KIND = "replay-recording"
+# CMD's stdin as `replay record` kept it, beside the manifest (written by replay/record/wrapper.py,
+# given back to a re-launched program by replay/rerun/relaunch.py).
+STDIN_COPY = "stdin.bin"
 _MAX_MANIFEST_BYTES = 16 << 20
 
 # Environment that changes numerics or collective algorithms: kept with every rank file.

@@ -30,7 +30,7 @@ import replay
 from replay._version import __version__  # arch (#18): the version from one place, not the package root
 from replay.errors import UsageError
 from replay.format import perms as _perms  # issue 16
-from replay.format.manifest import write_manifest
+from replay.format.manifest import STDIN_COPY, write_manifest
 from replay.format.seal import SealResult, journal_is_live, seal_part
 from replay.log import get_logger
 from replay.record.settings import ENV_DIR, ENV_SETTINGS, RecordSettings
@@ -40,7 +40,6 @@ __all__ = ["RecordResult", "record_command", "recording_dir_for", "child_environ
 log = get_logger("replay.record")
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-STDIN_COPY = "stdin.bin"  # read back by replay/rerun/relaunch.py, which gives it to a re-launched program
 STDIN_COPY_LIMIT = 64 << 20  # a larger stdin is passed on, not kept
 
 

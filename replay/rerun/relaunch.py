@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from replay.errors import CatchUpRaised, RerunError
+from replay.format.manifest import STDIN_COPY
 
 if TYPE_CHECKING:
     from replay.rerun.result import StepRerun
@@ -50,9 +51,6 @@ ENV_RERUN = "REPLAY_RERUN"
 _CO_OPTIMIZED = 0x0001  # inspect.CO_OPTIMIZED: a function's frame (a class body's has it off)
 _RECORD_ENV_PREFIX = "REPLAY_RECORD_"
 _TIMEOUT_S = float(os.environ.get("REPLAY_RERUN_TIMEOUT", "900"))
-# CMD's stdin as `replay record` kept it (replay/record/wrapper.py writes it; a re-run may not
-# import the recorder, so the name is spelled in both places).
-_STDIN_COPY = "stdin.bin"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -208,7 +206,7 @@ def _recorded_stdin(recording: str) -> int | None:
     if not recording:
         return None
     try:
-        fd = os.open(os.path.join(recording, _STDIN_COPY), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(os.path.join(recording, STDIN_COPY), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:
@@ -617,7 +615,7 @@ class _Takeover:
         import inspect
 
         from replay.rerun.runner import RerunOptions, rerun_step
-        from replay.rerun.target import StepKind, Target, TargetSpec, function_step
+        from replay.rerun.target import StepKind, Target, TargetSpec, bound_step, function_step
 
         rf = self.part[self.spec.rank]
         spec = TargetSpec.from_rank_file(rf, self.spec.stream)
@@ -646,9 +644,7 @@ class _Takeover:
                 # A compiled module's forward: compiled again (bound) in --mode compiled.
                 step_fn, ran_as = function_step(fn.__get__(obj, type(obj)), StepKind.COMPILED, spec, rp._compiled())  # noqa: SLF001
             elif kind in (StepKind.METHOD, StepKind.MODULE_FORWARD):
-                step_fn, ran_as = fn.__get__(obj, type(obj)), ""
-                if rp._compiled() is not None:  # noqa: SLF001 - --mode compiled: the bound step, compiled for real
-                    step_fn, ran_as = function_step(step_fn, StepKind.COMPILED, spec, rp._compiled())  # noqa: SLF001
+                step_fn, ran_as = bound_step(fn.__get__(obj, type(obj)), spec, rp._compiled())  # noqa: SLF001
             else:
                 step_fn, ran_as = function_step(fn, kind, spec, rp._compiled())  # noqa: SLF001
             t = Target(spec, obj, step_fn, rp.device, kind=kind)

@@ -325,7 +325,10 @@ def build_target(
         target = Target(spec, obj, step_fn, device, kind=kind)
         target.ran_as = ran_as
         return target
-    return _bound_target(spec, obj, step_fn, device, kind, compiled)
+    step_fn, ran_as = bound_step(step_fn, spec, compiled)
+    target = Target(spec, obj, step_fn, device, kind=kind)
+    target.ran_as = ran_as
+    return target
 
 
 def _resolve_step(spec: TargetSpec, kind: StepKind | None, fac_name: str | None) -> tuple[Any, StepKind]:
@@ -340,16 +343,12 @@ def _resolve_step(spec: TargetSpec, kind: StepKind | None, fac_name: str | None)
     return resolved, kind
 
 
-def _bound_target(spec: TargetSpec, obj: Any, step_fn: Callable[..., Any], device: str, kind: StepKind,
-                  compiled: str | None) -> Target:
-    """A method's or a module forward's target; ``compiled``: the bound step compiled for real
-    by torch.compile (before: the Python method ran and was reported as compiled)."""
-    ran_as = ""
-    if compiled is not None:
-        step_fn, ran_as = function_step(step_fn, StepKind.COMPILED, spec, compiled)
-    target = Target(spec, obj, step_fn, device, kind=kind)
-    target.ran_as = ran_as
-    return target
+def bound_step(step_fn: Callable[..., Any], spec: TargetSpec, compiled: str | None) -> tuple[Callable[..., Any], str]:
+    """A method's or a module forward's bound step, and how it runs: as it is, or (``compiled``)
+    compiled for real by torch.compile (before: the Python method ran and was reported as compiled)."""
+    if compiled is None:
+        return step_fn, ""
+    return function_step(step_fn, StepKind.COMPILED, spec, compiled)
 
 
 COMPILE_ARGS = ("fullgraph", "dynamic", "backend", "mode", "options")
