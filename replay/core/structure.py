@@ -15,7 +15,7 @@ import torch
 # The reserved keys of a step's recorded arguments live in a module without torch: ``info`` reads them.
 from replay.core.argnames import POSITIONAL_ARG, STRUCTURE_ARG, UNRECORDED_ARG
 
-__all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "UNRECORDED_ARG", "MAX_OBJECT_BYTES", "unrecordable", "flatten_tensors", "flatten_object", "rebuild_inputs",
+__all__ = ["STRUCTURE_ARG", "POSITIONAL_ARG", "UNRECORDED_ARG", "MAX_OBJECT_BYTES", "RecordedDict", "unrecordable", "flatten_tensors", "flatten_object", "rebuild_inputs",
            "RecordedObject", "object_fields", "positional_names", "call_arguments"]
 
 _MAX_NESTED = 1 << 16
@@ -66,7 +66,12 @@ def flatten_tensors(name: str, v: Any, *, values: bool = False, empty: bool = Fa
         if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
             return {"type": "tuple" if isinstance(x, tuple) else "list", "items": [walk(f"{prefix}.{i}", y, depth + 1) for i, y in enumerate(x)]}
         if isinstance(x, dict) and all(isinstance(k, str) and "." not in k for k in x):
-            return {"type": "dict", "keys": list(x), "items": [walk(f"{prefix}.{k}", y, depth + 1) for k, y in x.items()]}
+            spec = {"type": "dict", "keys": list(x), "items": [walk(f"{prefix}.{k}", y, depth + 1) for k, y in x.items()]}
+            if type(x) is not dict:
+                # A dict of its own class (an HF ModelOutput, read by place as ``out[0]``): named,
+                # so that a re-run can give the step the program's own class back (``as_instance``).
+                spec["class"] = f"{type(x).__module__}:{type(x).__qualname__}"
+            return spec
         raise ValueError("not a tensor container")
 
     try:
@@ -150,6 +155,30 @@ def flatten_object(name: str, v: Any) -> tuple[dict[str, torch.Tensor], Any] | N
         return None
     klass = type(v)
     return out, {"type": "object", "class": f"{klass.__module__}:{klass.__qualname__}", "keys": keys, "items": items}
+
+
+class RecordedDict(dict):
+    """A step's argument recorded as a dict of its own class (an HF ``ModelOutput``: read by key,
+    attribute and place): the recorded items; ``as_instance`` gives them the program's class."""
+
+    def __init__(self, class_name: str, items: dict[str, Any]) -> None:
+        super().__init__(items)
+        self.__replay_class__ = class_name
+
+    def as_instance(self, like: Any) -> Any:
+        """These items in a copy of ``like`` when it is of the recorded class; else self."""
+        klass = type(like)
+        if f"{klass.__module__}:{klass.__qualname__}" != self.__replay_class__ or not isinstance(like, dict):
+            return self
+        try:
+            obj = copy.copy(like)
+            if any(k not in self for k in obj):
+                return self  # the program's object holds what the recorded one did not
+            for k, v in self.items():
+                obj[k] = v  # a ModelOutput's __setitem__ sets its attribute too
+        except Exception:  # noqa: BLE001 - a class that refuses: the recorded items as a dict
+            return self
+        return obj
 
 
 class RecordedObject(types.SimpleNamespace):
@@ -245,7 +274,9 @@ def rebuild_inputs(inputs: dict[str, torch.Tensor], structures: dict[str, Any] |
         if not isinstance(spec, dict):
             return None
         if spec.get("type") == "dict":
-            return {k: build(f"{prefix}.{k}", s) for k, s in zip(spec.get("keys", []), spec.get("items", []))}
+            items = {k: build(f"{prefix}.{k}", s) for k, s in zip(spec.get("keys", []), spec.get("items", []))}
+            klass = spec.get("class")
+            return RecordedDict(klass, items) if isinstance(klass, str) else items
         if spec.get("type") == "value":
             value = spec.get("value")
             return value if isinstance(value, _JSON_LEAVES) else None

@@ -217,10 +217,11 @@ def _argument_pairs(bound: inspect.BoundArguments, skip_first: bool) -> list[tup
 
 
 def _plain_container(v: Any, found: tuple[dict[str, torch.Tensor], Any]) -> bool:
-    """A flat list or str-keyed dict of tensors only: recorded without a structure (as before)."""
+    """A flat list or str-keyed dict of tensors only: recorded without a structure (as before).
+    A dict of its own class (an HF ``ModelOutput``) keeps its structure, which names the class."""
     _, structure = found
     items = structure.get("items", []) if isinstance(structure, dict) else []
-    return isinstance(v, (list, dict)) and all(s == "tensor" for s in items)
+    return type(v) in (list, dict) and all(s == "tensor" for s in items)
 
 
 def _any_unrecordable(tensors: dict[str, torch.Tensor]) -> str | None:

@@ -6,7 +6,10 @@ With no ``--step`` and no profile in force, the first candidate seen becomes the
   compiled callable's boundary, outside the traced frame); it replaces a module chosen before
   it that has not recorded a step yet (prefill ran eagerly, decode runs compiled);
 * else the outermost ``nn.Module`` whose forward runs (the first outermost call, usually the
-  prefill, picks it; every later call of that class's ``forward`` is a step).
+  prefill, picks it; every later call of that class's ``forward`` is a step). When that first
+  call was a part of a model called on its own before the loop (``generate()`` runs an
+  encoder-decoder's encoder once, then the whole model each step) and an outermost call of a
+  module holding that part comes before the part recorded a step, the holder is the step instead.
 
 Global module hooks watch for that, and for functions named by ``--step`` that live in the script
 run as ``__main__`` (they are patched in its namespace at the first module call after they exist),
@@ -29,7 +32,7 @@ from replay.record.calls import tracing
 from replay.record.hooks import patch_callable
 from replay.record.launch import module_name
 
-__all__ = ["Watcher", "write_report", "read_reports", "summary_lines", "on_outermost", "on_loop", "choose_module", "step_name",
+__all__ = ["Watcher", "write_report", "read_reports", "summary_lines", "on_outermost", "on_loop", "replaces_part", "choose_module", "step_name",
            "compiled_replaces", "choose_compiled", "graph_replay_step"]
 
 # A --step function of __main__ not seen after this many module calls is given up on (the
@@ -59,9 +62,13 @@ class Watcher:
     so far, the last one running); discovery stops when that call returns."""
 
     def __init__(self, *, on_outermost: Callable[[torch.nn.Module], str] | None, scan: Callable[[], bool] | None,
-                 on_loop: Callable[[torch.nn.Module, torch.nn.Module, int], None] | None = None) -> None:
+                 on_loop: Callable[[torch.nn.Module, torch.nn.Module, int], None] | None = None,
+                 on_census: Callable[[torch.nn.Module], bool] | None = None) -> None:
         self.on_outermost = on_outermost
         self.on_loop = on_loop
+        # Asked at each outermost call counted after the choice: True when that call's module
+        # is the step now (it replaced the choice); its call is then watched as a chosen one's.
+        self.on_census = on_census
         self.scan = scan
         self.seen: Counter[str] = Counter()
         self._local = threading.local()
@@ -124,6 +131,9 @@ class Watcher:
         if self.on_outermost is None:
             if self.census_left:
                 self.census_left -= 1
+                if self.on_census is not None and self.on_census(module):
+                    self._inside, self._inner = module, Counter()
+                    return
                 self._remove_if_idle()
             return
         answer = self.on_outermost(module)
@@ -150,6 +160,35 @@ class Watcher:
         if depth == 0 and self._inside is not None:
             self.done_discovering()  # the chosen module's call returned: it is the step
         return None
+
+
+def replaces_part(session: Any, module: torch.nn.Module) -> bool:
+    """An outermost call counted after the choice: when the module chosen at the first outermost
+    call has recorded no step and ``module`` (of another class) holds an instance of it, that
+    first call was a part run on its own before the loop (an encoder-decoder's encoder, which
+    ``generate()`` calls once): ``module``'s class is the step instead, from its next call."""
+    cls = type(module)
+    target = step_name(cls)
+    with session._lock:
+        found = [c for c in session._chosen if c["kind"] == "module_forward" and not c.get("inside") and not c.get("direct")]
+        if len(found) != 1 or len(session._chosen) != 1 or session._ran.get(found[0]["step"]) or target == found[0]["step"]:
+            return False
+        part = found[0]["step"]
+        seen = session.census_checked
+        if target in seen:
+            return False
+        seen.add(target)
+    if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__ or isinstance(module, torch.jit.ScriptModule) \
+            or cls.__module__.startswith(_TOOLING) or tracing():
+        return False
+    if not any(step_name(type(m)) == part for m in module.modules() if m is not module):
+        return False
+    with session._lock:
+        if session._ran.get(part):
+            return False
+        session._inactive.add(part)
+        session._chosen = [c for c in session._chosen if c["step"] != part]
+    return choose_module(session, cls, running=module, part=part)
 
 
 def step_name(cls: type) -> str:
@@ -212,15 +251,22 @@ def choose_module(session: Any, cls: type, *, running: torch.nn.Module, calls: i
     re-launched program lets that many calls run before it takes one (``unrecorded_calls``),
     so that the program's own objects (a KV cache the prefill filled) are as at step 0."""
     target = step_name(cls)
+    session.calls_before_recording[id(running)] = calls
+    if target in session._inactive:
+        # Chosen before and set aside (a part that a holder replaced, which turned out to run
+        # the loop): its forward is still wrapped.
+        session._inactive.discard(target)
+        session._chosen.append({"step": target, "kind": "module_forward", **note})
+        return True
     spec = session._spec_from_settings(target, "module_forward")
     session._chosen.append({"step": target, "kind": "module_forward", **note})
     try:
         patch_callable(f"{cls.__module__}:{cls.__qualname__}", lambda fn, t, spec=spec: session._wrap_step(fn, t, spec))
     except Exception as e:  # noqa: BLE001
         session._chosen.pop()
+        session.calls_before_recording.pop(id(running), None)
         session.warn_once(f"discover:{target}", f"cannot record {target}: {e}")
         return False
-    session.calls_before_recording[id(running)] = calls
     return True
 
 
@@ -350,6 +396,9 @@ def _chosen_line(step: str, c: dict[str, Any], n: int) -> str:
         how = "the outermost nn.Module, its forward called directly"
     if kind == "module_forward" and c.get("inside"):
         how = f"the nn.Module called repeatedly inside {escape(str(c['inside']))}, which runs the loop"
+    if kind == "module_forward" and c.get("part"):
+        how = (f"the outermost nn.Module's forward, which holds {escape(str(c['part']))}: that part, called on its own "
+               "first, is not the step")
     # Chosen at its first call, already running: step 0 is the program's second call (said, as
     # the program's own step count is one ahead of the recording's).
     first = ", from its second call: the first, which revealed it, ran unrecorded" if kind == "module_forward" and not \

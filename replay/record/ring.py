@@ -108,6 +108,10 @@ class ShmRing:
         self.registered = False
         self.head = 0  # next free virtual position (host)
         self._tail = 0  # oldest position still in use (drain)
+        # The tail as last read: it only moves forward, so room counted from it is never more
+        # than there is; ``alloc`` reads the tail again only when that room is too little (a
+        # read of a drain process's tail is a numpy access, ~2 µs, several times a step).
+        self._seen_tail = 0
         self.tail_seq = 0
         # A drain process moves the tail in the header (``replay.record.drain``): read it there,
         # and wait for room by polling, asking ``alive_check`` (raises) whether it still runs.
@@ -171,10 +175,12 @@ class ShmRing:
             raise ValueError(f"{n} bytes do not fit the record ring")
         phys = self.head % self.capacity
         skip = self.capacity - phys if phys + n > self.capacity else 0
-        if self.head + skip + n - self.tail > self.capacity:
-            if not block:
-                raise RingFull
-            self._wait_room(skip + n, timeout)
+        if self.head + skip + n - self._seen_tail > self.capacity:
+            self._seen_tail = self.tail
+            if self.head + skip + n - self._seen_tail > self.capacity:
+                if not block:
+                    raise RingFull
+                self._wait_room(skip + n, timeout)
         if skip:
             self.data[phys : phys + 8].view(np.uint64)[0] = WRAP_MAGIC
             self.head += skip

@@ -129,6 +129,7 @@ class Session(GraphEvents):
         # id(model) -> its calls that ran before its step was chosen (discovery chose it at one
         # of them): the recording's step 0 is the program's call after those.
         self.calls_before_recording: dict[int, int] = {}
+        self.census_checked: set[str] = set()  # classes asked whether they hold the part chosen first
         # New engines this process started after its first one died (each a new part): a
         # re-launched program counts them the same way to re-run a later part in its own engine.
         self._engine_runs = 0
@@ -163,6 +164,7 @@ class Session(GraphEvents):
             on_outermost=self._on_outermost if self._discover else None,
             scan=self._scan_main if self._main_pending else None,
             on_loop=lambda outer, inner, calls: discovery.on_loop(self, outer, inner, calls),
+            on_census=(lambda module: discovery.replaces_part(self, module)) if self._discover else None,
         )
         if self._discover or self._main_pending:
             self._watcher.install()

@@ -164,8 +164,11 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
         out = Path(spec.out)
         if not out.exists():
             tail = " | ".join((p.stderr or p.stdout or "").strip().splitlines()[-3:])
+            others = _other_models(spec.out)
             raise RerunError(f"the re-launched program ended (exit code {p.returncode}) without calling the recorded "
-                             f"step; it cannot be re-run this way" + ("" if stdin_kept else _NO_STDIN)
+                             + (f"step on the recorded model: it called it on {others} model(s) whose parameters "
+                                "(names and shapes) are not the recorded ones" if others else "step")
+                             + "; it cannot be re-run this way" + ("" if stdin_kept or others else _NO_STDIN)
                              + (f": {tail}" if tail else ""))
         data = json.loads(out.read_text())
         from replay.rerun.sandbox import count_files
@@ -178,6 +181,17 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
         result.notes.append(f"the re-launched program wrote {written} file(s): they went to a scratch directory, "
                             "deleted now, not to your files")
     return result
+
+
+# Beside the result file: the number of other models the step was called on (no take-over).
+OTHER_MODELS = ".other-models"
+
+
+def _other_models(out: str) -> int:
+    try:
+        return _count(int(Path(out + OTHER_MODELS).read_text()))
+    except (OSError, ValueError):
+        return 0
 
 
 _NO_STDIN = ("; it may have read its stdin, which the recording did not keep (a terminal, or recorded before "
@@ -359,7 +373,8 @@ class _Takeover:
         self.compile_kwargs: dict[str, Any] = {}
         self.done = False
         self._real_compile: Any = None
-        self._checked: dict[int, tuple[Any, bool]] = {}  # id -> (weak reference, is the stream's model)
+        self._checked: dict[int, tuple[Any, bool]] = {}  # id -> (weak reference, is the recorded model)
+        self.other_models = 0  # models the step was called on whose parameters are not the recorded ones
         # The part's engine among those the program built one after another (``engine_run``):
         # a new one begins, as when recording, at a new object once the earlier ones are gone.
         self.engine_run = _count(target.get("engine_run"))
@@ -372,6 +387,9 @@ class _Takeover:
         self.skip = _count(target.get("unrecorded_calls")) + _stream_steps_before(part[spec.rank], spec.take_at, spec.stream)
 
     def arm(self) -> None:
+        import atexit
+
+        atexit.register(self._say_other_models)
         self._patch_compile()
         sys.setprofile(self._profile)
         # Threads the program starts from now on too: a decode loop may run in a worker thread.
@@ -477,6 +495,15 @@ class _Takeover:
         self._forwards.append(module)
         return forward_first_call if getattr(model, "__name__", "") == "forward" and model is not module else model
 
+    def _say_other_models(self) -> None:
+        """At the program's exit without a take-over: how many models the step was called on
+        that were not the recorded one (the parent's error says so)."""
+        if not self.done and self.other_models:
+            try:
+                Path(self.spec.out + OTHER_MODELS).write_text(str(self.other_models))
+            except OSError:
+                pass
+
     def _claim(self) -> None:
         """The first call is ours: no more hooks; the re-run's torch.compile is torch's own."""
         self.done = True
@@ -563,32 +590,38 @@ class _Takeover:
             pass  # not weak-referenceable: the recorder could not tell its runs apart either
 
     def _is_stream(self, live: dict[str, Any]) -> bool:
-        """Whether this call's object is the model of the stream to re-run: with several streams,
-        the one whose parameters are that stream's recorded ones (each object checked once)."""
+        """Whether this call's object is the recorded model: the one whose parameters are the
+        recorded ones, by names and shapes (each object checked once). Another instance of the
+        step's class (a draft beside its target, an encoder-decoder's encoder beside its decoder)
+        runs as the program runs it."""
         weights = self.target.get("weights")
-        if not self.spec.stream or not isinstance(weights, dict) or not weights:
+        if not isinstance(weights, dict) or not weights:
             return True
         import torch
 
-        obj = next((v for v in live.values() if isinstance(v, torch.nn.Module)), None)
+        held = live.get(self.target.get("object_arg")) if isinstance(self.target.get("object_arg"), str) else None
+        obj = held if isinstance(held, torch.nn.Module) else next((v for v in live.values() if isinstance(v, torch.nn.Module)), None)
         if obj is None:
             return True
         ref, seen = self._checked.get(id(obj), (None, None))
         if ref is not None and ref() is not obj:
             seen = None  # another object at a freed one's address
         if seen is None:
-            from replay.core.weights import weight_digests
+            from replay.digest import local_tensor
 
-            have = weight_digests(obj)
             # By names and shapes, not digests: weights that changed since the recording are
             # still this model (the re-run then says which differ).
-            seen = set(have) == set(weights) and all(list(have[n]["shape"]) == list(weights[n].get("shape") or []) for n in have)
+            have = {n: list(local_tensor(p).shape) for n, p in obj.named_parameters(remove_duplicate=True)}
+            seen = set(have) == set(weights) and all(
+                isinstance(weights[n], dict) and have[n] == list(weights[n].get("shape") or []) for n in have)
             try:
                 import weakref
 
                 self._checked[id(obj)] = (weakref.ref(obj), seen)
             except TypeError:
                 pass
+            if not seen:
+                self.other_models += 1
         return seen
 
     def _take(self, rerun: Any) -> None:

@@ -29,7 +29,7 @@ from replay.format.reader import Part, RankFile
 from replay.format.schema import TensorKind
 from replay.core.outputs import name_outputs
 from replay.core.rng import restore_rng
-from replay.core.structure import POSITIONAL_ARG, STRUCTURE_ARG, RecordedObject, call_arguments, rebuild_inputs, unrecordable
+from replay.core.structure import POSITIONAL_ARG, STRUCTURE_ARG, RecordedDict, RecordedObject, call_arguments, rebuild_inputs, unrecordable
 from replay.core.weights import weight_digests
 from replay.rerun.collectives import RecordedCollectives
 from replay import numerics
@@ -250,7 +250,7 @@ class _StepDriver:
         inputs = _step_inputs(self.rf, step, self.device, flat)
         live = self.target.live_args
         for k, v in inputs.items():
-            if isinstance(v, RecordedObject) and (found := _live_value(live, k))[0]:
+            if isinstance(v, (RecordedObject, RecordedDict)) and (found := _live_value(live, k))[0]:
                 inputs[k] = v.as_instance(found[1])  # the program's own class, with the recorded fields
         args = _step_args(self.rf, step, self.target.obj, live)
         _generator_args(args, inputs, live, step, flat)
