@@ -4,11 +4,13 @@ fix. Nothing in the scripts was adapted to replay."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_newcomer_scripts import _plain, _record, _replay, _script
+from tests.test_newcomer_scripts import _env, _plain, _record, _replay, _script
 
 pytestmark = pytest.mark.e2e
 
@@ -129,4 +131,237 @@ def test_a_re_launch_takes_the_call_of_the_recorded_model_not_another_instance(t
     assert [c["step"] for c in info["step_callables"]] == ["pair:Stack"], info["step_callables"]
     assert info["ranks"][0]["steps"] == 6  # the decoder's calls, every one
     r = _replay("step", out, "--rank", "0", "--step", "3", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("reproduced:"), r.stdout + r.stderr
+
+
+# A small recurrent model whose forward names its first parameter ``s``, not ``self``.
+_TINY_LM = """
+    import torch, torch.nn as nn
+    class LM(nn.Module):
+        def __init__(s, V=30, D=8):
+            super().__init__(); torch.manual_seed(0)
+            s.emb = nn.Embedding(V, D); s.rnn = nn.GRUCell(D, D); s.out = nn.Linear(D, V)
+            s.register_buffer("h", torch.zeros(1, D))
+        def forward(s, ids):
+            s.h.copy_(s.rnn(s.emb(ids), s.h)); return s.out(s.h)
+"""
+
+# Two workers forked by multiprocessing decode; the parent waits for their results on a queue.
+_FORKED_WORKERS = """
+    import multiprocessing as mp, torch
+    from tiny_lm import LM
+    m = LM().eval()
+    def work(prompt, q):
+        ids = torch.tensor([prompt]); t = []
+        with torch.no_grad():
+            for _ in range(6):
+                ids = m(ids).argmax(-1); t.append(int(ids))
+        q.put((prompt, t))
+    if __name__ == "__main__":
+        ctx = mp.get_context("fork"); q = ctx.Queue()
+        ps = [ctx.Process(target=work, args=(p, q)) for p in (4, 9)]
+        for p in ps: p.start()
+        res = sorted(q.get() for _ in ps)
+        for p in ps: p.join()
+        print(res, [p.exitcode for p in ps])
+"""
+
+
+def test_a_step_of_a_forked_worker_is_re_run_and_the_program_stopped(tmp_path: Path) -> None:
+    """Workers forked by multiprocessing, whose parent waits for them on a queue: each worker's
+    recording is complete, the summary names the step, and `replay step` of a worker's part
+    comes back (before: it waited forever for the re-launched parent, which waited for the
+    worker the re-run had stopped; the summary said no step was found, and the parts had no
+    end marker)."""
+    _script(tmp_path, "tiny_lm", _TINY_LM)
+    _script(tmp_path, "forked", _FORKED_WORKERS)
+    out, p = _record(tmp_path, "forked")
+    summary = _replay("record", "--out", tmp_path / "again", "--", "python3", "forked.py", cwd=tmp_path).stderr
+    assert "step found with no flags: tiny_lm:LM" in summary, summary
+    info = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert len(info["parts"]) == 2 and all(r["complete"] for r in info["ranks"]), info
+    v = _replay("verify", out, cwd=tmp_path)
+    assert v.returncode == 0, v.stdout + v.stderr
+    r = subprocess.run([sys.executable, "-m", "replay", "step", str(out), "--part", "run-001", "--step", "3"], cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("reproduced:"), r.stdout + r.stderr
+
+
+def test_a_module_named_by_its_class_is_its_forward_whatever_its_first_parameter(tmp_path: Path) -> None:
+    """`--step script:LM` for a module whose forward is ``def forward(s, ids)``: recorded as the
+    module's forward, and re-run (before: taken for a function, and every re-run said the
+    program ended without calling the step)."""
+    _script(tmp_path, "tiny_lm", _TINY_LM)
+    _script(tmp_path, "loop", """
+        import torch
+        from tiny_lm import LM
+        m = LM().eval(); ids = torch.tensor([1])
+        with torch.no_grad():
+            for _ in range(6):
+                ids = m(ids).argmax(-1)
+        print(ids.tolist())
+    """)
+    out, _ = _record(tmp_path, "loop", "--step", "tiny_lm:LM")
+    info = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert info["step_callables"][0]["kind"] == "module_forward", info["step_callables"]
+    r = _replay("step", out, "--step", "4", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("reproduced:"), r.stdout + r.stderr
+
+
+def test_a_parametrization_is_never_the_step(tmp_path: Path) -> None:
+    """`torch.nn.utils.parametrize` computes a weight by calling its parametrization modules
+    when the model reads it, an outermost module call before the model's own: the model is the
+    step (before: `ParametrizationList`, whose output, the weight, was compared as logits)."""
+    _script(tmp_path, "param", """
+        import torch, torch.nn as nn
+        import torch.nn.utils.parametrize as P
+        torch.manual_seed(0)
+        class Symmetric(nn.Module):
+            def forward(self, w):
+                return w.triu() + w.triu(1).T
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(20, 16); self.mix = nn.Linear(16, 16); self.out = nn.Linear(16, 20)
+                P.register_parametrization(self.mix, "weight", Symmetric())
+            def forward(self, ids):
+                w = self.mix.weight
+                return self.out(torch.tanh(self.emb(ids) @ w))
+        m = LM().eval(); ids = torch.tensor([3])
+        with torch.no_grad():
+            _ = m.mix.weight
+            for _ in range(6):
+                ids = m(ids).argmax(-1)
+        print(ids.tolist())
+    """)
+    out, _ = _record(tmp_path, "param")
+    info = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert [c["step"] for c in info["step_callables"]] == ["param:LM"], info["step_callables"]
+
+
+def test_a_script_edited_since_the_recording_is_named_in_the_verdict(tmp_path: Path) -> None:
+    """The script was edited after it was recorded (a constant changed): the 'not reproduced'
+    line says its source changed (before: nothing said so, and the user chased a bug that was
+    not there)."""
+    path = _script(tmp_path, "edited", """
+        import torch, torch.nn as nn
+        SCALE = 1.0
+        torch.manual_seed(0)
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__(); self.emb = nn.Embedding(20, 8); self.out = nn.Linear(8, 20)
+            def forward(self, ids):
+                return self.out(self.emb(ids) * SCALE)
+        m = LM().eval(); ids = torch.tensor([3])
+        with torch.no_grad():
+            for _ in range(6):
+                ids = m(ids).argmax(-1)
+        print(ids.tolist())
+    """)
+    out, _ = _record(tmp_path, "edited")
+    path.write_text(path.read_text().replace("SCALE = 1.0", "SCALE = 1.001"))
+    r = _replay("step", out, "--step", "3", cwd=tmp_path)
+    head = r.stdout.splitlines()[0] if r.stdout else ""
+    assert head.startswith("not reproduced") and "source changed since it was recorded (edited.py (changed))" in head, \
+        r.stdout + r.stderr
+
+
+def test_python_dash_c_is_re_launched_with_its_code(tmp_path: Path) -> None:
+    """`replay record -- python3 -c CODE`: `replay step` re-launches the code (before: 'its code
+    is not recorded: pass --factory', while info's next: line offered that very command)."""
+    _script(tmp_path, "tiny_lm", _TINY_LM)
+    code = ("import torch\nfrom tiny_lm import LM\nm = LM().eval(); ids = torch.tensor([5])\n"
+            "with torch.no_grad():\n    for _ in range(6):\n        ids = m(ids).argmax(-1)\nprint(ids.tolist())\n")
+    out = tmp_path / "rec-c"
+    p = _replay("record", "--quiet", "--out", out, "--", sys.executable, "-c", code, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    r = _replay("step", out, "--step", "4", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("reproduced:"), r.stdout + r.stderr
+
+
+def test_a_functorch_transform_s_calls_are_not_steps(tmp_path: Path) -> None:
+    """Modules called inside `torch.func.vmap` get tensors with no storage: never recorded (before:
+    the recorder failed on them and stopped, and info called the rank 'killed, crashed, or
+    os._exit'); the function named with --step, whose parameters are a dict by dotted names,
+    is recorded and re-run."""
+    _script(tmp_path, "vm", """
+        import torch, torch.nn as nn
+        from torch.func import functional_call, vmap
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 8).eval()
+        params = {k: v.detach() for k, v in lin.named_parameters()}
+        params = {"lin." + k: v for k, v in params.items()}
+        def one(params, x):
+            return functional_call(lin, {k[4:]: v for k, v in params.items()}, (x,))
+        def decode_step(params, x):
+            return vmap(one, in_dims=(None, 0))(params, x)
+        x = torch.randn(3, 8)
+        with torch.no_grad():
+            for _ in range(5):
+                x = torch.tanh(decode_step(params, x))
+        print(x.sum().item())
+    """)
+    p = _replay("record", "--out", tmp_path / "nf", "--", sys.executable, "vm.py", cwd=tmp_path)
+    assert "recording stopped" not in p.stderr, p.stderr
+    out, p = _record(tmp_path, "vm", "--step", "vm:decode_step")
+    assert "recorded by class name only" not in p.stderr, p.stderr
+    r = _replay("step", out, "--step", "3", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("reproduced:"), r.stdout + r.stderr
+
+
+def test_info_names_the_part_in_its_next_command_and_a_stopped_recorder(tmp_path: Path) -> None:
+    """With several parts, info's next: line names the part it showed (before: `replay step`
+    without --part re-ran another part's step); `REC:PART` says to give --part; a recorder that
+    stopped itself is said so (before: 'killed, crashed, or os._exit')."""
+    _script(tmp_path, "tiny_lm", _TINY_LM)
+    _script(tmp_path, "forked", _FORKED_WORKERS)
+    out, _ = _record(tmp_path, "forked")
+    text = _replay("info", out, "--part", "run-001", cwd=tmp_path).stdout
+    assert "next: replay step --part run-001 --rank 0 --step 4" in text, text
+    bad = _replay("info", f"{out}:run-001", cwd=tmp_path)
+    assert bad.returncode != 0 and "give --part run-001" in bad.stderr, bad.stderr
+    _script(tmp_path, "slow", """
+        import torch
+        from tiny_lm import LM
+        m = LM().eval(); ids = torch.tensor([1])
+        with torch.no_grad():
+            for _ in range(40):
+                ids = m(ids).argmax(-1)
+    """)
+    stopped, _ = _record(tmp_path, "slow", "--max-bytes", "20000")
+    text = _replay("info", stopped, cwd=tmp_path).stdout
+    assert "the recorder stopped itself (" in text and "killed, crashed" not in text, text
+
+
+def test_a_state_change_between_steps_is_hinted_at_the_first_step_it_shows(tmp_path: Path) -> None:
+    """A beam search reorders the model's cache between steps, outside the step: step 1 re-runs
+    from the keyframe at step 0 (which re-runs bit for bit) and differs; the verdict names the
+    remedy, which then reproduces it (before: a bare 'not reproduced', the hint only at steps
+    where a catch-up step departed)."""
+    _script(tmp_path, "beam", """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(20, 8); self.out = nn.Linear(8, 20)
+                self.register_buffer("cache", torch.zeros(3, 8))
+            def forward(self, ids):
+                self.cache.add_(self.emb(ids))
+                return self.out(self.cache)
+        m = LM().eval(); ids = torch.tensor([1, 2, 3])
+        with torch.no_grad():
+            for _ in range(5):
+                logits = m(ids)
+                ids = logits.argmax(-1)
+                m.cache.copy_(m.cache.index_select(0, torch.tensor([2, 0, 1])))  # the beams' new order
+        print(ids.tolist())
+    """)
+    out, _ = _record(tmp_path, "beam")
+    r = _replay("step", out, "--step", "1", cwd=tmp_path)
+    head = r.stdout.splitlines()[0] if r.stdout else ""
+    assert head.startswith("not reproduced") and "replay record --keyframe-every 1" in head, r.stdout + r.stderr
+    (tmp_path / "beam_kf.py").write_text((tmp_path / "beam.py").read_text())
+    kf, _ = _record(tmp_path, "beam_kf", "--keyframe-every", "1")
+    r = _replay("step", kf, "--step", "1", cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("reproduced:"), r.stdout + r.stderr

@@ -32,6 +32,7 @@ class RankSummary:
     last_error: str | None
     problem: str | None
     record_ring: dict[str, Any] | None = None  # issue 15: the record ring's size, policy, waits, drops
+    stopped: str | None = None  # why the recorder switched itself off (its end marker says so)
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -60,6 +61,7 @@ def summarize_rank(rf: RankFile) -> RankSummary:
         last_error=last_error,
         problem=problem,
         record_ring=_ring_stats(t.attrs.get("record_ring")),
+        stopped=str(t.attrs["stopped"]) if t.attrs.get("stopped") else None,
     )
 
 

@@ -192,7 +192,10 @@ class ConfigSearch:
         self.on_probe = on_probe
         self._read_recording()
         key = {"part": part_name, "rank": self.rank, "step": self.step, "criterion": self.criterion, "reference": self.ref,
-               "toggles": settings.toggles, "device": settings.device, "factory": settings.factory, "options": settings.options}
+               "toggles": settings.toggles, "device": settings.device, "factory": settings.factory, "options": settings.options,
+               # The factory's source as it is now: a bisection saved before it was edited (toggles
+               # added) is not resumed.
+               "factory_source": _module_source_digest(settings.factory or self.spec.factory)}
         self.state = BisectState(self.recording, key, fresh=settings.fresh)
         if self.state.resumed:
             announce(f"resuming the bisection saved in {self.state.path}")
@@ -340,7 +343,8 @@ class ConfigSearch:
         declared = next((x.get("toggles") for x in base.sides if x.get("toggles")), None) or {}
         if not declared:
             raise UsageError(f"the target ({self.spec.factory or self.spec.step}) declares no toggles (a replay_toggles() "
-                             "method) to bisect over")
+                             "method) to bisect over" + ("; this answer came from the bisection saved in "
+                                                         f"{self.state.path}: --fresh starts again" if self.state.resumed else ""))
         exclude = {"cudagraph"} if self.criterion == Criterion.EAGER else set()
         out, notes = candidates(declared, self.recorded_cfg, self.s.toggles, exclude)
         self.result.notes += notes
@@ -413,3 +417,20 @@ def bisect_config(
 
     ``replay.api.bisect_config`` takes a ``Part`` and fills in the rank and step."""
     return ConfigSearch(recording, part_name, settings, announce=announce, on_probe=on_probe).run()
+
+
+def _module_source_digest(target: str | None) -> str | None:
+    """The digest of the file of ``module:function``'s module, found without running it (its
+    parent packages are imported to find it, as the factory's import would)."""
+    if not target or ":" not in target:
+        return None
+    import importlib.util
+
+    from replay.core.sources import source_digests
+
+    try:
+        spec = importlib.util.find_spec(target.partition(":")[0])
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    return next(iter(source_digests([origin]).values()), None) if isinstance(origin, str) else None

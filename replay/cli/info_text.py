@@ -28,12 +28,14 @@ def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     lines += _divergence_lines(s)
     lines += _difference_lines(s)
     target = s["first_token_divergence"] or s["first_divergence"]
-    # No --mode: `replay step` picks the modes this recording and this machine can run.
+    # No --mode: `replay step` picks the modes this recording and this machine can run. With
+    # several parts, the part shown is named: another may be the command's default.
+    part = f" --part {escape(s['part'])}" if len(s["parts"]) > 1 else ""
     if target is not None:
-        lines.append(f"next: replay step --rank {target['ranks'][0]} --step {target['step']}")
+        lines.append(f"next: replay step{part} --rank {target['ranks'][0]} --step {target['step']}")
     elif len(s["ranks"]) == 1 and s["ranks"][0].get("steps") and s.get("output_fields") is not False:
         r = s["ranks"][0]
-        lines.append(f"next: replay step --rank {r['rank']} --step {int(r['steps']) - 1}   (re-run a step against its recording)")
+        lines.append(f"next: replay step{part} --rank {r['rank']} --step {int(r['steps']) - 1}   (re-run a step against its recording)")
     return "\n".join(lines)
 
 
@@ -122,9 +124,13 @@ def _rank_problems(s: dict[str, Any]) -> list[str]:
 
 
 def _ended_early(r: dict[str, Any]) -> str:
-    """A rank whose process ended without its end marker: what is kept, and how to finish it."""
+    """A rank whose process ended without its end marker, or whose recorder stopped itself: what
+    is kept, and how to finish it."""
     n = int(r.get("steps") or 0)
     kept = f"steps 0..{n - 1} are kept" if n else "no step was kept"
+    if r.get("stopped"):
+        return (f"  rank {r['rank']}: the recorder stopped itself ({escape(str(r['stopped']))}): {kept}; the steps the "
+                "program ran after that were not recorded")
     seal = "; its file is not sealed: `replay seal` seals it" if not r.get("sealed") else ""
     return (f"  rank {r['rank']}: ended without its end marker (killed, crashed, or os._exit): {kept}{seal} "
             "(`replay verify` checks what it holds)")

@@ -8,7 +8,7 @@ import copy
 import dataclasses
 import inspect
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -65,13 +65,8 @@ def flatten_tensors(name: str, v: Any, *, values: bool = False, empty: bool = Fa
             raise ValueError("too deep")
         if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
             return {"type": "tuple" if isinstance(x, tuple) else "list", "items": [walk(f"{prefix}.{i}", y, depth + 1) for i, y in enumerate(x)]}
-        if isinstance(x, dict) and all(isinstance(k, str) and "." not in k for k in x):
-            spec = {"type": "dict", "keys": list(x), "items": [walk(f"{prefix}.{k}", y, depth + 1) for k, y in x.items()]}
-            if type(x) is not dict:
-                # A dict of its own class (an HF ModelOutput, read by place as ``out[0]``): named,
-                # so that a re-run can give the step the program's own class back (``as_instance``).
-                spec["class"] = f"{type(x).__module__}:{type(x).__qualname__}"
-            return spec
+        if isinstance(x, dict) and all(isinstance(k, str) for k in x):
+            return _dict_structure(x, lambda i, k, y: walk(f"{prefix}.{i if i is not None else k}", y, depth + 1))
         raise ValueError("not a tensor container")
 
     try:
@@ -79,6 +74,28 @@ def flatten_tensors(name: str, v: Any, *, values: bool = False, empty: bool = Fa
     except ValueError:
         return None
     return (out, structure) if out or (empty and structure is not None) else None
+
+
+def _dict_structure(x: dict[str, Any], walk: Callable[[int | None, str, Any], Any]) -> dict[str, Any]:
+    """A str-keyed dict's structure; ``walk(place, key, item)`` the items' (named by key, or by
+    ``place`` when keys hold a dot)."""
+    # Keys holding a dot (``dict(model.named_parameters())`` for ``functional_call``) would run
+    # into the dotted names: their items are named by place instead.
+    indexed = any("." in k for k in x)
+    spec: dict[str, Any] = {"type": "dict", "keys": list(x),
+                            "items": [walk(i if indexed else None, k, y) for i, (k, y) in enumerate(x.items())]}
+    if indexed:
+        spec["indexed"] = True
+        # A model's parameters by name (``functional_call(model, params, ...)``) are its weights,
+        # not a step's input: past the data-object bound it is left as it was (recorded by class
+        # name), rather than copying the weights at every step.
+        if sum(t.numel() * t.element_size() for t in x.values() if isinstance(t, torch.Tensor)) > MAX_OBJECT_BYTES:
+            raise ValueError("a dict of parameters")
+    if type(x) is not dict:
+        # A dict of its own class (an HF ModelOutput, read by place as ``out[0]``): named, so that
+        # a re-run can give the step the program's own class back (``as_instance``).
+        spec["class"] = f"{type(x).__module__}:{type(x).__qualname__}"
+    return spec
 
 
 _MAX_FIELDS = 64
@@ -274,7 +291,9 @@ def rebuild_inputs(inputs: dict[str, torch.Tensor], structures: dict[str, Any] |
         if not isinstance(spec, dict):
             return None
         if spec.get("type") == "dict":
-            items = {k: build(f"{prefix}.{k}", s) for k, s in zip(spec.get("keys", []), spec.get("items", []))}
+            by_place = spec.get("indexed") is True
+            items = {str(k): build(f"{prefix}.{i if by_place else k}", s)
+                     for i, (k, s) in enumerate(zip(spec.get("keys", []), spec.get("items", [])))}
             klass = spec.get("class")
             return RecordedDict(klass, items) if isinstance(klass, str) else items
         if spec.get("type") == "value":

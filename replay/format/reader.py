@@ -125,6 +125,10 @@ def resolve_recording(path: str | os.PathLike | None, root: str | os.PathLike = 
     if path is not None:
         p = Path(path)
         if not p.exists():
+            base, sep, part = str(path).rpartition(":")
+            if sep and base and Path(base).is_dir() and "/" not in part:
+                # ``REC:PART`` is how `replay diff` names a part; the other commands take --part.
+                raise RecordingNotFound(f"no recording at {p}: to choose a part of {base}, give --part {part}")
             raise RecordingNotFound(f"no recording at {p}: give the directory `replay record` wrote")
         return p, False
     rec = find_recordings(Path(root))

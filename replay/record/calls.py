@@ -221,7 +221,7 @@ def _plain_container(v: Any, found: tuple[dict[str, torch.Tensor], Any]) -> bool
     A dict of its own class (an HF ``ModelOutput``) keeps its structure, which names the class."""
     _, structure = found
     items = structure.get("items", []) if isinstance(structure, dict) else []
-    return type(v) in (list, dict) and all(s == "tensor" for s in items)
+    return type(v) in (list, dict) and all(s == "tensor" for s in items) and not structure.get("indexed")
 
 
 def _any_unrecordable(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -303,10 +303,16 @@ def access(obj: Any, name: str | None) -> Any:
 def tracing() -> bool:
     """A graph is being built from Python calls (``torch.jit.trace``, ``torch.fx`` symbolic
     tracing): a call now is the tracer's, and anything the recorder did would be traced into
-    the program's graph."""
+    the program's graph. Also inside a ``torch.func`` transform (``vmap``, ``grad``): its
+    tensors are wrappers with no storage, and the call is one of the transform's."""
     if torch._C._get_tracing_state() is not None:
         return True
+    if _functorch_level is not None and _functorch_level() is not None:
+        return True
     return bool(_fx_tracing is not None and _fx_tracing())
+
+
+_functorch_level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
 
 
 def _fx_tracer() -> Any:

@@ -47,8 +47,10 @@ _CENSUS = 64
 
 
 # Modules of torch's quantization tooling (observers, fake quantizers), which it calls while it
-# converts a model, before the program's loop: never chosen as the step.
-_TOOLING = ("torch.ao.quantization.", "torch.quantization.")
+# converts a model, before the program's loop, and of its parametrizations (``parametrize``
+# computes a weight by calling them when the model reads it, an outermost call before the
+# model's own): never chosen as the step.
+_TOOLING = ("torch.ao.quantization.", "torch.quantization.", "torch.nn.utils.parametrize", "torch.nn.utils.parametrizations")
 
 
 class Watcher:
@@ -168,20 +170,8 @@ def replaces_part(session: Any, module: torch.nn.Module) -> bool:
     first call was a part run on its own before the loop (an encoder-decoder's encoder, which
     ``generate()`` calls once): ``module``'s class is the step instead, from its next call."""
     cls = type(module)
-    target = step_name(cls)
-    with session._lock:
-        found = [c for c in session._chosen if c["kind"] == "module_forward" and not c.get("inside") and not c.get("direct")]
-        if len(found) != 1 or len(session._chosen) != 1 or session._ran.get(found[0]["step"]) or target == found[0]["step"]:
-            return False
-        part = found[0]["step"]
-        seen = session.census_checked
-        if target in seen:
-            return False
-        seen.add(target)
-    if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__ or isinstance(module, torch.jit.ScriptModule) \
-            or cls.__module__.startswith(_TOOLING) or tracing():
-        return False
-    if not any(step_name(type(m)) == part for m in module.modules() if m is not module):
+    part = _part_to_replace(session, step_name(cls))
+    if part is None or not _may_choose(module) or not any(step_name(type(m)) == part for m in module.modules() if m is not module):
         return False
     with session._lock:
         if session._ran.get(part):
@@ -189,6 +179,27 @@ def replaces_part(session: Any, module: torch.nn.Module) -> bool:
         session._inactive.add(part)
         session._chosen = [c for c in session._chosen if c["step"] != part]
     return choose_module(session, cls, running=module, part=part)
+
+
+def _part_to_replace(session: Any, target: str) -> str | None:
+    """The one module chosen at the first outermost call, while it has recorded no step, when
+    ``target`` (another class, asked once) might hold it; else None."""
+    with session._lock:
+        found = [c for c in session._chosen if c["kind"] == "module_forward" and not c.get("inside") and not c.get("direct")]
+        if len(found) != 1 or len(session._chosen) != 1 or session._ran.get(found[0]["step"]) or target == found[0]["step"]:
+            return None
+        if target in session.census_checked:
+            return None
+        session.census_checked.add(target)
+        return str(found[0]["step"])
+
+
+def _may_choose(module: torch.nn.Module) -> bool:
+    """A module call that can be the step: its class can be patched, it is no tooling's, and no
+    tracer is calling it."""
+    cls = type(module)
+    return not (cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__ or isinstance(module, torch.jit.ScriptModule)
+                or cls.__module__.startswith(_TOOLING) or tracing())
 
 
 def step_name(cls: type) -> str:
@@ -379,6 +390,12 @@ def _merged(reports: list[dict[str, Any]]) -> tuple[Counter[str], set[str], dict
     seen: Counter[str] = Counter()
     for r in reports:
         ran.update({str(k): int(v) for k, v in (r.get("ran") or {}).items()})
+        if isinstance(r.get("recorded"), dict):
+            # Calls recorded, where the process counted them apart from the calls it saw (a
+            # recorder that stopped itself saw the program's later calls but recorded none).
+            for k, v in r["recorded"].items():
+                if str(k) in ran and isinstance(v, int):
+                    ran[str(k)] -= int((r.get("ran") or {}).get(k, 0)) - v
         named.update(str(s) for s in r.get("named") or [])
         for c in r.get("chosen") or []:
             if isinstance(c, dict):
@@ -468,7 +485,8 @@ def _not_recorded_beside(chosen: dict[str, dict[str, Any]], seen: Counter[str], 
     found = [s for s, c in chosen.items() if c.get("kind") == "module_forward" and ran.get(s)]
     if not found:
         return []
-    wrappers = {str(c.get("inside")) for c in chosen.values() if c.get("inside")}
+    # (a wrapper that ran the loop, and a part of the step's model called on its own: not models beside it)
+    wrappers = {str(c.get(k)) for c in chosen.values() for k in ("inside", "part") if c.get(k)}
     others = [(k, v) for k, v in seen.most_common() if v >= 2 and k not in found and k not in wrappers]
     if not others:
         return []
@@ -498,8 +516,13 @@ def summary_lines(reports: list[dict[str, Any]], *, recorded_steps: int = 0) -> 
               + ("it is " + TORCHSCRIPT_HINT if is_torchscript(step) else "check the module and qualname" + _torchscript_seen(seen)
                  .replace("; ", "; if it was scripted or traced: ", 1)) + ")"
               for step in sorted(named) if not ran.get(step) and step not in inside]
-    if not chosen and not named and not ran and reports:
+    if not chosen and not named and not ran and reports and not recorded_steps:
         lines.append(_nothing_found(seen))
+    elif not chosen and not named and recorded_steps:
+        # The processes that recorded ended without their exit hooks (``os._exit``, a kill):
+        # they wrote no report, but their steps are in the recording.
+        lines.append(f"replay: {recorded_steps} step{'s' if recorded_steps != 1 else ''} recorded by a process that ended "
+                     "without reporting what it chose (os._exit, or a kill): replay info names the step")
     lines += _not_recorded_beside(chosen, seen, ran)
     lines += _compiled_collectives(reports, chosen, ran)
     lines += _nested_outputs(reports)

@@ -11,6 +11,7 @@ from typing import Any
 
 from replay import numerics
 from replay.core.environment import env_digests
+from replay.core.sources import source_digests
 
 __all__ = ["launch_info", "main_name", "main_names", "module_name"]
 
@@ -71,7 +72,23 @@ def launch_info() -> dict[str, Any]:
         # A program's ``multiprocessing`` workers run the same script: a re-run takes over the
         # one of this name ("SpawnProcess-1"), not whichever calls the step first.
         "process_name": _process_name(),
+        # The script's digest: a re-run of a script edited since says so (``replay.core.sources``).
+        "sources": source_digests([f]),
+        # ``python -c CODE``: the code itself (sys.argv holds "-c" in its place), so that a
+        # re-launch can run it again.
+        "code": _command_code(getattr(sys, "orig_argv", [])),
     }
+
+
+_MAX_CODE = 1 << 20
+
+
+def _command_code(orig_argv: list[str]) -> str | None:
+    """The program text of ``python [options] -c CODE ...``, or None."""
+    n = len(interpreter_options(orig_argv))
+    if len(orig_argv) > n + 2 and orig_argv[n + 1] == "-c" and len(orig_argv[n + 2]) <= _MAX_CODE:
+        return orig_argv[n + 2]
+    return None
 
 
 def interpreter_options(orig_argv: list[str]) -> list[str]:

@@ -43,6 +43,7 @@ from replay.record.calls import (
     without_parameters,
 )
 from replay.record.hooks import patch_callable, when_class_defined, when_imported
+from replay.core.sources import source_digests, step_source_file
 from replay.record.launch import launch_info, main_names, module_name
 from replay.record.profiles import PROFILES, Profile, StepSpec
 from replay.record.graph_events import GraphEvents
@@ -105,6 +106,7 @@ class Session(GraphEvents):
         self._first_numerics: str | None = None
         self._launch: dict[str, Any] | None = None
         self._ran: Counter[str] = Counter()
+        self._recorded: Counter[str] = Counter()  # calls recorded as steps (not once the recorder stopped)
         self._chosen: list[dict[str, str]] = []
         self._inactive: set[str] = set()
         self._discover = not settings.steps
@@ -129,6 +131,7 @@ class Session(GraphEvents):
         # id(model) -> its calls that ran before its step was chosen (discovery chose it at one
         # of them): the recording's step 0 is the program's call after those.
         self.calls_before_recording: dict[int, int] = {}
+        self._worker_close_pid = 0  # the process whose multiprocessing worker exit closes the recording
         self.census_checked: set[str] = set()  # classes asked whether they hold the part chosen first
         # New engines this process started after its first one died (each a new part): a
         # re-launched program counts them the same way to re-run a later part in its own engine.
@@ -239,7 +242,25 @@ class Session(GraphEvents):
         self._last_tuner = None
         self._tuner_dirty = True
         self.recorder = Recorder(cfg)
+        self._close_in_worker()
         return self.recorder
+
+    def _close_in_worker(self) -> None:
+        """In a ``multiprocessing`` worker: close the recording (its end marker, this process's
+        report) when the worker ends. A forked worker ends with ``os._exit``, so no ``atexit``
+        hook runs there; ``multiprocessing`` runs its own finalizers first. Once a process."""
+        if self._worker_close_pid == os.getpid():
+            return
+        self._worker_close_pid = os.getpid()
+        mp = sys.modules.get("multiprocessing")
+        try:
+            if mp is None or mp.parent_process() is None:
+                return
+            from multiprocessing import util
+
+            util.Finalize(None, self.shutdown, exitpriority=-100)  # the last of them
+        except Exception:  # noqa: BLE001 - the worker's recording is sealed by replay record anyway
+            pass
 
     def ensure_recorder(self) -> Recorder | None:
         """This process's recorder, created now (rank 0 of 1 unless a process group says more)."""
@@ -312,8 +333,11 @@ class Session(GraphEvents):
         # A module's forward is a method whatever its first parameter is called (``def forward(s, x)``).
         # A classmethod's object is its class (its first argument); a staticmethod has none: its
         # first argument is data, which would make every call a new object (a new part).
+        # (``--step mod:Model`` names the class: the callable patched is its forward.)
+        class_forward = fn.__name__ == "forward" and "." in fn.__qualname__ and "<locals>" not in fn.__qualname__
         is_method = binding != "staticmethod" and (
-            bool(params) and params[0] in ("self", "cls") or "." in target.partition(":")[2] or spec.kind == "module_forward")
+            bool(params) and params[0] in ("self", "cls") or "." in target.partition(":")[2] or spec.kind == "module_forward"
+            or class_forward)
         if binding == "staticmethod" and spec.kind in ("", "method"):
             kind = "function"
         elif spec.kind:
@@ -533,6 +557,7 @@ class Session(GraphEvents):
         info["unrecorded_calls"] = missed if spec.kind == "module_forward" else 0
         info["engine_run"] = self._engine_runs
         info["caller"] = program_caller(module_name, spec.step)
+        info["sources"] = source_digests([step_source_file(spec.step)])
         if spec.kind == "module_forward" and isinstance(obj, torch.nn.Module):
             self._note_output_hooks(spec, obj)
         info["state_from"] = "attribute" if spec.state else None
@@ -847,6 +872,7 @@ class Session(GraphEvents):
         if not tensors or rec.begin_step(checked=True) < 0:
             return None
         self._ran[spec.step] += 1
+        self._recorded[spec.step] += 1
         copies = rec.snapshot_arguments(tensors)
         return _Early(rec=rec, obj=obj, snaps={id(t): c for t, c in zip(tensors, copies)},
                       versions={id(t): tensor_version(t) for t in tensors})
@@ -894,6 +920,7 @@ class Session(GraphEvents):
         rec, stream = self._recorder_for(spec, obj, tensors, object_arg)
         if rec is None or not rec.enabled:
             return None, obj, {}
+        self._recorded[spec.step] += 1
         rec.begin_step()
         rec.record_inputs(**tensors)
         if len(self._streams.streams) > 1 and stream is not None:
@@ -1011,6 +1038,7 @@ class Session(GraphEvents):
             "world": world,
             "named": [normalize_step(t) for t in self.settings.steps],
             "ran": dict(self._ran),
+            "recorded": dict(self._recorded),
             "chosen": list(self._chosen),
             "seen": dict(self._watcher.seen) if self._watcher is not None else {},
             "nested_outputs": {k: v for k, v in self._nested_said.items() if v},

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,11 +128,15 @@ def _child_env(launch: dict[str, Any], rank: int, world: int, spec_path: Path) -
 
 def _command(exe: str, argv: list[str], launch: dict[str, Any]) -> list[str]:
     """The recorded command line: ``python SCRIPT ARGS``, or ``python -m MODULE ARGS``."""
-    if argv[0] in ("-c", ""):
-        raise RerunError("the recorded program was `python -c ...` (its code is not recorded): pass --factory")
-    name, main_file = launch.get("main_name"), launch.get("main_file")
-    # The interpreter's own options as recorded (-O, -W error, -X ...): they change what runs.
     opts = [str(o) for o in launch.get("interpreter_options") or [] if isinstance(o, str)]
+    if argv[0] == "-c" and isinstance(launch.get("code"), str):
+        return [exe, *opts, "-c", launch["code"], *argv[1:]]
+    if argv[0] == "-c":
+        raise RerunError("the recorded program was `python -c ...`, recorded before its code was kept: pass --factory")
+    if argv[0] in ("", "-"):
+        raise RerunError("the recorded program was read by python from its stdin (no script to start again): pass --factory")
+    name, main_file = launch.get("main_name"), launch.get("main_file")
+    # (The interpreter's own options as recorded, -O, -W error, -X ...: they change what runs.)
     if isinstance(name, str) and isinstance(main_file, str) and Path(main_file).stem != name.rsplit(".", 1)[-1] or (
             isinstance(name, str) and "." in name):
         return [exe, *opts, "-m", name, *argv[1:]]
@@ -152,7 +158,8 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
         spec.recording = os.path.abspath(spec.recording) if spec.recording else spec.recording
         spec_path.write_text(json.dumps({f: getattr(spec, f) for f in RelaunchSpec.__slots__}))
         # Shown before the program's code runs: the trust gate (replay.trust) goes here too.
-        announce(f"re-launching the recorded program (the recording names no factory): {' '.join(cmd)} in {cwd}")
+        shown = [f"<{c.count(chr(10)) + 1} lines of code>" if i and cmd[i - 1] == "-c" else c for i, c in enumerate(cmd)]
+        announce(f"re-launching the recorded program (the recording names no factory): {' '.join(shown)} in {cwd}")
         env = _child_env(launch, spec.rank, world, spec_path)
         from replay.core.environment import env_differences
 
@@ -199,18 +206,58 @@ _NO_STDIN = ("; it may have read its stdin, which the recording did not keep (a 
 
 
 def _run_program(cmd: list[str], cwd: str, env: dict[str, str], spec: RelaunchSpec) -> tuple[Any, bool]:
-    """Run the re-launched program to its end, given the stdin it was recorded with when the
-    recording kept it (else an empty one); (the finished process, whether it got that stdin)."""
+    """Run the re-launched program until it ends or its result is written, given the stdin it
+    was recorded with when the recording kept it (else an empty one); (the finished process,
+    whether it got that stdin). The process that took the step stops itself once it has written
+    the result; the rest of the program (a parent waiting on the worker that took it, on a queue
+    that worker was to fill) is stopped after ``_AFTER_RESULT_S``: it would wait forever."""
     stdin = _recorded_stdin(spec.recording)
+    result = Path(spec.out)
     try:
-        return subprocess.run(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL if stdin is None else stdin,
-                              capture_output=True, text=True, timeout=_TIMEOUT_S), stdin is not None
-    except subprocess.TimeoutExpired:
-        raise RerunError(f"the re-launched program did not reach step {spec.step} within {_TIMEOUT_S:.0f} s "
-                         "(REPLAY_RERUN_TIMEOUT sets the limit)") from None
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL if stdin is None else stdin,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     finally:
         if stdin is not None:
             os.close(stdin)
+    deadline = time.monotonic() + _TIMEOUT_S
+    stopped_at: float | None = None
+    try:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass  # (no output is lost: communicate goes on where it stopped)
+            now = time.monotonic()
+            if stopped_at is None and result.exists():
+                stopped_at = now
+            if stopped_at is not None and now - stopped_at > _AFTER_RESULT_S:
+                _stop_group(proc)
+            elif now > deadline:
+                _stop_group(proc)
+                proc.communicate()
+                raise RerunError(f"the re-launched program did not reach step {spec.step} within {_TIMEOUT_S:.0f} s "
+                                 "(REPLAY_RERUN_TIMEOUT sets the limit)")
+    finally:
+        if proc.poll() is None:
+            _stop_group(proc)  # replay step itself stopped (Ctrl-C): the program goes with it
+            proc.communicate()
+        else:
+            _stop_group(proc)  # its own workers, started in its session, go with it
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), stdin is not None
+
+
+_POLL_S = 0.2
+# How long the rest of a re-launched program may run on once the step's result is written.
+_AFTER_RESULT_S = 3.0
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Kill the re-launched program's session (its own process group: workers it started too)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _recorded_stdin(recording: str) -> int | None:

@@ -169,6 +169,8 @@ class StepRerun:
     recorded_mode: str = ""
     # The program's function that called the step (recorded at its stream's first step).
     caller: str = ""
+    # The program's source files (the script, the step's module) changed since the recording.
+    sources_changed: list[str] = field(default_factory=list)
 
     def problem(self) -> str | None:
         """Why step ``step`` could not be re-run or checked against the recording; None if it was.
@@ -242,10 +244,21 @@ class StepRerun:
             parts.append(f"in {m.mode} {bad[0]} is {m.vs_recording[bad[0]].verdict}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
         return f"; it differs from the recording in the mode{'s' if len(differ) > 1 else ''} it did not run in: {'; '.join(parts)}"
 
+    def _caught_up_cleanly(self) -> bool:
+        """Caught up from an earlier keyframe, every catch-up step compared and bit for bit, with
+        nothing else to blame (an unrecorded argument, state outside the model, the environment)."""
+        return (self.keyframe < self.step and not self.live_start and bool(self.modes)
+                and all(m.caught_up and m.departed is None and not m.uncompared for m in self.modes.values())
+                and not (self.unrecorded or self.state_outside or self.env_differences or self.sources_changed
+                         or (self.weights is not None and self.weights.differ)))
+
     def _caveats(self) -> list[str]:
         """Why a not-reproduced step may not be the program's doing: the re-run differed from the
         recorded run in its environment, its weights or an unrecorded argument."""
         out = []
+        if self.sources_changed:
+            out.append(f"; but the program's source changed since it was recorded ({', '.join(self.sources_changed[:3])}"
+                       f"{', ...' if len(self.sources_changed) > 3 else ''}): the re-run runs the code as it is now")
         if self.env_differences:
             out.append(f"; but the re-launched program's environment differs from the recorded one in "
                        f"{', '.join(self.env_differences[:3])}{', ...' if len(self.env_differences) > 3 else ''}: set "
@@ -262,12 +275,19 @@ class StepRerun:
                        "set back; record the model's forward instead (no flags find it), whose inputs are recorded "
                        "every step")
         if self.caller and self.keyframe == self.step and not self.live_start and not (
-                self.env_differences or self.state_outside or self.unrecorded or (self.weights is not None and self.weights.differ)):
+                self.env_differences or self.state_outside or self.unrecorded or self.sources_changed
+                or (self.weights is not None and self.weights.differ)):
             # From its own keyframe, with its recorded inputs and RNG: what the step read
             # otherwise came from outside its arguments and its model's state.
             out.append(f"; but the step ran from its own keyframe with its recorded inputs: if it reads what its caller "
                        f"sets up outside its arguments (a global forward context, block tables, slot mappings), record "
                        f"the caller as the step: replay record --step {self.caller} -- ...")
+        if self._caught_up_cleanly():
+            # Every step from the keyframe re-ran bit for bit, then this one did not: what the
+            # program does between steps (outside the step) is the likeliest cause.
+            out.append(f"; but the steps from the keyframe at step {self.keyframe} re-ran bit for bit: if the program "
+                       "changes the model's state between steps (a beam search reordering its cache, a reset after an "
+                       "error), a keyframe every step restores it: replay record --keyframe-every 1")
         if self.unrecorded:
             # Not evidence against the program: the re-run may have run with other contents.
             out.append(f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
@@ -321,6 +341,7 @@ class StepRerun:
             "state_outside": self.state_outside or None,
             "recorded_mode": self.recorded_mode or None,
             "caller": self.caller or None,
+            "sources_changed": self.sources_changed,
             "problem": self.problem(),
             "raised": self.raised(),
             "headline": self.headline(),
@@ -342,6 +363,7 @@ class StepRerun:
                    stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None,
                    unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []], live_start=d.get("live_start") is True,
                    env_differences=[str(e) for e in d.get("env_differences") or []],
-                   state_outside=text["state_outside"], recorded_mode=text["recorded_mode"], caller=text["caller"])
+                   state_outside=text["state_outside"], recorded_mode=text["recorded_mode"], caller=text["caller"],
+                   sources_changed=[str(s) for s in d.get("sources_changed") or []])
 
 

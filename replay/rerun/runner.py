@@ -735,7 +735,20 @@ def rerun_step(
         result.modes = {"compiled": result.modes["compiled"], **result.modes}
     if first.rf.keyframe(step) is None:
         result.notes.append(NO_KEYFRAME_NOTE)
+    result.sources_changed = _sources_changed(first)
     return result
+
+
+def _sources_changed(rp: Replayer) -> list[str]:
+    """The program's recorded source files (its script, the step's module) that differ now."""
+    from replay.core.sources import changed_sources
+    from replay.rerun.streams import target_info
+
+    info = target_info(rp.rf, rp.stream)
+    launch = info.get("launch") if isinstance(info.get("launch"), dict) else {}
+    recorded = {**(launch.get("sources") or {} if isinstance(launch.get("sources"), dict) else {}),
+                **(info.get("sources") if isinstance(info.get("sources"), dict) else {})}
+    return changed_sources(recorded)
 
 
 def _recorded_mode(rp: Replayer, step: int) -> str:
