@@ -131,8 +131,11 @@ class InfoResult:
         return RecordingDamaged.exit_code if self.unreadable_ranks else 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"recording": self.recording, "command": self.command, "parts": [p.to_json() for p in self.parts],
+        from replay.analysis.summary import verdict_line
+
+        data = {"recording": self.recording, "command": self.command, "parts": [p.to_json() for p in self.parts],
                 **self.summary}
+        return {**data, "verdict": verdict_line(data)}  # the first line of ``replay info``
 
 
 def info(recording: Recording, part: str | None = None) -> InfoResult:

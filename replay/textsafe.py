@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import unicodedata
 
-__all__ = ["escape"]
+__all__ = ["escape", "a_or_an"]
 
 # Characters that change how a terminal shows what follows, beyond the C0/C1 controls:
 # bidirectional overrides and isolates can make text read in another order than it is.
@@ -45,3 +45,9 @@ def escape(text: object, *, keep_newlines: bool = False) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+def a_or_an(word: object) -> str:
+    """``word`` with its indefinite article, by its first letter: "an EncoderDecoderCache"."""
+    text = str(word)
+    return f"{'an' if text[:1].lower() in 'aeiou' and text[:1] else 'a'} {text}"

@@ -365,3 +365,48 @@ def test_a_state_change_between_steps_is_hinted_at_the_first_step_it_shows(tmp_p
     kf, _ = _record(tmp_path, "beam_kf", "--keyframe-every", "1")
     r = _replay("step", kf, "--step", "1", cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("reproduced:"), r.stdout + r.stderr
+
+
+# A cache object with behaviour (recorded by class name only) that the step grows.
+_GROWING_CACHE = """
+    import sys
+    import torch, torch.nn as nn
+    torch.manual_seed(0)
+    class Cache:
+        def __init__(self):
+            self.keys = []
+        def update(self, k):
+            self.keys.append(k)
+            return torch.stack(self.keys).mean(0)
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__(); self.emb = nn.Embedding(20, 8); self.out = nn.Linear(8, 20)
+        def forward(self, ids, cache):
+            return self.out(cache.update(self.emb(ids)))
+    m = LM().eval()
+    if "compiled" in sys.argv:
+        m.forward = torch.compile(m.forward, backend="eager")
+    cache, ids = Cache(), torch.tensor([1, 2])
+    with torch.no_grad():
+        for _ in range(5):
+            ids = m(ids, cache).argmax(-1)
+    print(ids.tolist())
+"""
+
+
+def test_each_mode_and_each_repeat_starts_from_its_own_copy_of_a_held_object(tmp_path: Path) -> None:
+    """A step that grows a cache object held by class name only: the re-run's second mode (after
+    compiled, eager) and each --repeat start from a copy of it as the step was taken (before: from
+    what the run before left in it, so a torch.compile(backend="eager") step was 'not reproduced
+    in compiled' while each mode alone reproduced, and --repeat blamed a nondeterministic kernel)."""
+    _script(tmp_path, "grow", _GROWING_CACHE)
+    out = tmp_path / "rec-grow-compiled"
+    p = _replay("record", "--quiet", "--out", out, "--", sys.executable, "grow.py", "compiled", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    r = _replay("step", out, "--step", "3", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("reproduced:") and "compiled, eager" in r.stdout.splitlines()[0], \
+        r.stdout + r.stderr
+    assert "departed" not in r.stdout, r.stdout
+    eager, _ = _record(tmp_path, "grow")
+    r = _replay("step", eager, "--step", "3", "--repeat", "3", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("reproduced:") and "bits vary" not in r.stdout, r.stdout + r.stderr

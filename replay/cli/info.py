@@ -7,7 +7,6 @@ from pathlib import Path
 import click
 
 from replay import api
-from replay.analysis.summary import verdict_line
 from replay.cli.common import emit_json, json_option, open_run, part_option, report_unreadable, run_argument
 from replay.cli.info_text import render_info
 
@@ -23,8 +22,7 @@ def info(run: Path | None, root: str, part: str | None, as_json: bool) -> int:
     with open_run(run, root) as rec:
         result = api.info(rec, part)
     if as_json:
-        data = result.to_json()
-        emit_json({**data, "verdict": verdict_line(data)})  # the text's first line
+        emit_json(result.to_json())
     else:
         click.echo(render_info(result))
     return report_unreadable(result.part, result.unreadable_ranks)

@@ -9,7 +9,7 @@ from replay import api
 from replay.analysis.divergence import NO_OUTPUT_FIELDS
 from replay.analysis.summary import verdict_line
 from replay.cli.render import fmt_margin, style, table
-from replay.textsafe import escape
+from replay.textsafe import a_or_an, escape
 
 __all__ = ["render_info"]
 
@@ -105,7 +105,7 @@ def _unrecorded_lines(s: dict[str, Any]) -> list[str]:
     fields = s.get("unrecorded_fields") or {}
     if not fields:
         return []
-    named = ", ".join(f"{escape(k)} (a {escape(v)})" for k, v in fields.items())
+    named = ", ".join(f"{escape(k)} ({a_or_an(escape(v))})" for k, v in fields.items())
     return [f"not recorded  {named}: values that are not a dense array; no verdict compares them"]
 
 

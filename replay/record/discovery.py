@@ -516,18 +516,22 @@ def summary_lines(reports: list[dict[str, Any]], *, recorded_steps: int = 0) -> 
               + ("it is " + TORCHSCRIPT_HINT if is_torchscript(step) else "check the module and qualname" + _torchscript_seen(seen)
                  .replace("; ", "; if it was scripted or traced: ", 1)) + ")"
               for step in sorted(named) if not ran.get(step) and step not in inside]
-    if not chosen and not named and not ran and reports and not recorded_steps:
-        lines.append(_nothing_found(seen))
-    elif not chosen and not named and recorded_steps:
-        # The processes that recorded ended without their exit hooks (``os._exit``, a kill):
-        # they wrote no report, but their steps are in the recording.
-        lines.append(f"replay: {recorded_steps} step{'s' if recorded_steps != 1 else ''} recorded by a process that ended "
-                     "without reporting what it chose (os._exit, or a kill): replay info names the step")
+    if not chosen and not named:
+        lines += _nothing_chosen(reports, seen, ran, recorded_steps)
     lines += _not_recorded_beside(chosen, seen, ran)
     lines += _compiled_collectives(reports, chosen, ran)
     lines += _nested_outputs(reports)
     lines += _unrecorded_arguments(reports)
     return lines
+
+
+def _nothing_chosen(reports: list[dict[str, Any]], seen: Counter[str], ran: Counter[str], recorded_steps: int) -> list[str]:
+    """No process reported a step, chosen or named: none was found, or the processes that recorded
+    ended without their exit hooks (``os._exit``, a kill), their steps in the recording."""
+    if recorded_steps:
+        return [f"replay: {recorded_steps} step{'s' if recorded_steps != 1 else ''} recorded by a process that ended "
+                "without reporting what it chose (os._exit, or a kill): replay info names the step"]
+    return [_nothing_found(seen)] if not ran and reports else []
 
 
 def _unrecorded_arguments(reports: list[dict[str, Any]]) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from replay.textsafe import a_or_an
 from replay import numerics
 from replay.core.outputs import nested_outputs, tensor_version, written_arguments, written_outputs
 from replay.log import get_logger
@@ -933,7 +934,7 @@ class Session(GraphEvents):
         """Once per step: its arguments recorded by class name only (a cache object with methods,
         HF's DynamicCache), which a re-run cannot set back, for ``replay record``'s summary."""
         if step not in self._unrecorded_said:
-            self._unrecorded_said[step] = [f"{k} (a {v['unrecorded']})" for k, v in scalars.items()
+            self._unrecorded_said[step] = [f"{k} ({a_or_an(v['unrecorded'])})" for k, v in scalars.items()
                                            if isinstance(v, dict) and isinstance(v.get("unrecorded"), str)]
 
     def _numerics_digest(self, rec: Recorder) -> str:

@@ -692,24 +692,14 @@ class _Takeover:
         os._exit(0)  # stop the program: the rest of it is not the re-run's business
 
     def _rerun(self, fn: Any, live: dict[str, Any]) -> dict[str, Any]:
-        import inspect
-
         from replay.rerun.runner import RerunOptions, rerun_step
         from replay.rerun.target import StepKind, Target, TargetSpec, bound_step, function_step
 
         rf = self.part[self.spec.rank]
         spec = TargetSpec.from_rank_file(rf, self.spec.stream)
         live = dict(live)
-        params = list(inspect.signature(fn).parameters)
         kind = spec.kind or (StepKind.METHOD if "." in self.qualname else StepKind.FUNCTION)
-        obj: Any = None
-        if (self.module_step or kind in (StepKind.METHOD, StepKind.MODULE_FORWARD)) and params:
-            obj = live.get(params[0])
-            live.pop(params[0], None)
-        else:
-            args_json = recorded_args(rf, self.spec.step)
-            holder = next((k for k, v in args_json.items() if isinstance(v, dict) and v.get("target")), None)
-            obj = live.get(holder) if holder else None
+        obj = self._step_object(fn, live, kind, rf)
         # Compiled again as recorded: the re-launched program may pass torch.compile other
         # arguments (a backend chosen by a variable not set here), which compute otherwise.
         relaunched_kwargs = dict(getattr(fn, "_replay_compile_kwargs", None) or self.compile_kwargs)
@@ -718,6 +708,12 @@ class _Takeover:
         spec.compile = compile_kwargs
         if compile_kwargs and kind is StepKind.FUNCTION:
             kind = StepKind.COMPILED
+
+        # Each mode starts from its own copy of the objects held by class name only (a run changes
+        # them: a cache grows), as the program had them when the step was taken.
+        from replay.rerun.runner import LiveObjects
+
+        held = LiveObjects(rf, self.spec.step, live)
 
         def make_target(rp: Any) -> Target:
             if self.module_step:
@@ -730,7 +726,7 @@ class _Takeover:
             t = Target(spec, obj, step_fn, rp.device, kind=kind)
             t.own_objects = True
             t.ran_as = ran_as
-            t.live_args = live
+            t.live_args = held.fresh(live) if len(self.spec.modes) > 1 else live
             return t
 
         settings = RerunOptions(modes=tuple(self.spec.modes), device=self.spec.device, repeat=self.spec.repeat,
@@ -738,6 +734,9 @@ class _Takeover:
                                 spec=spec, stream=self.spec.stream, keyframe_at=self.spec.keyframe_at,
                                 live_from=self.spec.take_at or None)
         result = rerun_step(self.part, self.spec.rank, self.spec.step, settings)
+        if len(self.spec.modes) > 1 and held.uncopied:
+            result.notes.append(f"the step's argument {', '.join(held.uncopied)}, held by class name only, could not be "
+                                "copied: each mode after the first started from what the one before left in it")
         if other_compile:
             result.notes.append(f"the re-launched program called torch.compile with {_kwargs_text(relaunched_kwargs)}; "
                                 f"compiled again as recorded, with {_kwargs_text(compile_kwargs)}")
@@ -746,6 +745,20 @@ class _Takeover:
                             "re-run inside the re-launched program (no factory): its objects and state as the program "
                             f"left them at step {self.spec.take_at}'s call, RNG from the recording")
         return result.to_json()
+
+    def _step_object(self, fn: Any, live: dict[str, Any], kind: Any, rf: Any) -> Any:
+        """The step's object among the call's live arguments (taken out of ``live``): a method's
+        own, else the argument recorded as the target (a function given the model)."""
+        import inspect
+
+        from replay.rerun.target import StepKind
+
+        params = list(inspect.signature(fn).parameters)
+        if (self.module_step or kind in (StepKind.METHOD, StepKind.MODULE_FORWARD)) and params:
+            return live.pop(params[0], None)
+        args_json = recorded_args(rf, self.spec.step)
+        holder = next((k for k, v in args_json.items() if isinstance(v, dict) and v.get("target")), None)
+        return live.get(holder) if holder else None
 
     def _function(self, frame: Any, live: dict[str, Any]) -> Any:
         """The Python function whose frame this is (not a wrapper around it)."""

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from replay.textsafe import a_or_an
 from replay.analysis.compare import Comparison, Verdict, compare_digests, compare_tensors
 from replay.digest import digest, local_tensor
 from replay.errors import CatchUpRaised, OutOfRange, RecordingDamaged, RerunError, UsageError
@@ -120,6 +121,32 @@ def _live_value(live: dict[str, Any], name: str) -> tuple[bool, Any]:
     if index.isdigit() and isinstance(seq, tuple) and int(index) < len(seq):
         return True, seq[int(index)]
     return False, None
+
+
+class LiveObjects:
+    """The re-launched program's objects a step takes that the recording holds by class name only
+    (a ``DynamicCache``), as they were when the step was taken: each mode and each ``--repeat`` of
+    the step starts from its own copy, since a run changes them (a cache grows by the step's
+    tokens) and the next would otherwise start from what the last one left."""
+
+    def __init__(self, rf: RankFile, step: int, live: dict[str, Any]) -> None:
+        import copy
+
+        self.kept: dict[str, Any] = {}
+        self.uncopied: list[str] = []  # objects that could not be copied: shared by the runs
+        for name, v in _raw_args(rf, step).items():
+            if not (isinstance(v, dict) and "unrecorded" in v and name in live):
+                continue
+            try:
+                self.kept[name] = copy.deepcopy(live[name])
+            except Exception:  # noqa: BLE001 - an object that refuses a copy (a lock, a file)
+                self.uncopied.append(f"{name} ({a_or_an(type(live[name]).__name__)})")
+
+    def fresh(self, live: dict[str, Any]) -> dict[str, Any]:
+        """``live`` with a new copy of each kept object."""
+        import copy
+
+        return {**live, **{k: copy.deepcopy(v) for k, v in self.kept.items()}}
 
 
 def _positional(rf: RankFile, step: int) -> list[str]:
@@ -786,6 +813,9 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
             result.notes.append(note)
     _note_scalars(rp.target, rp.keyframe, result)
     saved = rp.target.snapshot() if repeat > 1 else None
+    # The objects held by class name only, as the step is about to take them: a repeat starts
+    # from a copy of these too (the run changes them), or is not compared when they cannot be copied.
+    held = LiveObjects(rp.rf, step, rp.target.live_args) if repeat > 1 and rp.target.live_args else None
     outs = rp.run(step)
     view = rp.rf.step(step)
     run = ModeRun(mode=rp.mode, outputs=outs, digests={k: digest(v) for k, v in outs.items()}, departed=departed,
@@ -795,15 +825,30 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
     info = getattr(rp.target.obj, "last_run_info", None)
     if isinstance(info, dict):
         run.graph = f"{info.get('mode', '')} {info.get('key', '')}".strip() + (f" ({info['reason']})" if info.get("reason") else "")
-    for _ in range(repeat - 1):
-        assert saved is not None
-        rp.target.load_state(saved)
-        run.repeat_digests.append({k: digest(v) for k, v in rp.run(step).items()})
     if repeat > 1:
-        run.repeats_equal = all(d == run.digests for d in run.repeat_digests)
+        assert saved is not None
+        _repeat(rp, step, repeat, run, saved, held, result)
     if rp.collectives is not None:
         run.collective_mismatches = [str(m) for m in rp.collectives.mismatches]
     return run
+
+
+def _repeat(rp: Replayer, step: int, repeat: int, run: ModeRun, saved: dict[str, Any], held: LiveObjects | None,
+            result: StepRerun) -> None:
+    """The step's repeats, each from the state (and the copies of held objects) it first ran from."""
+    for _ in range(repeat - 1):
+        rp.target.load_state(saved)
+        if held is not None:
+            rp.target.live_args = held.fresh(rp.target.live_args)
+        run.repeat_digests.append({k: digest(v) for k, v in rp.run(step).items()})
+    if held is not None and held.uncopied:
+        # The repeats did not start from the same state: their bits say nothing about kernels.
+        note = (f"--repeat not compared: the step's argument {', '.join(held.uncopied)}, held by class name only, could "
+                "not be copied, so each repeat started from what the last one left in it")
+        if note not in result.notes:
+            result.notes.append(note)
+        return
+    run.repeats_equal = all(d == run.digests for d in run.repeat_digests)
 
 
 def _note_scalars(target: Target, keyframe: int, result: StepRerun) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from replay.textsafe import a_or_an
 from replay.core.structure import UNRECORDED_ARG
 from replay.errors import UsageError
 from replay.format.reader import Part, RankFile
@@ -95,7 +96,7 @@ def not_compared(rf: RankFile, step: int) -> list[str]:
         return []
     if not isinstance(fields, dict) or not fields:
         return []
-    named = ", ".join(f"{k} (a {v})" for k, v in sorted(fields.items()) if isinstance(k, str) and isinstance(v, str))
+    named = ", ".join(f"{k} ({a_or_an(v)})" for k, v in sorted(fields.items()) if isinstance(k, str) and isinstance(v, str))
     return [f"not compared: {named}: the recorder could not record it (its values are not a dense array)"] if named else []
 
 
@@ -165,7 +166,7 @@ def unrecorded_arguments(rf: RankFile, first: int, last: int) -> list[str]:
             continue
         for name, v in args.items():
             if isinstance(v, dict) and isinstance(v.get("unrecorded"), str):
-                found.setdefault(str(name), f"{name} (a {v['unrecorded']})")
+                found.setdefault(str(name), f"{name} ({a_or_an(v['unrecorded'])})")
     return list(found.values())
 
 
