@@ -76,6 +76,11 @@ def flatten_tensors(name: str, v: Any, *, values: bool = False, empty: bool = Fa
     return (out, structure) if out or (empty and structure is not None) else None
 
 
+def _class_name(klass: type) -> str:
+    """How a recorded structure names a class (``module:qualname``), to match the program's own."""
+    return f"{klass.__module__}:{klass.__qualname__}"
+
+
 def _dict_structure(x: dict[str, Any], walk: Callable[[int | None, str, Any], Any]) -> dict[str, Any]:
     """A str-keyed dict's structure; ``walk(place, key, item)`` the items' (named by key, or by
     ``place`` when keys hold a dot)."""
@@ -94,7 +99,7 @@ def _dict_structure(x: dict[str, Any], walk: Callable[[int | None, str, Any], An
     if type(x) is not dict:
         # A dict of its own class (an HF ModelOutput, read by place as ``out[0]``): named, so that
         # a re-run can give the step the program's own class back (``as_instance``).
-        spec["class"] = f"{type(x).__module__}:{type(x).__qualname__}"
+        spec["class"] = _class_name(type(x))
     return spec
 
 
@@ -170,8 +175,7 @@ def flatten_object(name: str, v: Any) -> tuple[dict[str, torch.Tensor], Any] | N
         items.append(spec)
     if not out or sum(t.numel() * t.element_size() for t in out.values()) > MAX_OBJECT_BYTES:
         return None
-    klass = type(v)
-    return out, {"type": "object", "class": f"{klass.__module__}:{klass.__qualname__}", "keys": keys, "items": items}
+    return out, {"type": "object", "class": _class_name(type(v)), "keys": keys, "items": items}
 
 
 class RecordedDict(dict):
@@ -184,8 +188,7 @@ class RecordedDict(dict):
 
     def as_instance(self, like: Any) -> Any:
         """These items in a copy of ``like`` when it is of the recorded class; else self."""
-        klass = type(like)
-        if f"{klass.__module__}:{klass.__qualname__}" != self.__replay_class__ or not isinstance(like, dict):
+        if _class_name(type(like)) != self.__replay_class__ or not isinstance(like, dict):
             return self
         try:
             obj = copy.copy(like)
@@ -210,8 +213,7 @@ class RecordedObject(types.SimpleNamespace):
     def as_instance(self, like: Any) -> Any:
         """These fields in an instance of ``like``'s class (a copy of ``like``), when that is
         the recorded class; else self."""
-        klass = type(like)
-        if f"{klass.__module__}:{klass.__qualname__}" != getattr(self, "__replay_class__", None):
+        if _class_name(type(like)) != getattr(self, "__replay_class__", None):
             return self
         fields = {k: v for k, v in vars(self).items() if k != "__replay_class__"}
         if isinstance(like, tuple) and hasattr(like, "_replace"):

@@ -389,13 +389,10 @@ def _merged(reports: list[dict[str, Any]]) -> tuple[Counter[str], set[str], dict
     chosen: dict[str, dict[str, Any]] = {}
     seen: Counter[str] = Counter()
     for r in reports:
-        ran.update({str(k): int(v) for k, v in (r.get("ran") or {}).items()})
-        if isinstance(r.get("recorded"), dict):
-            # Calls recorded, where the process counted them apart from the calls it saw (a
-            # recorder that stopped itself saw the program's later calls but recorded none).
-            for k, v in r["recorded"].items():
-                if str(k) in ran and isinstance(v, int):
-                    ran[str(k)] -= int((r.get("ran") or {}).get(k, 0)) - v
+        # Calls recorded, where the process counted them apart from the calls it saw (a recorder
+        # that stopped itself saw the program's later calls but recorded none).
+        recorded = r.get("recorded") if isinstance(r.get("recorded"), dict) else {}
+        ran.update({str(k): int(recorded.get(k, v)) for k, v in (r.get("ran") or {}).items()})
         named.update(str(s) for s in r.get("named") or [])
         for c in r.get("chosen") or []:
             if isinstance(c, dict):

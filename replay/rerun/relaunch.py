@@ -239,11 +239,12 @@ def _run_program(cmd: list[str], cwd: str, env: dict[str, str], spec: RelaunchSp
                 raise RerunError(f"the re-launched program did not reach step {spec.step} within {_TIMEOUT_S:.0f} s "
                                  "(REPLAY_RERUN_TIMEOUT sets the limit)")
     finally:
-        if proc.poll() is None:
-            _stop_group(proc)  # replay step itself stopped (Ctrl-C): the program goes with it
+        # Its own workers, started in its session, go with it; and the program itself when
+        # replay step stopped first (Ctrl-C).
+        running = proc.poll() is None
+        _stop_group(proc)
+        if running:
             proc.communicate()
-        else:
-            _stop_group(proc)  # its own workers, started in its session, go with it
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), stdin is not None
 
 
@@ -713,7 +714,7 @@ class _Takeover:
         # them: a cache grows), as the program had them when the step was taken.
         from replay.rerun.runner import LiveObjects
 
-        held = LiveObjects(rf, self.spec.step, live)
+        held = LiveObjects(rf, self.spec.step, live) if len(self.spec.modes) > 1 else None
 
         def make_target(rp: Any) -> Target:
             if self.module_step:
@@ -726,7 +727,7 @@ class _Takeover:
             t = Target(spec, obj, step_fn, rp.device, kind=kind)
             t.own_objects = True
             t.ran_as = ran_as
-            t.live_args = held.fresh(live) if len(self.spec.modes) > 1 else live
+            t.live_args = held.fresh(live) if held is not None else live
             return t
 
         settings = RerunOptions(modes=tuple(self.spec.modes), device=self.spec.device, repeat=self.spec.repeat,
@@ -734,7 +735,7 @@ class _Takeover:
                                 spec=spec, stream=self.spec.stream, keyframe_at=self.spec.keyframe_at,
                                 live_from=self.spec.take_at or None)
         result = rerun_step(self.part, self.spec.rank, self.spec.step, settings)
-        if len(self.spec.modes) > 1 and held.uncopied:
+        if held is not None and held.uncopied:
             result.notes.append(f"the step's argument {', '.join(held.uncopied)}, held by class name only, could not be "
                                 "copied: each mode after the first started from what the one before left in it")
         if other_compile:
