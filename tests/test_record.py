@@ -146,6 +146,9 @@ def test_check_lockstep_flushes_the_ring_and_can_stop(tmp_path, run_cli):
         logits_steps = sorted(int(s) for s in t.tensors["step"][t.tensors["kind"] == 4])
         assert 4 in logits_steps  # the ring around the divergent step was written
         assert 5 in rf.keyframe_steps()  # state right after it, so it can be re-run offline
+    # info says what the check found while recording (it was in the recording, and shown nowhere)
+    info = run_cli("info", out)
+    assert "while recording, lockstep: output digests differ at step 4" in info.out, info.out
 
 
 def test_pytest_plugin_records_a_session(tmp_path):

@@ -169,6 +169,7 @@ def compare_tensors(
             name_a,
             name_b,
             Verdict.WITHIN_TOLERANCE if within else Verdict.DIFFERENT,
+            note=_non_finite_note(fa, fb, name_a, name_b),
             max_abs=max_abs,
             max_rel=max_rel,
             ulp=ulp_distance(a, b),
@@ -181,6 +182,23 @@ def compare_tensors(
     mismatched = int((a != b).sum())
     return Comparison(name_a, name_b, Verdict.DIFFERENT, mismatched=mismatched, numel=numel,
                       max_abs=float((a.long() - b.long()).abs().max()) if not a.dtype.is_floating_point else None)
+
+
+def _non_finite_note(fa: torch.Tensor, fb: torch.Tensor, name_a: str, name_b: str) -> str:
+    """Elements NaN or infinite on one side and not (or otherwise) on the other: the maximum
+    differences above are over the finite ones only, so a NaN against a number would otherwise
+    read as "max abs 0"."""
+    odd = (torch.isnan(fa) != torch.isnan(fb)) | (torch.isinf(fa) | torch.isinf(fb)) & (fa != fb) & ~(torch.isnan(fa) | torch.isnan(fb))
+    n = int(odd.sum())
+    if not n:
+        return ""
+
+    def count(t: torch.Tensor) -> str:
+        nan, inf = int(torch.isnan(t[odd]).sum()), int(torch.isinf(t[odd]).sum())
+        return ", ".join([f"{nan} NaN"] * bool(nan) + [f"{inf} inf"] * bool(inf)) or "finite"
+
+    return (f"{n} element(s) NaN or inf on one side only ({name_a}: {count(fa)}; {name_b}: {count(fb)}); the maximum "
+            f"differences are over the finite elements")
 
 
 def compare_digests(a: int, b: int, *, name_a: str = "a", name_b: str = "b") -> Comparison:

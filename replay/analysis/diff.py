@@ -258,9 +258,39 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
                  layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
                  batching=batching if batching.batched_differently else None, context=context, notes=notes)
+    rd.collective_inputs = _collective_inputs(rd, files, same_layout=wa == wb)
     rd.headline = _headline(rd)
     rd.next = _next_command(rd, a, b)
     return rd
+
+
+def _collective_inputs(rd: RunDiff, files: list[tuple[RankFile, RankFile]], *, same_layout: bool) -> list[int] | None:
+    """When the first difference is a collective's output (``collective.N.op``): the ranks of A
+    whose input to that collective differs from B's. Every rank gets the same output, so the
+    first rank differing says nothing of who changed; the inputs do. None when not known (or
+    the runs are laid out otherwise: their collectives are not compared)."""
+    first = rd.first
+    if not same_layout or first is None or not first[1].field.startswith("collective."):
+        return None
+    step, place = first[1].step, first[1].field.split(".")[1]
+    if not place.isdigit():
+        return None
+    differ = []
+    for ra, rb in files:
+        da, db = _collective_input(ra, step, int(place)), _collective_input(rb, step, int(place))
+        if da is None or db is None:
+            return None
+        if da != db:
+            differ.append(ra.rank)
+    return differ if 0 < len(differ) < len(files) else None
+
+
+def _collective_input(rf: RankFile, step: int, place: int) -> int | None:
+    """The input digest of the step's collective at ``place`` (its order within the step)."""
+    c = rf.full().collectives
+    rows = c[c["step"] == step]
+    rows = rows[np.argsort(rows["ordinal"], kind="stable")]
+    return int(rows["in_digest"][place]) if place < len(rows) else None
 
 
 def _models_apart(streams: list[StreamDiff]) -> list[str]:
@@ -386,6 +416,9 @@ def _different_headline(rd: RunDiff) -> str:
         text += "; no token divergence"
     else:
         text += "; no token field recorded to compare"
+    if rd.collective_inputs:
+        text += (f"; its input differs only on rank{'s' if len(rd.collective_inputs) > 1 else ''} "
+                 f"{', '.join(map(str, rd.collective_inputs))} (the collective spread that change to every rank)")
     if rd.batching is not None:
         text += "; the runs batched differently" + (" (rows aligned below)" if rd.batching.aligned else "")
     weights = _differing_weights(rd)

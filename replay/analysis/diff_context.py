@@ -262,6 +262,12 @@ def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
             configs = True
             items += _named(model, _dict_diff(ca if isinstance(ca, dict) else {"config": ca},
                                               cb if isinstance(cb, dict) else {"config": cb}))
+        # Settings kept beside the config's fields (HF's attention implementation): recorded
+        # apart, since a factory is given the config alone.
+        sa, sb = ta.get("config_settings") or {}, tb.get("config_settings") or {}
+        if sa or sb:
+            configs = True
+            items += _named(model, _dict_diff({"config": sa}, {"config": sb}))
         items += _named(model, _how_called(ta, tb))
     if not configs and not items:
         return ContextDiff(category=Category.CONFIG, compared=False, note="no target config recorded")

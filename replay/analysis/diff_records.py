@@ -217,6 +217,9 @@ class RunDiff:
     context: list[ContextDiff]
     notes: list[str]
     next: str = ""  # the command that finds the module making the first difference, when both runs can be re-run
+    # The first difference is a collective's output, the same on every rank: the ranks whose
+    # input to it differs between the runs (the ranks whose own computation changed).
+    collective_inputs: list[int] | None = None
 
     @property
     def exit_code(self) -> int:
@@ -252,6 +255,7 @@ class RunDiff:
             "other_differences": [c.to_json() for c in self.context],
             "notes": self.notes,
             "next": self.next or None,
+            "first_collective_input_ranks": self.collective_inputs,
         }
 
 

@@ -204,6 +204,16 @@ def _in_stream(d: dict[str, Any], steps: Any, idx: Any, names: list[str]) -> dic
     return {**d, "stream": at[0], "stream_step": at[1]} if at is not None else d
 
 
+def lockstep_events(part: Part, limit: int = 5) -> list[str]:
+    """What ``--check-lockstep`` found while recording (each rank notes it): once each, in order."""
+    seen: list[str] = []
+    for rf in part.values():
+        for e in rf.tables.events:
+            if e.startswith("lockstep:") and e not in seen:
+                seen.append(e)
+    return seen[:limit]
+
+
 def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     world = part.world_size
     part, unreadable = readable(part)
@@ -227,6 +237,7 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
     _label_streams(part, out)
     out["step_callables"] = step_callables(part)
+    out["lockstep"] = lockstep_events(part)
     if with_details:
         out["unrecorded_fields"] = unrecorded_fields(part)
         out["tuner_differences"] = _tuner_differences(part)

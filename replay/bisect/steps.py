@@ -367,7 +367,7 @@ def _relaunched_scan_one(a: _StreamBisect, lo: int, hi: int, res: StepsBisection
         problem = result.problem()
         if problem is not None and run.error is None:
             raise RerunError(f"rank {a.rank}: step {hi} could not be re-run to bisect: {problem}")
-        bad = next((k for k, c in run.vs_recording.items() if not c.equal), None)
+        bad = next((k for k, c in run.vs_recording.items() if not c.equal), run.collective_departure)
         if bad is not None:
             iv.departed, iv.field = hi, bad
     res.probes.append(iv)

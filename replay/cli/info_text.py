@@ -24,6 +24,7 @@ def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     lines.append(_rank_table(s["ranks"]))
     lines += _stream_lines(s)
     lines += _unrecorded_lines(s)
+    lines += [style(f"while recording, {escape(e)}", fg="yellow") for e in s.get("lockstep") or []]
     lines += _rank_problems(s)
     lines += _divergence_lines(s)
     lines += _difference_lines(s)

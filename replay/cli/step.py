@@ -157,7 +157,7 @@ def render_step(r: StepRerun) -> str:
 
 
 def _departs(m: ModeRun) -> bool:
-    return m.departed is not None or any(not c.equal for c in m.vs_recording.values())
+    return m.departed is not None or not m.reproduces()
 
 
 def _mode_lines(r: StepRerun, m: ModeRun) -> list[str]:

@@ -15,7 +15,7 @@ from replay.core.state import module_state  # noqa: F401
 from replay.core.structure import (POSITIONAL_ARG, STRUCTURE_ARG, flatten_object, flatten_tensors,  # noqa: F401 - shared with rerun
                                    positional_names, rebuild_inputs, unrecordable)
 
-__all__ = ["to_json_safe", "module_state", "split_arguments", "flatten_tensors", "flatten_object", "unrecordable", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
+__all__ = ["to_json_safe", "config_settings", "module_state", "split_arguments", "flatten_tensors", "flatten_object", "unrecordable", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
 
 _SCALARS = (int, float, bool, str, type(None))
 
@@ -100,6 +100,28 @@ def _json_fields(v: Any) -> dict[Any, Any] | list[Any] | None:
     if isinstance(v, (list, tuple)):
         return list(v)
     return None
+
+
+def config_settings(v: Any) -> dict[str, Any]:
+    """A dataclass config's instance attributes that are not among its fields, when they are
+    plain values: settings a library keeps beside the fields it declares (HF's
+    ``_attn_implementation_internal``, eager or sdpa, which changes what attention computes)
+    and leaves out of the config. Kept apart from the config itself, which a factory is given."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(v) or isinstance(v, type):
+        return {}
+    try:
+        attrs = vars(v)
+    except TypeError:
+        return {}  # slots only: nothing beside the fields
+    declared = {f.name for f in dataclasses.fields(v)}
+    out = {}
+    for k, x in attrs.items():
+        leaf, value = _json_leaf(x)
+        if k not in declared and leaf and isinstance(k, str):
+            out[k] = value
+    return out
 
 
 def to_json_safe(v: Any, _depth: int = 0) -> Any:

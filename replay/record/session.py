@@ -34,6 +34,7 @@ from replay.record.calls import (
     access,
     attribute_holding,
     capturing,
+    config_settings,
     flatten_object,
     module_state,
     name_outputs,
@@ -540,9 +541,10 @@ class Session(GraphEvents):
         from replay.record.compiled import arguments_for  # issue 14: torch.compile's arguments, as recorded
 
         info["compile"] = arguments_for(spec.step)
-        config, config_attr = self._config_of(spec, obj)
+        config, config_attr, raw = self._config_of(spec, obj)
         info["config"] = config
         info["config_attr"] = config_attr
+        info["config_settings"] = config_settings(raw)
         # A model's inputs on an accelerator say where it runs; a CPU tensor beside them (a
         # generator's state, a host-side index) does not.
         devices = sorted({str(t.device) for t in inputs.values()}, key=lambda d: (d == "cpu", d))
@@ -589,16 +591,18 @@ class Session(GraphEvents):
                            "after its forward, so the recorded outputs are forward's, before any change the hooks make "
                            "to what the program gets (to record that, name the function that calls the model with --step)")
 
-    def _config_of(self, spec: StepSpec, obj: Any) -> tuple[Any, str | None]:
-        """The JSON-safe config a factory rebuilds the target from, and the attribute it came from."""
+    def _config_of(self, spec: StepSpec, obj: Any) -> tuple[Any, str | None, Any]:
+        """The JSON-safe config a factory rebuilds the target from, the attribute it came from,
+        and the config object itself."""
         if spec.config:
             try:
-                return to_json_safe(access(obj, spec.config)), spec.config
+                raw = access(obj, spec.config)
+                return to_json_safe(raw), spec.config, raw
             except Exception as e:  # noqa: BLE001
                 self.warn_once(f"config:{spec.step}", f"cannot record the config of {spec.step} ({e}); re-runs will need --factory")
-                return None, spec.config
+                return None, spec.config, None
         if obj is None:
-            return None, None
+            return None, None, None
         # No --config: a model's own ``config`` attribute, when it is data.
         for attr in ("config", "args", "cfg"):
             try:
@@ -608,10 +612,10 @@ class Session(GraphEvents):
             if v is None or callable(v) and not hasattr(v, "__dataclass_fields__"):
                 continue
             try:
-                return to_json_safe(v), attr
+                return to_json_safe(v), attr, v
             except NotJSON:
                 continue
-        return None, None
+        return None, None, None
 
     def _stream_state(self, spec: StepSpec, obj: Any) -> Callable[[], dict[str, torch.Tensor]] | None:
         if obj is None:

@@ -38,6 +38,11 @@ class CollectiveMismatch:
     def __str__(self) -> str:
         return f"step {self.step}, collective #{self.index} ({self.op}): its input differs from the recorded one"
 
+    @property
+    def field(self) -> str:
+        """As a departure's field: what left the recording at ``step``."""
+        return f"collective #{self.index} ({self.op}) input"
+
 
 class _DoneWork:
     """What an ``async_op=True`` call returns: the recorded output is already in place."""
@@ -83,24 +88,46 @@ class RecordedCollectives:
     # The step ran under torch.compile when recorded: collectives inside its graph were not seen.
     recorded_compiled: bool = False
 
-    def check_replayable(self, first: int, last: int) -> None:
-        """Fail before anything is built if a collective in steps first..last lacks its output."""
-        t = self.rank_file.full()
-        c = t.collectives
-        rows = c[(c["step"] >= first) & (c["step"] <= last) & (c["out_tensor"] < 0)]
-        for row in rows:
-            op = t.string(int(row["op"]))
-            if op.startswith(FUNCTIONAL_PREFIX) or COLLECTIVES.get(op, COLLECTIVES["barrier"]).outputs:
-                raise RerunError(
-                    f"step {int(row['step'])}: {op} was recorded as a digest only, so rank {self.rank} cannot be "
-                    f"replayed alone; record with `replay record --collectives full`, or {TOGETHER}"
-                )
-
-    def begin_step(self, step: int) -> None:
+    def _step_rows(self, step: int) -> list[np.void]:
+        """The collectives made inside ``step``, in order. The table also holds, under the same
+        step, those the program made after it and before the next (a loop that all-gathers the
+        sampled token): they come after the step's own, whose number the step's row keeps."""
         t = self.rank_file.full()
         c = t.collectives
         rows = c[c["step"] == step]
-        self._queue = list(rows[np.argsort(rows["ordinal"], kind="stable")])
+        rows = list(rows[np.argsort(rows["ordinal"], kind="stable")])
+        s = t.steps[t.steps["step"] == step]
+        return rows[: int(s["n_collectives"][0])] if len(s) else rows
+
+    def check_replayable(self, first: int, last: int) -> None:
+        """Fail before anything is built if a collective in steps first..last lacks its output."""
+        t = self.rank_file.full()
+        steps = np.unique(t.collectives["step"][(t.collectives["step"] >= first) & (t.collectives["step"] <= last)])
+        rows = [r for s in steps for r in self._step_rows(int(s)) if int(r["out_tensor"]) < 0]
+        for row in rows:
+            op = t.string(int(row["op"]))
+            if op.startswith(FUNCTIONAL_PREFIX) or COLLECTIVES.get(op, COLLECTIVES["barrier"]).outputs:
+                raise RerunError(f"step {int(row['step'])}: {self._why_no_output(row, op)}")
+
+    def departure_at(self, step: int) -> CollectiveMismatch | None:
+        """The first collective of ``step`` whose input in the re-run differs from the recorded
+        one: the rank's own computation departed before it, whatever its outputs (a one-rank
+        re-run hands every collective its recorded result, so outputs after it can match)."""
+        return next((m for m in self.mismatches if m.step == step), None)
+
+    def _why_no_output(self, row: np.void, what: str) -> str:
+        """Why a collective's output is not in the recording, and what to do instead."""
+        shapes = self.rank_file.full().string(int(row["shapes"]))
+        if shapes.replace(" ", "").endswith("->[]") and not int(row["compare"]):
+            # Started with async_op=True: its output is not there when the call returns, so only
+            # its input was recorded, whatever --collectives says.
+            return (f"{what} was called with async_op=True, whose output the recorder does not see (only its input "
+                    f"is recorded), so rank {self.rank} cannot be replayed alone; {TOGETHER}")
+        return (f"{what} was recorded as a digest only, so rank {self.rank} cannot be replayed alone; record with "
+                f"`replay record --collectives full`, or {TOGETHER}")
+
+    def begin_step(self, step: int) -> None:
+        self._queue = self._step_rows(step)
         self._step = step
         self._index = 0
         self._active = True
@@ -123,6 +150,14 @@ class RecordedCollectives:
                 f"rank {self.rank} cannot be re-run with recorded answers; {TOGETHER}"
             )
         if not self._queue:
+            view = self.rank_file.step(self._step) if self._step >= 0 else None
+            if view is not None and not view.ok:
+                # The step raised when recorded, most often inside this very collective (a peer
+                # gone): it never completed, so it has nothing to hand back.
+                raise RerunError(
+                    f"step {self._step} raised when recorded ({view.reason}); the re-run reached {op} (collective "
+                    f"#{self._index}), which did not complete then, so the step cannot be re-run alone past it: not compared"
+                )
             raise RerunError(
                 f"step {self._step}: the re-run called {op} (collective #{self._index}) but the recording has no more "
                 "collectives in this step: the rebuilt target does not follow the recorded code path"
@@ -141,10 +176,7 @@ class RecordedCollectives:
     def _output(self, row: np.void, op: str) -> torch.Tensor:
         i = int(row["out_tensor"])
         if i < 0:
-            raise RerunError(
-                f"step {self._step}: {op} (collective #{self._index - 1}) was recorded as a digest only, so rank "
-                f"{self.rank} cannot be replayed alone; record with `replay record --collectives full`, or {TOGETHER}"
-            )
+            raise RerunError(f"step {self._step}: {self._why_no_output(row, f'{op} (collective #{self._index - 1})')}")
         t = self.rank_file.full()
         return self.rank_file.read_tensor(t.tensors[i])
 

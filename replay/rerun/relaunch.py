@@ -413,6 +413,9 @@ class _Takeover:
         forward = self.kind is StepKind.MODULE_FORWARD and not qual.endswith(".forward")
         self.qualname = f"{qual}.forward" if forward else qual
         self.name = self.qualname.rsplit(".", 1)[-1]
+        # The class whose instances' forward is the step: it may inherit forward from a base
+        # class, whose code (``Base.forward``, perhaps in another module) is the frame's then.
+        self.forward_class = self.qualname[: -len(".forward")] if self.kind is StepKind.MODULE_FORWARD else None
         # A compiled step naming a class (``torch.compile(model)``, ``model.compile()``,
         # ``model.forward = torch.compile(model.forward)``): its instances' forward is the step.
         self.class_name = qual if self.kind is StepKind.COMPILED and "." not in qual else None
@@ -568,15 +571,16 @@ class _Takeover:
         if event != "call" or self.done:
             return
         code = frame.f_code
-        if code.co_name != self.name or getattr(code, "co_qualname", code.co_name) != self.qualname:
+        if code.co_name != self.name:
             return
         if not code.co_flags & _CO_OPTIMIZED:
             return  # a class body of that name (a compiled step naming a class), not a call
-        if frame.f_globals.get("__name__") not in self.modules:
+        first = code.co_varnames[0] if code.co_argcount else None
+        if (getattr(code, "co_qualname", code.co_name) != self.qualname or frame.f_globals.get("__name__") not in self.modules) \
+                and not self._of_forward_class(frame.f_locals.get(first) if first is not None else None):
             return
         if not self._is_stream(frame.f_locals):
             return  # another model of the loop (the draft, say) through the same callable
-        first = code.co_varnames[0] if code.co_argcount else None
         if not self._in_run(self._object_of(frame.f_locals, first)):
             return  # an engine the program built before (or after) the part's own
         if not self._is_process():
@@ -591,6 +595,13 @@ class _Takeover:
             self._claim()
         live = dict(frame.f_locals)
         self._take(lambda: self._rerun(self._function(frame, live), live))
+
+    def _of_forward_class(self, obj: Any) -> bool:
+        """``obj`` is an instance of the step's module class (whose forward a base class defines)."""
+        if self.forward_class is None or obj is None:
+            return False
+        klass = type(obj)
+        return klass.__qualname__ == self.forward_class and klass.__module__ in self.modules
 
     def _is_process(self) -> bool:
         """Whether this is the recorded process among the program's ``multiprocessing`` workers
@@ -776,8 +787,8 @@ class _Takeover:
             for klass in (k for o in owners for k in getattr(o, "__mro__", ())):
                 v = vars(klass).get(parts[-1])
                 v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v  # the function: _rerun binds it
-                if getattr(v, "__qualname__", "") == self.qualname:
-                    fn = v
+                if getattr(v, "__qualname__", "") == self.qualname or getattr(v, "__code__", None) is frame.f_code:
+                    fn = v  # (an inherited forward: the base class's function, whose frame this is)
                     break
         fn = getattr(fn, "_torchdynamo_orig_callable", fn)
         # The program's callable as it calls it (its own decorators kept), if it leads to this frame.

@@ -93,6 +93,11 @@ class ModeRun:
     uncompared: list[int] = field(default_factory=list)  # catch-up steps with no recorded output to compare
     caught_up: list[int] = field(default_factory=list)  # the catch-up steps run, keyframe to step
     collective_mismatches: list[str] = field(default_factory=list)
+    # The step's first collective whose input left the recording ("collective #1 (all_reduce)
+    # input", as a departure's field): the rank's own
+    # computation departed before it, even when the outputs match (the collective's recorded
+    # result was handed back). Such a mode does not reproduce the step.
+    collective_departure: str | None = None
     vs_recording: dict[str, Comparison] = field(default_factory=dict)
     matches_ranks: dict[str, list[int]] = field(default_factory=dict)  # output -> ranks whose bits it has
     graph: str = ""
@@ -114,6 +119,7 @@ class ModeRun:
             "uncompared": self.uncompared,
             "caught_up": self.caught_up,
             "collective_mismatches": self.collective_mismatches,
+            "collective_departure": self.collective_departure,
             "vs_recording": {k: c.to_json() for k, c in self.vs_recording.items()},
             "matches_ranks": self.matches_ranks,
             "graph": self.graph,
@@ -121,6 +127,21 @@ class ModeRun:
             "numerics": {"recorded": self.context_recorded, "differences": self.context_differences},
             "seconds": self.seconds,
         }
+
+    def reproduces(self) -> bool:
+        """Every output bitwise equal to the recording, and every collective's input too."""
+        return all(c.equal for c in self.vs_recording.values()) and self.collective_departure is None
+
+    def difference(self) -> str:
+        """How a mode that does not reproduce the step left the recording, in a clause."""
+        bad = [(k, c) for k, c in self.vs_recording.items() if not c.equal]
+        if not bad:
+            return (f"the {self.collective_departure} differs from the recorded one: the rank's own computation departed "
+                    f"before it (its outputs equal the recording's only because a one-rank re-run hands each collective its "
+                    f"recorded result)")
+        name, c = bad[0]
+        line = f"{name} is {c.verdict} from the recording" + (f" (and {len(bad) - 1} more output(s))" if len(bad) > 1 else "")
+        return line + (f"; before it, the {self.collective_departure} differs" if self.collective_departure else "")
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ModeRun":
@@ -132,6 +153,7 @@ class ModeRun:
             repeats_equal=d.get("repeats_equal"), departed=StepDeparture(int(dep["step"]), str(dep["field"])) if dep else None,
             uncompared=list(d.get("uncompared") or []), caught_up=list(d.get("caught_up") or []),
             collective_mismatches=list(d.get("collective_mismatches") or []),
+            collective_departure=d.get("collective_departure") or None,
             vs_recording={k: comparison_from_json(v) for k, v in (d.get("vs_recording") or {}).items()},
             matches_ranks=dict(d.get("matches_ranks") or {}), graph=str(d.get("graph") or ""), ran_as=str(d.get("ran_as") or ""),
             context_recorded=bool(ctx.get("recorded")), context_differences=list(ctx.get("differences") or []),
@@ -217,7 +239,7 @@ class StepRerun:
         problem = self.problem()
         if problem is not None:
             return f"not compared: {where}: {problem}"
-        same = [m.mode for m in self.modes.values() if all(c.equal for c in m.vs_recording.values())]
+        same = [m.mode for m in self.modes.values() if m.reproduces()]
         differ = [m for m in self.modes.values() if m.mode not in same]
         if not differ:
             return self._reproduced(where, same)
@@ -226,11 +248,7 @@ class StepRerun:
             # about them (inductor's kernels, a graph's), not a failure to reproduce it.
             return self._reproduced(where, same) + self._others_differ(differ)
         first = differ[0]
-        bad = [(k, c) for k, c in first.vs_recording.items() if not c.equal]
-        name, c = bad[0]
-        line = f"not reproduced: {where} in {first.mode}: {name} is {c.verdict} from the recording"
-        if len(bad) > 1:
-            line += f" (and {len(bad) - 1} more output(s))"
+        line = f"not reproduced: {where} in {first.mode}: {first.difference()}"
         if len(differ) > 1:
             line += f"; also in {', '.join(m.mode for m in differ[1:])}"
         if same:
@@ -238,10 +256,7 @@ class StepRerun:
         return line + "".join(self._caveats())
 
     def _others_differ(self, differ: list[ModeRun]) -> str:
-        parts = []
-        for m in differ:
-            bad = [k for k, c in m.vs_recording.items() if not c.equal]
-            parts.append(f"in {m.mode} {bad[0]} is {m.vs_recording[bad[0]].verdict}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        parts = [f"in {m.mode} {m.difference()}" for m in differ]
         return f"; it differs from the recording in the mode{'s' if len(differ) > 1 else ''} it did not run in: {'; '.join(parts)}"
 
     def _caught_up_cleanly(self) -> bool:

@@ -567,6 +567,7 @@ class Replayer:
             outs = self._driver(s)
             self._raise_if_catch_up_failed(s, step)
             bad, compared = _check_outputs(outs, _recorded_fields(self.rf, s))
+            bad = bad or self._collective_field(s)
             if bad and self.departed is None:
                 self.departed = StepDeparture(s, bad)
             if not compared:
@@ -633,8 +634,13 @@ class Replayer:
         """
         if self.last_error is not None and self.rf.step(step).ok:
             return StepDeparture(step, RAISED_FIELD)  # it raised (its outputs are missing because of that)
-        bad = _departure(outs, _recorded_fields(self.rf, step))
+        bad = _departure(outs, _recorded_fields(self.rf, step)) or self._collective_field(step)
         return StepDeparture(step, bad) if bad else None
+
+    def _collective_field(self, step: int) -> str | None:
+        """A collective of ``step`` whose input left the recording, as a departure's field."""
+        m = self.collectives.departure_at(step) if self.collectives is not None else None
+        return m.field if m is not None else None
 
     def compared(self, step: int, outs: dict[str, torch.Tensor]) -> int:
         """How many of ``step``'s recorded outputs ``outs`` could be compared with (0: none)."""
@@ -830,6 +836,8 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
         _repeat(rp, step, repeat, run, saved, held, result)
     if rp.collectives is not None:
         run.collective_mismatches = [str(m) for m in rp.collectives.mismatches]
+        at_step = rp.collectives.departure_at(step)
+        run.collective_departure = at_step.field if at_step is not None else None
     return run
 
 

@@ -5,6 +5,7 @@ call this, and all get the same typed ``StepRerun`` back."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from replay.textsafe import a_or_an
@@ -73,6 +74,8 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
                         device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
                         keyframe_at=0 if objects else settings.keyframe_at, take_at=take_at or None)
     result = relaunch_step(spec, target.get("launch") or {}, world=part.world_size, announce=announce)
+    if spec.keyframe_at is None and _departed_at_own_keyframe(result):
+        result = _from_step_zero(spec, result, target.get("launch") or {}, part.world_size, announce)
     result.unrecorded = unrecorded_arguments(rf, result.keyframe, step)
     result.notes += not_compared(rf, step)
     if take_at:
@@ -85,6 +88,27 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
     if settings.options:
         result.notes.append(SET_IGNORED)
     return result
+
+
+def _departed_at_own_keyframe(result: StepRerun) -> bool:
+    """The re-run left the recording at the step of the keyframe it restored: the keyframe does
+    not hold all the state the step reads (a module global, an object the loop keeps)."""
+    return result.keyframe > 0 and not result.live_start and any(
+        m.departed is not None and m.departed.step == result.keyframe for m in result.modes.values())
+
+
+def _from_step_zero(spec: RelaunchSpec, first: StepRerun, launch: dict[str, Any], world: int,
+                    announce: Callable[[str], None]) -> StepRerun:
+    """The step again, caught up from step 0 in the re-launched program (whose own state outside
+    the keyframes then runs on as it did), restoring each keyframe as catch-up reaches it, as
+    ``bisect steps --against-rerun`` does: the two then agree."""
+    announce(f"the keyframe at step {first.keyframe} departed at its own step: re-running from step 0")
+    again = relaunch_step(replace(spec, keyframe_at=0), launch, world=world, announce=announce)
+    again.notes.append(f"from the keyframe at step {first.keyframe} the re-run departed at that step itself, so the step "
+                       "was re-run from step 0, the program's own state running on through the steps before it: the "
+                       "keyframe does not hold all the state the step reads (name the rest with replay record --state, "
+                       "unless it lies outside the step's object: a module global)")
+    return again
 
 
 def not_compared(rf: RankFile, step: int) -> list[str]:

@@ -64,6 +64,9 @@ class TargetSpec:
     stream: str | None = None  # the model (stream) of the part this target is
     weights: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {digest, shape, dtype}}
     caller: str | None = None  # the program's function that called the step (module:qualname)
+    # Calls of the step the program made before the recorded step 0 (a step found with no flags
+    # misses the first): the first keyframe holds the state they left, not the state as built.
+    unrecorded_calls: int = 0
     # issue 16: the rank file the names came from (None: a spec the caller built), for replay.trust
     origin: Any = None
 
@@ -86,6 +89,7 @@ class TargetSpec:
             compile=dict(t["compile"]) if isinstance(t.get("compile"), dict) else {},
             stream=_text(t, "stream"),
             caller=_text(t, "caller"),
+            unrecorded_calls=t["unrecorded_calls"] if isinstance(t.get("unrecorded_calls"), int) else 0,
             weights=_weights(t.get("weights")),
             origin=rf,  # issue 16
         )
@@ -163,6 +167,7 @@ class Target:
         self.unrestored_scalars: list[str] = []
         self.restored_generators: list[str] = []  # paths of the target's generators the last load_state set
         self._built_scalars: dict[str, Any] | None = None  # the scalars as built, before any keyframe
+        self.option_names: set[str] = set()  # the re-run's --set toggles: the factory's to set, never a keyframe's
         # The recorded program's own objects (a re-launched program), not a rebuilt target: its
         # scalars that looked like configuration are set back to their recorded values too.
         self.own_objects = False
@@ -226,11 +231,14 @@ class Target:
         # that had changed since the first one, and a target re-used from a later step (bisection
         # probes, repeats) must not carry its counter into an earlier interval.
         restore_scalars(self.obj, self._built_scalars)
-        if self.own_objects and self.obj is not None:
+        if (self.own_objects or self.spec.unrecorded_calls > 0) and self.obj is not None:
             # The program's own object: nothing to hide about how it was configured, and its
             # calls before the recorded ones (a step found with no flags) may have moved a value.
+            # A rebuilt one, when the program called the step before step 0: the first keyframe
+            # holds what those calls left (a counter the prefill moved), not the values as built.
             live = split_scalars(capture_scalars(self.obj))[1]
-            scalars = {**{k: v for k, v in unchanged.items() if k in live and live[k] != v}, **scalars}
+            scalars = {**{k: v for k, v in unchanged.items()
+                          if k in live and live[k] != v and k.rsplit(".", 1)[-1] not in self.option_names}, **scalars}
         self.unrestored_scalars = restore_scalars(self.obj, scalars)
         self.restored_scalars = {k: v for k, v in scalars.items() if k not in self.unrestored_scalars}
         # The target's own generators (a sampler's): drawn from as they were at the keyframe.
@@ -328,6 +336,7 @@ def build_target(
     step_fn, ran_as = bound_step(step_fn, spec, compiled)
     target = Target(spec, obj, step_fn, device, kind=kind)
     target.ran_as = ran_as
+    target.option_names = {str(k).rsplit(".", 1)[-1] for k in options}
     return target
 
 
