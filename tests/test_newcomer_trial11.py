@@ -345,3 +345,30 @@ def test_launcher_variables_are_not_environment_differences() -> None:
 
     recorded = env_digests({"GROUP_WORLD_SIZE": "2", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "DRIFT": "1"})
     assert env_differences(recorded, {}) == ["DRIFT (not set here)"]
+
+
+_ENDS_ON_AN_ERROR = """
+    import torch
+    m = torch.nn.Linear(4, 4)
+    x = torch.ones(1, 4)
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.tanh(m(x))
+            if i == 4:
+                raise FloatingPointError("NaN logits on this rank")
+"""
+
+
+def test_info_names_the_error_a_rank_s_program_ended_on(tmp_path) -> None:
+    """A rank whose program raised outside its steps (its own check of the logits): info named
+    only its peer's error (a closed connection in the next collective), never the rank that
+    failed. The error is kept in the rank's end marker and shown."""
+    _script(tmp_path, "ends", _ENDS_ON_AN_ERROR)
+    p = _replay("record", "--quiet", "--out", tmp_path / "rec", "--", sys.executable, "ends.py", cwd=tmp_path)
+    assert p.returncode == 1 and "FloatingPointError" in p.stderr  # the program's own traceback, as without replay
+    info = _replay("info", tmp_path / "rec", cwd=tmp_path)
+    assert "rank 0: its program ended on an uncaught FloatingPointError: NaN logits on this rank" in info.stdout, info.stdout
+    import json
+
+    data = json.loads(_replay("info", tmp_path / "rec", "--json", cwd=tmp_path).stdout)
+    assert data["ranks"][0]["uncaught"] == "FloatingPointError: NaN logits on this rank"

@@ -33,6 +33,7 @@ class RankSummary:
     problem: str | None
     record_ring: dict[str, Any] | None = None  # issue 15: the record ring's size, policy, waits, drops
     stopped: str | None = None  # why the recorder switched itself off (its end marker says so)
+    uncaught: str | None = None  # the error the rank's program ended on, uncaught
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -62,6 +63,7 @@ def summarize_rank(rf: RankFile) -> RankSummary:
         problem=problem,
         record_ring=_ring_stats(t.attrs.get("record_ring")),
         stopped=str(t.attrs["stopped"]) if t.attrs.get("stopped") else None,
+        uncaught=str(t.attrs["uncaught"]) if t.attrs.get("uncaught") else None,
     )
 
 

@@ -120,6 +120,9 @@ def _rank_problems(s: dict[str, Any]) -> list[str]:
             lines.append(style(_ended_early(r), fg="yellow"))
         if r["last_error"]:
             lines.append(f"  rank {r['rank']} raised: {escape(r['last_error'])}")
+        if r.get("uncaught") and r["uncaught"] != r["last_error"]:  # (a step's own error is said above)
+            lines.append(style(f"  rank {r['rank']}: its program ended on an uncaught {escape(r['uncaught'])} (after its "
+                               f"{int(r.get('steps') or 0)} recorded steps)", fg="red"))
         lines += _record_ring_line(r)
     return lines
 

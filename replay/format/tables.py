@@ -328,6 +328,8 @@ class TablesBuilder:
         if closed is not None:
             attrs["ended_at"] = closed.get("ended_at")
             attrs["end_status"] = str(closed.get("status", "ok"))
+            if isinstance(closed.get("uncaught"), str):
+                attrs["uncaught"] = closed["uncaught"]  # the error the program ended on
             if isinstance(closed.get("ring"), dict):
                 attrs["record_ring"] = closed["ring"]  # issue 15: waits for room, dropped steps
             if attrs["end_status"] == "stopped":

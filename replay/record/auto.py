@@ -39,7 +39,27 @@ def start() -> Session | None:
     _session.install()
     atexit.register(_shutdown_at_exit, _session)
     _close_on_sigterm(_session)
+    _note_uncaught(_session)
     return _session
+
+
+def _note_uncaught(s: Session) -> None:
+    """Keep the error a program ends on (uncaught in its main thread), for the rank's end marker:
+    the rank that failed is then named by ``info``, not only a peer's error about it (a closed
+    connection in its next collective). The program's own hook, or Python's, runs as before."""
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        try:
+            s.uncaught = f"{kind.__name__}: {value}"[:500]
+        except Exception:  # noqa: BLE001 - an exception whose str raises: the kind alone
+            s.uncaught = getattr(kind, "__name__", "an exception")
+        rec = s.recorder
+        if rec is not None:
+            rec.uncaught = s.uncaught  # its own atexit close runs before the session's
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
 
 
 def _shutdown_at_exit(s: Session) -> None:

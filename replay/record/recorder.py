@@ -162,6 +162,7 @@ class Recorder:
 
     def __init__(self, config: RecorderConfig, *, state_fn: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> None:
         self.config = config
+        self.uncaught: str | None = None  # the error the program ended on, for the end marker (replay.record.auto)
         self.state_fn = state_fn
         self._disabled = False
         self._warned = False
@@ -818,8 +819,9 @@ class Recorder:
             self._send(job, rjob)
         return len(items)
 
-    def close(self, status: str = "ok") -> None:
-        """Write the ring and the end marker, stop the writer and seal this rank's file."""
+    def close(self, status: str = "ok", *, uncaught: str | None = None) -> None:
+        """Write the ring and the end marker, stop the writer and seal this rank's file.
+        ``uncaught``: the error the program ended on, kept in the end marker."""
         with self._lock:
             if self._closed:
                 return
@@ -830,6 +832,8 @@ class Recorder:
                     self.end_step(error="the program ended inside this step")
                 self.flush_ring("exit")
                 body: dict[str, Any] = {"ended_at": time.time(), "status": status, "steps": self._step_counter}
+                if uncaught or self.uncaught:
+                    body["uncaught"] = uncaught or self.uncaught
                 if self._rr is not None:
                     body["ring"] = self.ring_stats()
                     if self._rr.full_waits or self._dropped:

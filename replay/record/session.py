@@ -101,6 +101,7 @@ class Session(GraphEvents):
         self.recorder: Recorder | None = None
         self.part: str | None = None
         self.disabled = False
+        self.uncaught: str | None = None  # the error the program ended on (replay.record.auto)
         self._lock = threading.RLock()
         self._local = threading.local()
         self._streams = PartStreams()
@@ -322,7 +323,7 @@ class Session(GraphEvents):
             rec, self.recorder = self.recorder, None
         if rec is not None:
             self._record_tuner(force=True, rec=rec)
-            rec.close(status)
+            rec.close(status, uncaught=self.uncaught)
 
     # -- steps -------------------------------------------------------------------------------
 
