@@ -372,3 +372,45 @@ def test_info_names_the_error_a_rank_s_program_ended_on(tmp_path) -> None:
 
     data = json.loads(_replay("info", tmp_path / "rec", "--json", cwd=tmp_path).stdout)
     assert data["ranks"][0]["uncaught"] == "FloatingPointError: NaN logits on this rank"
+
+
+_READS_A_VARIABLE_IN_FORWARD = """
+    import os, torch, torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(s):
+            super().__init__()
+            s.a = nn.Linear(8, 8); s.b = nn.Linear(8, 8)
+        def forward(s, x):
+            h = torch.tanh(s.a(x))
+            if os.environ.get("DRIFT") == "1":
+                h = h * 1.0001
+            return s.b(h)
+
+    def build(config, *, rank, world_size, device, options):
+        torch.manual_seed(0)
+        return Net()
+
+    if __name__ == "__main__":
+        m = build(None, rank=0, world_size=1, device="cpu", options={})
+        x = torch.ones(1, 8)
+        with torch.no_grad():
+            for _ in range(5):
+                x = m(x)
+"""
+
+
+def test_bisect_layers_says_on_its_first_line_that_a_side_s_re_run_does_not_reproduce_it(tmp_path) -> None:
+    """Run B read DRIFT=1 when recorded; its re-run here does not. The layer verdict is about the
+    re-runs, so the first line says so (it was a last note under the table)."""
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "envdrift", _READS_A_VARIABLE_IN_FORWARD)
+    for name, env in (("a", {}), ("b", {"DRIFT": "1"})):
+        p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(tmp_path / name), "--factory",
+                            "envdrift:build", "--", sys.executable, "envdrift.py"], cwd=tmp_path, env={**_env(), **env},
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+    b = _replay("bisect", "layers", "--between", "run:a,run:b", "--step", "2", "--no-save", cwd=tmp_path)
+    first = b.stdout.splitlines()[0]
+    assert "but run B's re-run does not reproduce rank 0's recorded outputs at this step" in first, b.stdout + b.stderr[-2000:]

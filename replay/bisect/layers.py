@@ -176,7 +176,7 @@ class LayersBisection:
         """The first line: the module that makes the difference first, then the first that differs."""
         head = self._head()
         if self.first is None:
-            return head + self._no_first() + self._weights_tail()
+            return head + self._no_first() + self._weights_tail() + self._unreproduced_tail()
         n_eq = sum(1 for m in self.before_first() if not m.differs)
         first = f"first module that differs: {self.first.name} ({self.first.figures()}); {n_eq} module outputs before it are bitwise equal"
         # Lead with the module that makes the difference: the first one to differ may only pass
@@ -189,7 +189,7 @@ class LayersBisection:
         raised = self._raised()
         if raised is not None:
             line += f"; {raised.side.label} raised {raised.error} in the step"
-        return line + self._weights_tail()
+        return line + self._weights_tail() + self._unreproduced_tail()
 
     def _weights_tail(self) -> str:
         """A side rebuilt with other weights than it ran with (a factory that loads one checkpoint
@@ -200,6 +200,16 @@ class LayersBisection:
         return "; but " + "; ".join(f"{r.side.label}'s rebuilt weights are not the weights it ran with "
                                     f"({_weights_summary(r.weights)})" for r in off) + \
             ": its re-run does not stand for what it ran (check the factory)"
+
+    def _unreproduced_tail(self) -> str:
+        """A side that stands for a recorded rank whose re-run does not give that rank's recorded
+        outputs: the comparison is of re-runs, not of what the ranks ran. Said on the first line
+        (it was a last note under "all module outputs are bitwise equal")."""
+        off = [r for r in self.sides if r.reproduces is False and _stands_for_recording(r)]
+        if not off:
+            return ""
+        return "; but " + "; ".join(f"{r.side.label}'s re-run does not reproduce rank {r.side.rank}'s recorded outputs at this "
+                                    "step" for r in off) + ": these are the re-runs' modules, not what ran (replay step says why)"
 
     def _swapped_maker(self) -> ModuleVerdict | None:
         """From equal inputs (run B's model on run A's data), the module that makes the difference."""
@@ -682,6 +692,11 @@ def _maker(makers: list[ModuleVerdict], ra: SideRun) -> ModuleVerdict | None:
     return next((m for m in inner if m.verdict == str(Verdict.DIFFERENT)), makers[0] if makers else None)
 
 
+def _stands_for_recording(r: SideRun) -> bool:
+    """A side re-run as recorded (a rank, a run), not one given other settings on purpose."""
+    return r.side.label not in ("rerun", "eager", "cudagraph") and r.side.model_from is None
+
+
 def _side_notes(r: SideRun, step: int) -> list[str]:
     """What the re-run of one side says about itself: reproduced or not, departed, taps."""
     label = r.side.label
@@ -689,7 +704,7 @@ def _side_notes(r: SideRun, step: int) -> list[str]:
     if r.reproduces is None:
         notes.append(f"{label}: step {step} has no recorded output to compare this re-run with")
     elif not r.reproduces:
-        expected = label in ("rerun", "eager", "cudagraph") or r.side.model_from is not None
+        expected = not _stands_for_recording(r)
         notes.append(f"{label}: the re-run of step {step} does not reproduce rank {r.side.rank}'s recorded outputs"
                      + (" (as expected: it runs with other settings than recorded)" if expected else ""))
     if r.departed:
