@@ -104,11 +104,19 @@ def _from_step_zero(spec: RelaunchSpec, first: StepRerun, launch: dict[str, Any]
     ``bisect steps --against-rerun`` does: the two then agree."""
     announce(f"the keyframe at step {first.keyframe} departed at its own step: re-running from step 0")
     again = relaunch_step(replace(spec, keyframe_at=0), launch, world=world, announce=announce)
-    again.notes.append(f"from the keyframe at step {first.keyframe} the re-run departed at that step itself, so the step "
-                       "was re-run from step 0, the program's own state running on through the steps before it: the "
-                       "keyframe does not hold all the state the step reads (name the rest with replay record --state, "
-                       "unless it lies outside the step's object: a module global)")
+    note = (f"from the keyframe at step {first.keyframe} the re-run departed at that step itself, so the step was re-run "
+            "from step 0, the program's own state running on through the steps before it")
+    if _departed_by(again, first.keyframe):
+        # From step 0 too: the keyframe is not what made it depart.
+        again.notes.append(note + f"; it departs from step 0 as well, by step {first.keyframe}")
+    else:
+        again.notes.append(note + ": the keyframe does not hold all the state the step reads (name the rest with replay "
+                           "record --state, unless it lies outside the step's object: a module global)")
     return again
+
+
+def _departed_by(result: StepRerun, step: int) -> bool:
+    return any(m.departed is not None and m.departed.step <= step for m in result.modes.values())
 
 
 def not_compared(rf: RankFile, step: int) -> list[str]:
