@@ -85,13 +85,14 @@ def main() -> int:
             import replay.record.recorder as recorder_mod
             from replay.record.ring import ShmRing
             from replay.record.side_plan import SidePlans
+            from replay.record.job_meta import MetaText
 
             for owner, name in ((Staging, "_enter_side"), (Staging, "_stage_tail"), (Staging, "_stage"), (Staging, "leave_side"),
                                 (Staging, "_place_area"), (Staging, "entries"), (Staging, "snapshot"), (SidePlans, "run"),
                                 (ShmRing, "alloc"), (ShmRing, "write_job_header"), (Recorder, "_logits"), (Recorder, "_submit"),
                                 (recorder_mod, "job_meta"), (Recorder, "_stage_collectives"), (Staging, "_host_for"),
                                 (Staging, "_copy_cpu"), (Staging, "_pack_into_area"), (Recorder, "_submit_step"),
-                                (Recorder, "_stage_device")):
+                                (Recorder, "_stage_device"), (MetaText, "encode"), (MetaText, "_template")):
                 timed(owner, name, f"{getattr(owner, '__name__', owner)}.{name}")
         if args.torch_ops:
             # Every call of these, the program's own included (its count a step says which).
