@@ -324,7 +324,7 @@ def test_json_output(tmp_path, run_cli):
     assert out["first_token_divergence"] is None
     assert [s["differing_steps"] for s in out["streams"]] == [0, 2]
     assert [c["category"] for c in out["other_differences"]] == [
-        "weights", "buffers", "config", "numerics", "tuner choices", "graph kernels", "versions", "environment"]
+        "weights", "config", "numerics", "buffers", "tuner choices", "graph kernels", "versions", "environment"]
 
 
 @pytest.mark.parametrize(

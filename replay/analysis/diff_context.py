@@ -456,13 +456,17 @@ def context_differences(
     pairs: list[tuple[RankMeta, RankMeta]], manifest_a: Mapping[str, Any], manifest_b: Mapping[str, Any], *, same_layout: bool,
     numerics_per_step: dict[str, Any] | None = None,
 ) -> list[ContextDiff]:
-    """Every category, most likely cause first. ``pairs`` are the rank files compared."""
+    """Every category, most likely cause first. ``pairs`` are the rank files compared.
+
+    Settings (config, numerics) come before buffers: a buffer is often state the run computed
+    before its first recorded step (a cache the prefill filled), which a setting that differs
+    explains, not the other way round."""
     a0, b0 = pairs[0]
     return [
         _weights(pairs, same_layout),
-        _buffers(pairs, same_layout),
         _config(a0, b0),
         _numerics(a0, b0, numerics_per_step),
+        _buffers(pairs, same_layout),
         _tuner(pairs),
         _kernels(pairs),
         _versions(a0, b0, manifest_a, manifest_b),

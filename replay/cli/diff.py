@@ -124,7 +124,7 @@ def render_diff(r: RunDiff) -> str:
     """One part against another: the verdict on the first line, then the evidence."""
     colour = {"the same": "green", "the same within tolerance": "yellow"}.get(str(r.verdict), "red")
     lines = [style(_e(r.headline), fg=colour, bold=True), f"A  {_e(r.a)}", f"B  {_e(r.b)}",
-             f"compared {r.tolerance}; {len(r.streams)} stream{'s' if len(r.streams) != 1 else ''}"]
+             f"compared {r.tolerance}; {_pairs(len(r.streams))}"]
     lines += [f"  {_e(n)}" for n in r.notes]
     lines += _stream_lines(r)
     lines += _unsharded_lines(r)
@@ -136,15 +136,20 @@ def render_diff(r: RunDiff) -> str:
     return "\n".join(lines)
 
 
+def _pairs(n: int) -> str:
+    # A pair of ranks (rank r of A, rank r of B); "streams" in info are a rank's draft and target.
+    return f"{n} rank pair{'s' if n != 1 else ''}"
+
+
 def _stream_lines(r: RunDiff) -> list[str]:
     """The streams table (those that differ first), the first difference's figures, the fields
     that differ per stream, and each stream's other findings."""
     shown = sorted(r.streams, key=lambda s: (s.verdict.exit_code == 0, s.rank_a))[:_MAX_STREAM_ROWS]
     rows = [[s.name, str(s.verdict), _where(s.first), _where(s.first_token) + (_margins(s.first_token) if s.first_token else ""),
              f"{s.differing_steps} of {s.facts.common.size}"] for s in sorted(shown, key=lambda s: s.rank_a)]
-    lines = [table(["stream", "verdict", "first difference", "first token divergence", "steps differ"], rows)]
+    lines = [table(["ranks", "verdict", "first difference", "first token divergence", "steps differ"], rows)]
     if len(r.streams) > len(shown):
-        lines.append(f"  ... {len(r.streams) - len(shown)} more streams, all the same (--json lists them)")
+        lines.append(f"  ... {_pairs(len(r.streams) - len(shown))} more, all the same (--json lists them)")
     if r.first is not None:
         s, f = r.first
         detail = _comparison_line(f, bitwise=r.tolerance == "bitwise")

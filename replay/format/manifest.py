@@ -177,6 +177,7 @@ def claim_recording(out: Path, node: int | None, *, add: bool = False) -> str | 
     """
     name = manifest_name(node)
     if not add:
+        _clear_if_nothing_recorded(out)
         existing = sorted(p.name for p in out.glob("manifest*.json"))
         parts = sorted(p.name for p in out.iterdir() if p.is_dir() and any(p.glob("rank-*.*")))
         if name in existing:
@@ -192,6 +193,31 @@ def claim_recording(out: Path, node: int | None, *, add: bool = False) -> str | 
     if not create_exclusive(out / name, json.dumps(body, indent=2, sort_keys=True)):
         return f"{out} already holds a recording ({name}, written just now by another command)"
     return None
+
+
+# What a finished command that recorded nothing leaves: its manifest (and signature), the
+# launcher's session reports and the copy of its stdin.
+_EMPTY_RECORDING_FILES = ("manifest.json", "manifest.json.sig", STDIN_COPY)
+
+
+def _clear_if_nothing_recorded(out: Path) -> bool:
+    """Remove a finished recording that holds nothing (no part, no rank file): the summary of
+    such a run tells the user to record again with --step, and the same --out must then be
+    usable. Anything else in the directory, or a manifest that is not a finished single-node
+    one with no parts, keeps it as it is."""
+    try:
+        names = {p.name for p in out.iterdir()}
+        if "manifest.json" not in names or any(not (n in _EMPTY_RECORDING_FILES or (n.startswith("session-") and n.endswith(".json")))
+                                               for n in names):
+            return False
+        body = read_manifests(out)[0]
+    except (OSError, ValueError, IndexError):
+        return False
+    if body.get("kind") != RECORDING_KIND or body.get("status") != "complete" or body.get("parts") or body.get("still_live"):
+        return False
+    for n in names:
+        (out / n).unlink(missing_ok=True)
+    return True
 
 
 def read_manifests(recording: Path) -> list[dict[str, Any]]:

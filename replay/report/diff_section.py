@@ -76,9 +76,9 @@ def _streams(streams: list[dict[str, Any]]) -> list[str]:
     shown = sorted(streams, key=lambda s: (s["verdict"] in ("the same", "the same within tolerance"), s["rank_a"]))[:_MAX_ROWS]
     rows = [[_e(s["stream"]), _pill(s["verdict"]), _where(s.get("first_difference")), _where(s.get("first_token_divergence")),
              f"{_e(s['differing_steps'])} of {_e(s['common_steps'])}", _e("; ".join(s.get("reasons") or []))] for s in shown]
-    out = [_table(["stream", "verdict", "first difference", "first token divergence", "steps differ", "also"], rows)]
+    out = [_table(["ranks", "verdict", "first difference", "first token divergence", "steps differ", "also"], rows)]
     if len(streams) > _MAX_ROWS:
-        out.append(f'<p class="none">{len(streams) - _MAX_ROWS} more streams (all the same) are in <code>replay diff --json</code>.</p>')
+        out.append(f'<p class="none">{len(streams) - _MAX_ROWS} more rank pairs (all the same) are in <code>replay diff --json</code>.</p>')
     return out
 
 

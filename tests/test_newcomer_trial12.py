@@ -1,0 +1,93 @@
+"""Found in the twenty-first session (issue 15's newcomer trials: engines nobody adapted), each a
+test that failed before its fix. Nothing in the scripts was adapted to replay."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_newcomer_scripts import _record, _replay, _script
+
+pytestmark = pytest.mark.e2e
+
+
+# A decode loop over a plain function: with no flags nothing is found, and the summary says to
+# name the step with --step.
+_PLAIN_FUNCTION_STEP = """
+    import torch
+
+    def decode(w, x):
+        return (x @ w).tanh()
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    x = torch.randn(1, 8)
+    for _ in range(4):
+        x = decode(w, x)
+    print("done", float(x.sum()))
+"""
+
+
+def test_recording_again_with_step_reuses_an_out_that_recorded_nothing(tmp_path) -> None:
+    """``record --out rec`` of a loop with no module says "nothing was recorded ... name the step
+    with --step"; doing so with the same --out was refused ("already holds a recording"). A
+    recording that holds nothing is replaced; one that holds steps is still refused."""
+    _script(tmp_path, "loop", _PLAIN_FUNCTION_STEP)
+    out = tmp_path / "rec"
+    first = _replay("record", "--out", out, "--", "python3", "loop.py", cwd=tmp_path)
+    assert "--step" in first.stderr, first.stderr[-2000:]
+    again = _replay("record", "--quiet", "--out", out, "--step", "loop:decode", "--", "python3", "loop.py", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    info = _replay("info", out, cwd=tmp_path)
+    assert info.returncode == 0 and "4" in info.stdout, info.stdout + info.stderr
+    # A recording with steps in it is never replaced.
+    third = _replay("record", "--quiet", "--out", out, "--step", "loop:decode", "--", "python3", "loop.py", cwd=tmp_path)
+    assert third.returncode != 0 and "already holds a recording" in third.stderr
+    assert _replay("info", out, cwd=tmp_path).returncode == 0
+
+
+# A model whose cache (a buffer) the prefill fills under the program's autocast setting: the
+# two runs differ in that setting, and therefore in the buffer as the first recorded step saw it.
+_AUTOCAST_PREFILL = """
+    import os
+    import torch, torch.nn as nn
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.proj = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 32)
+            self.register_buffer("mem", torch.zeros(1, 16))
+        def forward(self, ids):
+            h = self.proj(self.emb(ids)).float()
+            self.mem.copy_(0.5 * self.mem + 0.5 * h[:, -1])
+            return self.head(h + self.mem[:, None])
+
+    torch.manual_seed(0)
+    model = LM().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=os.environ.get("AUTOCAST") == "1"):
+        for _ in range(4):
+            ids = model(ids)[:, -1:].argmax(-1)
+"""
+
+
+def test_diff_lists_a_setting_that_differs_before_the_buffer_it_changed(tmp_path) -> None:
+    """Two runs, one under autocast: the cache the prefill filled differs at the first recorded
+    step because of it. "most likely cause first" listed the buffer above the autocast flag."""
+    _script(tmp_path, "lm", _AUTOCAST_PREFILL)
+    outs = []
+    for flag in ("0", "1"):
+        out = tmp_path / f"rec-{flag}"
+        env_cmd = ["env", f"AUTOCAST={flag}", "python3", "lm.py"]
+        p = _replay("record", "--quiet", "--out", out, "--", *env_cmd, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append(out)
+    d = _replay("diff", *outs, cwd=tmp_path)
+    lines = d.stdout.splitlines()
+    tail = lines[next(i for i, line in enumerate(lines) if "most likely cause first" in line) + 1:]
+    numerics = next(i for i, line in enumerate(tail) if line.split()[:1] == ["numerics"])
+    buffers = next(i for i, line in enumerate(tail) if line.split()[:1] == ["buffers"])
+    assert "autocast" in tail[numerics], d.stdout
+    assert "differ" in tail[buffers] and "mem" in tail[buffers], d.stdout
+    assert numerics < buffers, d.stdout
