@@ -91,3 +91,54 @@ def test_diff_lists_a_setting_that_differs_before_the_buffer_it_changed(tmp_path
     assert "autocast" in tail[numerics], d.stdout
     assert "differ" in tail[buffers] and "mem" in tail[buffers], d.stdout
     assert numerics < buffers, d.stdout
+
+
+# A speculative step over two models passed as arguments: the draft (the step's object) and a
+# frozen target, recorded by class name only; and a cache object the loop fills, which is not
+# frozen. ``CHANGE=1`` makes the loop move the target's own step counter too.
+_TWO_MODELS_AND_A_CACHE = """
+    import os
+    import torch, torch.nn as nn
+
+    class LM(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.emb = nn.Embedding(32, dim)
+            self.head = nn.Linear(dim, 32)
+            self.calls = 0
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    class Cache:
+        def __init__(self):
+            self.tokens = []
+
+    def spec_step(draft, target, cache, ids):
+        guess = draft(ids).argmax(-1)
+        if os.environ.get("CHANGE") == "1":
+            target.calls += 1
+        out = target(guess).argmax(-1)
+        cache.tokens.append(out)
+        return out
+
+    torch.manual_seed(0)
+    draft, target, cache = LM(8).eval(), LM(16).eval(), Cache()
+    ids = torch.tensor([[1]])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = spec_step(draft, target, cache, ids)
+"""
+
+
+@pytest.mark.parametrize("change", ["0", "1"])
+def test_record_warns_only_of_objects_the_program_changed(tmp_path, change) -> None:
+    """``record`` warned that what the program changes in a frozen target model between steps
+    is not reproduced (alarming, and untrue of it); it warns of the cache the loop fills, and of
+    the target only when the loop changes it."""
+    _script(tmp_path, "spec", _TWO_MODELS_AND_A_CACHE)
+    p = _replay("record", "--out", tmp_path / "rec", "--step", "spec:spec_step", "--",
+                "env", f"CHANGE={change}", "python3", "spec.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    warning = next((line for line in p.stderr.splitlines() if "recorded by class name only" in line), "")
+    assert "cache (a Cache)" in warning, p.stderr
+    assert ("target (" in warning) == (change == "1"), p.stderr

@@ -15,7 +15,7 @@ from replay.core.state import module_state  # noqa: F401
 from replay.core.structure import (POSITIONAL_ARG, STRUCTURE_ARG, flatten_object, flatten_tensors,  # noqa: F401 - shared with rerun
                                    positional_names, rebuild_inputs, unrecordable)
 
-__all__ = ["to_json_safe", "config_settings", "module_state", "split_arguments", "flatten_tensors", "flatten_object", "unrecordable", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
+__all__ = ["argument_pairs", "to_json_safe", "config_settings", "module_state", "split_arguments", "flatten_tensors", "flatten_object", "unrecordable", "rebuild_inputs", "STRUCTURE_ARG", "name_outputs", "Binder", "access", "attribute_holding", "call_key", "weakrefable", "capturing", "cuda_capturing", "tracing"]
 
 _SCALARS = (int, float, bool, str, type(None))
 
@@ -220,7 +220,7 @@ class Binder:
         return inspect.BoundArguments(self.signature, arguments)  # type: ignore[arg-type]
 
 
-def _argument_pairs(bound: inspect.BoundArguments, skip_first: bool) -> list[tuple[str, Any]]:
+def argument_pairs(bound: inspect.BoundArguments, skip_first: bool) -> list[tuple[str, Any]]:
     """(name, value) of every argument, ``*args`` as ``name.i`` and ``**kwargs`` by key."""
     items = list(bound.arguments.items())
     if skip_first and items:
@@ -270,7 +270,7 @@ def split_arguments(
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     structures: dict[str, Any] = {}
-    for n, v in _argument_pairs(bound, skip_first):
+    for n, v in argument_pairs(bound, skip_first):
         if isinstance(v, torch.Tensor):
             why = unrecordable(v)
             if why is None:

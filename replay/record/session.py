@@ -30,6 +30,7 @@ from replay.core.state import held_module, held_module_state
 from replay.record.config import RecordConfig, RecorderConfig
 from replay.record.calls import (
     Binder,
+    argument_pairs,
     NotJSON,
     access,
     attribute_holding,
@@ -44,6 +45,7 @@ from replay.record.calls import (
     weakrefable,
     without_parameters,
 )
+from replay.record.held_objects import Fingerprint
 from replay.record.hooks import patch_callable, when_class_defined, when_imported
 from replay.core.sources import source_digests, step_source_file
 from replay.record.launch import launch_info, main_names, module_name
@@ -90,6 +92,9 @@ def normalize_step(target: str) -> str:
     return f"{module_name(mod)}{sep}{qual}" if sep else target
 
 
+_MISSING = object()
+
+
 class Session(GraphEvents):
     """The recording state of one process (a singleton per process; see ``bootstrap``)."""
 
@@ -131,6 +136,7 @@ class Session(GraphEvents):
         self._warned: set[str] = set()
         self._nested_said: dict[str, list[str]] = {}  # step -> returned containers of tensors, not recorded
         self._unrecorded_said: dict[str, list[str]] = {}  # step -> arguments recorded by class name only
+        self._unrecorded_prints: dict[str, list[Fingerprint | None]] = {}  # their states at the step's first call
         # id(model) -> its calls that ran before its step was chosen (discovery chose it at one
         # of them): the recording's step 0 is the program's call after those.
         self.calls_before_recording: dict[int, int] = {}
@@ -902,7 +908,7 @@ class Session(GraphEvents):
             if len(self._streams.streams) > 1 and stream is not None:
                 scalars[numerics.STREAM_ARG] = stream.name
             early.rec.record_args(**scalars)
-            self._note_unrecorded(spec.step, scalars)
+            self._note_unrecorded(spec.step, scalars, bound, is_method)
 
         return self._call_and_record(spec, fn, args, kwargs, early.rec, early.obj, after_call, written=lambda: arg_tensors)
 
@@ -932,15 +938,40 @@ class Session(GraphEvents):
         if len(self._streams.streams) > 1 and stream is not None:
             scalars[numerics.STREAM_ARG] = stream.name
         rec.record_args(**scalars)
-        self._note_unrecorded(spec.step, scalars)
+        self._note_unrecorded(spec.step, scalars, bound, is_method)
         return rec, obj, written_arguments(tensors, scalars)
 
-    def _note_unrecorded(self, step: str, scalars: dict[str, Any]) -> None:
+    def _note_unrecorded(self, step: str, scalars: dict[str, Any], bound: inspect.BoundArguments, is_method: bool) -> None:
         """Once per step: its arguments recorded by class name only (a cache object with methods,
-        HF's DynamicCache), which a re-run cannot set back, for ``replay record``'s summary."""
-        if step not in self._unrecorded_said:
-            self._unrecorded_said[step] = [f"{k} ({a_or_an(v['unrecorded'])})" for k, v in scalars.items()
-                                           if isinstance(v, dict) and isinstance(v.get("unrecorded"), str)]
+        HF's DynamicCache), which a re-run cannot set back, for ``replay record``'s summary; with
+        each, a fingerprint of its state now, so that the summary leaves out one the program did
+        not change (a frozen model beside the step's own)."""
+        prints = self._unrecorded_prints.get(step)
+        if prints:
+            # A later call: the same objects, or the summary must warn of them.
+            values = dict(argument_pairs(bound, is_method))
+            for fp in prints:
+                if fp is not None and not fp.changed and values.get(fp.name, _MISSING) is not fp.obj:
+                    fp.changed = True
+        if step in self._unrecorded_said:
+            return
+        names = [k for k, v in scalars.items() if isinstance(v, dict) and isinstance(v.get("unrecorded"), str)]
+        self._unrecorded_said[step] = [f"{k} ({a_or_an(scalars[k]['unrecorded'])})" for k in names]
+        values = dict(argument_pairs(bound, is_method)) if names else {}
+        # A tensor whose values cannot be recorded is always said: its values are data, not an object's state.
+        self._unrecorded_prints[step] = [Fingerprint(k, values[k]) if k in values and not isinstance(values[k], torch.Tensor) else None
+                                         for k in names]
+
+    def _unrecorded_changed(self) -> dict[str, list[str]]:
+        """The arguments recorded by class name only that changed while recorded (or whose
+        change cannot be told)."""
+        out = {}
+        for step, items in self._unrecorded_said.items():
+            prints = self._unrecorded_prints.get(step) or [None] * len(items)
+            changed = [item for item, fp in zip(items, prints) if fp is None or not fp.same_now()]
+            if changed:
+                out[step] = changed
+        return out
 
     def _numerics_digest(self, rec: Recorder) -> str:
         """The digest of the numerics context now; a context not seen in this part is written
@@ -1048,7 +1079,7 @@ class Session(GraphEvents):
             "chosen": list(self._chosen),
             "seen": dict(self._watcher.seen) if self._watcher is not None else {},
             "nested_outputs": {k: v for k, v in self._nested_said.items() if v},
-            "unrecorded_arguments": {k: v for k, v in self._unrecorded_said.items() if v},
+            "unrecorded_arguments": self._unrecorded_changed(),
         }
 
     def shutdown(self) -> None:
