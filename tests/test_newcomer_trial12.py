@@ -142,3 +142,49 @@ def test_record_warns_only_of_objects_the_program_changed(tmp_path, change) -> N
     warning = next((line for line in p.stderr.splitlines() if "recorded by class name only" in line), "")
     assert "cache (a Cache)" in warning, p.stderr
     assert ("target (" in warning) == (change == "1"), p.stderr
+
+
+# A model quantised with torch.ao's dynamic quantisation: its Linear weights are neither
+# parameters nor buffers (packed in a script object). ``BUMP=1`` changes one weight before.
+_DYNAMIC_INT8 = """
+    import os, warnings
+    import torch, torch.nn as nn
+    warnings.simplefilter("ignore")
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.l1 = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 32)
+        def forward(self, ids):
+            return self.head(torch.relu(self.l1(self.emb(ids))))
+
+    torch.manual_seed(0)
+    model = LM().eval()
+    if os.environ.get("BUMP") == "1":
+        with torch.no_grad():
+            model.l1.weight[3, 5] += 0.5
+    model = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    ids = torch.tensor([[1]])
+    with torch.no_grad():
+        for _ in range(5):
+            ids = model(ids).argmax(-1)
+"""
+
+
+def test_diff_compares_the_packed_weights_of_a_dynamically_quantised_model(tmp_path) -> None:
+    """``diff`` said "weights the same" for two int8 models whose l1 weights differ (only the
+    embedding, the one parameter left, was digested)."""
+    import json
+
+    _script(tmp_path, "q", _DYNAMIC_INT8)
+    outs = []
+    for bump in ("0", "1"):
+        out = tmp_path / f"rec-{bump}"
+        p = _replay("record", "--quiet", "--out", out, "--", "env", f"BUMP={bump}", "python3", "q.py", cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append(out)
+    d = _replay("diff", *outs, "--json", cwd=tmp_path)
+    weights = next(c for c in json.loads(d.stdout)["other_differences"] if c["category"] == "weights")
+    assert [i["name"] for i in weights["items"]] == ["l1.weight"], weights

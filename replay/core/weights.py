@@ -17,6 +17,7 @@ Nothing is inferred from shapes: a plain tensor nobody declared has no ``"layout
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,13 +34,53 @@ def weight_digests(module: torch.nn.Module, declared: Mapping[str, int] | None =
         names.append(name)
         tensors.append(local_tensor(p.detach()))
         layouts.append(param_layout(name, p, declared))
-    digests = digest_many(tensors)
+    packed = _packed_weights(module)
+    digests = digest_many(tensors + [b for _, b, _, _ in packed])
     out: dict[str, dict[str, Any]] = {}
-    for n, t, d, lay in zip(names, tensors, digests, layouts, strict=True):
+    for n, t, d, lay in zip(names, tensors, digests, layouts, strict=False):
         out[n] = {"digest": format_digest(d), "shape": list(t.shape), "dtype": str(t.dtype)}
         if lay is not None:
             out[n]["layout"] = lay
+    for (n, _, shape, dtype), d in zip(packed, digests[len(tensors):], strict=True):
+        out.setdefault(n, {"digest": format_digest(d), "shape": shape, "dtype": dtype})
     return out
+
+
+def _packed_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, list[int], str]]:
+    """Weights that are neither parameters nor buffers: a quantised module's packed ones
+    (``torch.ao`` dynamic or static quantised Linear and Conv hold them in a ``_packed_params``
+    script object, read back by their ``weight()`` and ``bias()`` methods). Each as (name, its
+    bytes with the quantisation's scales and zero points, shape, dtype)."""
+    out = []
+    for prefix, m in module.named_modules(remove_duplicate=True):
+        if not hasattr(m, "_packed_params") or not callable(getattr(m, "weight", None)):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.ao's deprecation notes are not the program's to see
+                parts = [("weight", m.weight())]
+                if callable(getattr(m, "bias", None)):
+                    parts.append(("bias", m.bias()))
+        except Exception:  # noqa: BLE001 - a module that cannot unpack: nothing to digest
+            continue
+        for leaf, t in parts:
+            if isinstance(t, torch.Tensor):
+                out.append((f"{prefix}.{leaf}" if prefix else leaf, _quantised_bytes(t.detach()), list(t.shape), str(t.dtype)))
+    return out
+
+
+def _quantised_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as bytes; a quantised one's integers, then its scales and zero points."""
+    if not t.is_quantized:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+    if t.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams):
+        scales = t.q_per_channel_scales().to(torch.float64)
+        zeros = t.q_per_channel_zero_points().to(torch.float64)
+    else:
+        scales = torch.tensor([t.q_scale()], dtype=torch.float64)
+        zeros = torch.tensor([float(t.q_zero_point())], dtype=torch.float64)
+    ints = t.int_repr().contiguous().reshape(-1).view(torch.uint8)
+    return torch.cat([ints.cpu(), scales.cpu().view(torch.uint8), zeros.cpu().view(torch.uint8)])
 
 
 def buffer_digests(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
