@@ -188,3 +188,71 @@ def test_diff_compares_the_packed_weights_of_a_dynamically_quantised_model(tmp_p
     d = _replay("diff", *outs, "--json", cwd=tmp_path)
     weights = next(c for c in json.loads(d.stdout)["other_differences"] if c["category"] == "weights")
     assert [i["name"] for i in weights["items"]] == ["l1.weight"], weights
+
+
+# A replicated two-rank engine (a plain class, a factory, toggles): only rank 1 is given
+# ``fast_from=3``, which switches a GELU to its tanh form from its fourth step on.
+_RANK_SETTING = """
+    import socket
+    import torch, torch.nn as nn, torch.nn.functional as F
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class Model(nn.Module):
+        def __init__(s):
+            super().__init__()
+            s.emb = nn.Embedding(40, 16); s.up = nn.Linear(16, 32); s.down = nn.Linear(32, 16); s.head = nn.Linear(16, 40)
+            s.approx = "none"
+        def forward(s, tok):
+            x = s.emb(tok)
+            return s.head(x + s.down(F.gelu(s.up(x), approximate=s.approx)))[:, -1]
+
+    class Engine:
+        def __init__(s, fast_from=None):
+            torch.manual_seed(0)
+            s.model = Model().eval(); s.fast_from = fast_from; s.n = 0
+        def config(s):
+            return {"fast_from": s.fast_from}
+        def replay_toggles(s):
+            return {"fast_from": [None, 3]}
+        @torch.no_grad()
+        def step(s, tok):
+            s.model.approx = "tanh" if s.fast_from is not None and s.n >= s.fast_from else "none"
+            s.n += 1
+            return s.model(tok)
+
+    def build(config, *, rank, world_size, device, options):
+        cfg = dict(config); cfg.update({k: v for k, v in options.items() if k in cfg})
+        return Engine(cfg["fast_from"])
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        eng = Engine(fast_from=3 if rank == 1 else None)
+        tok = torch.tensor([[1]])
+        for _ in range(6):
+            nxt = eng.step(tok).argmax(-1, keepdim=True)
+            both = [torch.empty_like(nxt) for _ in range(2)]
+            dist.all_gather(both, nxt)
+            tok = both[0]
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(worker, args=(port,), nprocs=2)
+"""
+
+
+def test_bisect_config_builds_each_rank_from_its_own_recorded_config(tmp_path) -> None:
+    """``bisect config`` between ranks said "re-run with the recorded settings it already matches
+    rank 0: nothing to bisect" for a rank whose own recorded config holds the setting that made
+    it differ: it built rank 1 from rank 0's recorded config. It names the setting."""
+    _script(tmp_path, "eng", _RANK_SETTING)
+    out = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", out, "--step", "eng:Engine.step", "--config", "config",
+                "--factory", "eng:build", "--", "python3", "eng.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    b = _replay("bisect", "config", out, "--no-save", cwd=tmp_path)
+    assert "nothing to bisect" not in b.stdout, b.stdout + b.stderr[-2000:]
+    assert "fast_from=null" in b.stdout.splitlines()[0], b.stdout + b.stderr[-2000:]

@@ -437,6 +437,11 @@ class Replayer:
         # Which model of the part (stream) is rebuilt: the one named, or the one holding ``step``.
         self.stream = check_stream(self.rf, step, stream) if step is not None else stream
         self.spec = spec or TargetSpec.from_rank_file(self.rf, self.stream)
+        if spec is None and as_rank is not None and as_rank != rank:
+            # Built as that rank: with its own recorded config (a setting only it was given),
+            # compile arguments and weights; fed this rank's data.
+            own = TargetSpec.from_rank_file(part[as_rank], self.stream)
+            self.spec.config, self.spec.compile, self.spec.weights = own.config, own.compile, own.weights
         self.make_target = make_target  # instead of the factory: a re-launched program's own objects
         self.mode = mode
         self.device = device
