@@ -256,3 +256,110 @@ def test_bisect_config_builds_each_rank_from_its_own_recorded_config(tmp_path) -
     b = _replay("bisect", "config", out, "--no-save", cwd=tmp_path)
     assert "nothing to bisect" not in b.stdout, b.stdout + b.stderr[-2000:]
     assert "fast_from=null" in b.stdout.splitlines()[0], b.stdout + b.stderr[-2000:]
+
+
+# Two models of one architecture with other weights (an A/B check of two fine-tunes), each
+# decoding in turn; with ``THREADS=1`` each in a worker thread of its own, at the same time (a
+# barrier in the forward makes their steps overlap).
+_TWO_OF_A_KIND = """
+    import os, threading
+    import torch, torch.nn as nn
+
+    THREADS = os.environ.get("THREADS") == "1"
+    barrier = threading.Barrier(2, timeout=10)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.mix = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 32)
+            self.register_buffer("mem", torch.zeros(1, 16))
+            self.calls = 0
+        def forward(self, ids):
+            self.calls += 1
+            if THREADS and self.calls == 3:
+                barrier.wait()  # both threads inside a step at once
+            h = torch.tanh(self.mix(self.emb(ids)[:, -1]) + self.mem)
+            self.mem.copy_(h)
+            return self.head(h)
+
+    torch.set_num_threads(1)
+    models = {}
+    for name, seed in (("base", 0), ("tuned", 1)):
+        torch.manual_seed(seed)
+        models[name] = LM().eval()
+    out = {}
+
+    def decode(name, first):
+        ids = torch.tensor([[first]])
+        toks = []
+        with torch.no_grad():
+            for _ in range(6):
+                ids = models[name](ids).argmax(-1, keepdim=True)
+                toks.append(int(ids))
+        out[name] = toks
+
+    if THREADS:
+        ths = [threading.Thread(target=decode, args=(n, f), name=n) for n, f in (("base", 1), ("tuned", 2))]
+        for t in ths: t.start()
+        for t in ths: t.join()
+    else:
+        decode("base", 1)
+        decode("tuned", 2)
+    print(sorted(out.items()))
+"""
+
+
+def test_a_second_model_of_the_same_architecture_is_re_run_on_its_own_weights(tmp_path) -> None:
+    """Two instances of one class, one after the other: the second's steps were re-run on the
+    first instance (the re-launch took the first whose parameter names and shapes matched), and
+    came back "not reproduced ... the step ran with other weights than the re-run's"."""
+    import json
+
+    _script(tmp_path, "ab", _TWO_OF_A_KIND)
+    out, _ = _record(tmp_path, "ab")
+    info = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    streams = {s["stream"]: s for s in info["streams"]}
+    assert len(streams) == 2, info["streams"]
+    second = max(streams.values(), key=lambda s: s["first_step"])
+    s = _replay("step", out, "--step", second["last_step"], "--no-save", cwd=tmp_path)
+    assert s.returncode == 0 and s.stdout.startswith("reproduced:"), s.stdout + s.stderr[-2000:]
+
+
+def test_steps_of_two_threads_at_once_are_recorded_one_thread_at_a_time(tmp_path) -> None:
+    """Two worker threads, each decoding with its own model, their steps overlapping: the
+    recorder ended one thread's open step when the other's began ("rank 0 raised: step did not
+    end before the next began", which the program never did), or stopped itself on its record
+    ring ("job 3 found where job 1 was due"). It records one thread's steps, says so, and the
+    recorded steps re-run."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "th", _TWO_OF_A_KIND)
+    env = {**_env(), "THREADS": "1"}
+    plain = subprocess.run([sys.executable, "th.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = tmp_path / "rec"
+    p = subprocess.run([sys.executable, "-m", "replay", "record", "--out", str(out), "--", sys.executable, "th.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout == plain.stdout, p.stdout + p.stderr[-2000:]
+    assert "recording stopped" not in p.stderr, p.stderr[-2000:]
+    info = _replay("info", out, cwd=tmp_path)
+    assert "steps ran in two threads at once" in info.stdout, info.stdout
+    data = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    rank = data["ranks"][0]
+    assert rank["raised_steps"] == 0 and rank["last_error"] is None and rank["steps"] >= 4, rank
+    s = _replay("step", out, "--step", rank["steps"] - 1, "--no-save", cwd=tmp_path)
+    assert s.returncode == 0 and s.stdout.startswith("reproduced:"), s.stdout + s.stderr[-2000:]
+
+
+def test_a_step_of_a_dynamically_quantised_model_re_runs(tmp_path) -> None:
+    """The packed weights digested with the parameters are found on the re-launched program's
+    model too: its step is taken and re-runs bit for bit."""
+    _script(tmp_path, "q", _DYNAMIC_INT8)
+    out, _ = _record(tmp_path, "q")
+    s = _replay("step", out, "--step", "2", "--no-save", cwd=tmp_path)
+    assert s.returncode == 0 and s.stdout.startswith("reproduced:"), s.stdout + s.stderr[-2000:]

@@ -206,12 +206,18 @@ def _in_stream(d: dict[str, Any], steps: Any, idx: Any, names: list[str]) -> dic
     return {**d, "stream": at[0], "stream_step": at[1]} if at is not None else d
 
 
+# Notes the recorder keeps that say what was not recorded as it ran, shown by ``info``: what
+# ``--check-lockstep`` found, and steps two threads ran at once (one is recorded at a time).
+_SHOWN_EVENTS = ("lockstep:", "steps ran in two threads")
+
+
 def lockstep_events(part: Part, limit: int = 5) -> list[str]:
-    """What ``--check-lockstep`` found while recording (each rank notes it): once each, in order."""
+    """What the recorder noted while recording that ``info`` shows (each rank notes it): once
+    each, in order."""
     seen: list[str] = []
     for rf in part.values():
         for e in rf.tables.events:
-            if e.startswith("lockstep:") and e not in seen:
+            if e.startswith(_SHOWN_EVENTS) and e not in seen:
                 seen.append(e)
     return seen[:limit]
 

@@ -90,7 +90,9 @@ def _stream_lines(s: dict[str, Any]) -> list[str]:
                        if d else "none across ranks")
         rows.append(row)
     head = ["stream", "steps", "first step", "last step"] + (["first divergence"] if compared else [])
-    return [f"streams     {len(streams)} models in one loop, one step sequence each (step numbers count all, in program order)",
+    head_line = (f"streams     {len(streams)} models in one loop, one step sequence each (step numbers count all, in program order)"
+                 if len(streams) > 1 else f"stream      {escape(streams[0]['stream'])}: the only model with recorded steps of those the program ran")
+    return [head_line,
             table(head, rows)]
 
 

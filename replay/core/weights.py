@@ -25,7 +25,7 @@ import torch
 
 from replay.digest import digest_many, format_digest, local_tensor
 
-__all__ = ["buffer_digests", "param_layout", "weight_digests"]
+__all__ = ["buffer_digests", "param_layout", "weight_digests", "weight_shapes"]
 
 
 def weight_digests(module: torch.nn.Module, declared: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
@@ -43,6 +43,14 @@ def weight_digests(module: torch.nn.Module, declared: Mapping[str, int] | None =
             out[n]["layout"] = lay
     for (n, _, shape, dtype), d in zip(packed, digests[len(tensors):], strict=True):
         out.setdefault(n, {"digest": format_digest(d), "shape": shape, "dtype": dtype})
+    return out
+
+
+def weight_shapes(module: torch.nn.Module) -> dict[str, list[int]]:
+    """The names and shapes ``weight_digests`` would give, without digesting anything."""
+    out = {n: list(local_tensor(p).shape) for n, p in module.named_parameters(remove_duplicate=True)}
+    for n, _, shape, _ in _packed_weights(module):
+        out.setdefault(n, shape)
     return out
 
 

@@ -60,6 +60,7 @@ __all__ = ["Recorder"]
 LOGITS_RING_BYTES = 512 << 20
 
 log = get_logger("replay.record")
+_thread_id = threading.get_ident
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -69,10 +70,14 @@ def _failsafe(default: Any = None) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def inner(self: "Recorder", *args: Any, **kwargs: Any) -> Any:
-            if self._disabled:
+            if self._disabled or (self._other_threads and _thread_id() in self._other_threads):
                 return default
             try:
-                return fn(self, *args, **kwargs)
+                # One thread at a time: a program's threads may record (a step in one, a graph
+                # captured or a collective in another), and the record ring's jobs are sealed
+                # in the order they are opened.
+                with self._lock:
+                    return fn(self, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 - the contract is: never raise into the program
                 self._fail(e)
                 return default
@@ -95,6 +100,7 @@ def _host_count(t: torch.Tensor) -> int:
 class _Step:
     index: int
     t0: float
+    thread: int = 0  # the thread that began it: only its records go into the step
     groups: dict[str, list[Entry]] = field(default_factory=dict)
     device: list[torch.Tensor] = field(default_factory=list)  # tensors digested on the device
     collectives: list[dict[str, Any]] = field(default_factory=list)
@@ -170,6 +176,10 @@ class Recorder:
         self._lock = threading.RLock()
         self._step_counter = 0
         self._cur: _Step | None = None
+        # Threads whose steps began while another thread's step was open: one step is recorded
+        # at a time, so from then on nothing of theirs is (their records would land in the other
+        # thread's step, and the record ring's jobs would interleave).
+        self._other_threads: set[int] = set()
         self._graph_counter = 0
         self._collective_counter = 0
         self._keyframe_at: int | None = None  # the step the next keyframe is due at
@@ -389,9 +399,13 @@ class Recorder:
         if not checked and cuda_capturing():
             return -1
         with self._lock:
+            tid = _thread_id()
+            if self._cur is not None and self._cur.thread != tid:
+                self._exclude_thread(tid)
+                return -1
             if self._cur is not None:
                 self._end(error="step did not end before the next began")
-            st = _Step(index=self._step_counter, t0=time.time())
+            st = _Step(index=self._step_counter, t0=time.time(), thread=tid)
             self._step_counter += 1
             due = self._keyframe_due(st.index)
             if self.state_fn is not None and due:
@@ -402,9 +416,38 @@ class Recorder:
             self._cur = st
             return st.index
 
+    def records_this_thread(self) -> bool:
+        """Whether a step this thread begins now can be recorded: False when another thread's
+        step is open (this thread is then left out from here on) or this thread was left out."""
+        if self._disabled:
+            return False
+        tid = _thread_id()
+        with self._lock:
+            if tid in self._other_threads:
+                return False
+            if self._cur is not None and self._cur.thread != tid:
+                self._exclude_thread(tid)
+                return False
+        return True
+
+    def _mine(self) -> _Step | None:
+        """The open step, if this thread began it (another thread's records stay out of it)."""
+        st = self._cur
+        return st if st is not None and st.thread == _thread_id() else None
+
+    def _exclude_thread(self, tid: int) -> None:
+        """A step began in thread ``tid`` while another thread's step was open."""
+        self._other_threads.add(tid)
+        name = next((t.name for t in threading.enumerate() if t.ident == tid), str(tid))
+        message = (f"steps ran in two threads at once: thread {name!r} began a step while another thread's step "
+                   f"{self._cur.index if self._cur is not None else '?'} was open; replay records one step at a time, "
+                   f"so nothing of thread {name!r} is recorded from here on")
+        log.warning("%s (rank %d)", message, self.config.rank)
+        self._post(Job(kind=FrameKind.NOTE, body={"step": self.step_index, "message": message}))
+
     def open_step_args(self) -> dict[str, Any] | None:
         """The open step's non-tensor arguments recorded so far (a copy); None: no step open."""
-        st = self._cur
+        st = self._mine()
         return dict(st.args) if st is not None else None
 
     def early_ok(self) -> bool:
@@ -424,7 +467,7 @@ class Recorder:
 
     @_failsafe()
     def record_inputs(self, **tensors: torch.Tensor) -> None:
-        st = self._cur
+        st = self._mine()
         if st is None:
             return
         store = self.config.inputs == "full"
@@ -434,7 +477,7 @@ class Recorder:
 
     @_failsafe()
     def record_outputs(self, **tensors: torch.Tensor) -> None:
-        st = self._cur
+        st = self._mine()
         if st is None:
             return
         cfg = self.config
@@ -458,7 +501,7 @@ class Recorder:
     @_failsafe()
     def record_tokens(self, **tensors: torch.Tensor) -> None:
         """Record sampled or accepted tokens in full, whatever their names."""
-        st = self._cur
+        st = self._mine()
         if st is None:
             return
         named = _recordable(st, "tokens", [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)], self._unrecorded_said)
@@ -469,7 +512,7 @@ class Recorder:
     def record_logits(self, t: torch.Tensor) -> None:
         """The step's logits, for its top-2 margin and the logits ring, without adding a field
         (a probe sees them before a step that later raises could return them)."""
-        st = self._cur
+        st = self._mine()
         if st is not None and isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
             self._logits(st, t, None)
 
@@ -531,7 +574,7 @@ class Recorder:
 
         Integer tensors count as tokens (compared first for token divergence), the rest as outputs.
         Probes see what a step computed even when the step later raises (a lockstep check)."""
-        st = self._cur
+        st = self._mine()
         if st is None:
             return
         items = []
@@ -544,14 +587,15 @@ class Recorder:
     @_failsafe()
     def set_run(self, mode: str, *, key: str = "", padded_size: int = -1, reason: str = "") -> None:
         """Say how the current step ran: ``mode`` "graph" (with its key) or "eager" (and why)."""
-        if self._cur is not None:
-            self._cur.run = {"mode": mode, "key": key, "padded": int(padded_size), "reason": reason}
+        st = self._mine()
+        if st is not None:
+            st.run = {"mode": mode, "key": key, "padded": int(padded_size), "reason": reason}
 
     @_failsafe()
     def end_step(self, *, error: BaseException | str | None = None) -> None:
         """Finish the current step (``error``: it raised). With durability "step", waits for the write."""
         with self._lock:
-            if self._cur is not None:
+            if self._cur is not None and self._cur.thread == _thread_id():
                 self._end(error=error)
 
     def _end(self, *, error: BaseException | str | None) -> None:
@@ -691,8 +735,9 @@ class Recorder:
     @_failsafe()
     def record_args(self, **args: Any) -> None:
         """The step's non-tensor arguments (JSON-safe values), needed to call it again."""
-        if self._cur is not None:
-            self._cur.args.update(args)
+        st = self._mine()
+        if st is not None:
+            st.args.update(args)
 
     @_failsafe(default=-1)
     def record_graph(
@@ -722,8 +767,9 @@ class Recorder:
 
     @_failsafe()
     def record_graph_replay(self, graph_id: int) -> None:
-        if self._cur is not None:
-            self._cur.replays.append(int(graph_id))
+        st = self._mine()
+        if st is not None:
+            st.replays.append(int(graph_id))
         else:
             self._post(Job(kind=FrameKind.REPLAY, body={"step": self.step_index - 1, "graph": int(graph_id)}))
 
@@ -741,7 +787,7 @@ class Recorder:
         """Record one collective call after it completed (``compare``: all ranks get equal bits)."""
         if cuda_capturing():
             return
-        st = self._cur
+        st = self._mine()
         ordinal = self._collective_counter
         self._collective_counter += 1
         mode = self.config.collectives
@@ -828,8 +874,9 @@ class Recorder:
             self._closed = True
         if not self._disabled:
             try:
-                if self._cur is not None:
-                    self.end_step(error="the program ended inside this step")
+                with self._lock:
+                    if self._cur is not None:  # whichever thread began it
+                        self._end(error="the program ended inside this step")
                 self.flush_ring("exit")
                 body: dict[str, Any] = {"ended_at": time.time(), "status": status, "steps": self._step_counter}
                 if uncaught or self.uncaught:

@@ -109,6 +109,7 @@ class Session(GraphEvents):
         self.uncaught: str | None = None  # the error the program ended on (replay.record.auto)
         self._lock = threading.RLock()
         self._local = threading.local()
+        self._streams_lock = threading.RLock()
         self._streams = PartStreams()
         self._numerics: dict[str, dict[str, Any]] = {}
         self._first_numerics: str | None = None
@@ -678,6 +679,12 @@ class Session(GraphEvents):
         return None
 
     def _recorder_for(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> tuple[Recorder | None, Stream | None]:
+        # One thread at a time: two threads' first steps at once would each make a stream of
+        # the same name (a model per worker thread).
+        with self._streams_lock:
+            return self._stream_recorder(spec, obj, inputs, object_arg)
+
+    def _stream_recorder(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> tuple[Recorder | None, Stream | None]:
         rec = self.ensure_recorder()
         if rec is None:
             return None, None
@@ -927,6 +934,9 @@ class Session(GraphEvents):
                 if isinstance(v, torch.nn.Module):
                     obj, object_arg = v, k
                     break
+        rec = self.recorder
+        if rec is not None and not rec.records_this_thread():
+            return None, obj, {}  # another thread's step is open: not a stream of this recording
         tensors, scalars = split_arguments(bound, skip_first=is_method, owner=obj if is_method else None,
                                            target_arg=obj if object_arg else None)
         rec, stream = self._recorder_for(spec, obj, tensors, object_arg)

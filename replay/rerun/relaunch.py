@@ -313,6 +313,36 @@ def _read_result(data: dict[str, Any]) -> "StepRerun":
 # -- the child: inside the re-launched program -----------------------------------------------
 
 
+def _has_recorded_weights(obj: Any, weights: dict[str, Any], *, by_digest: bool) -> bool:
+    """Whether ``obj``'s parameters are the recorded ones: by names and shapes (weights that
+    changed since the recording are still this model, and the re-run says which differ); with
+    ``by_digest`` (another recorded model has the same names and shapes) by their digests too."""
+    from replay.core.weights import weight_digests, weight_shapes
+
+    have = weight_shapes(obj)
+    if set(have) != set(weights) or not all(isinstance(weights[n], dict) and have[n] == list(weights[n].get("shape") or []) for n in have):
+        return False
+    if not by_digest:
+        return True
+    return all(isinstance(weights.get(n), dict) and weights[n].get("digest") == d.get("digest") for n, d in weight_digests(obj).items())
+
+
+def _same_architecture_elsewhere(rf: Any, stream: str | None, weights: Any) -> bool:
+    """Whether another stream of the rank's part has parameters of the same names and shapes
+    as ``weights`` (this stream's recorded ones)."""
+    if not isinstance(weights, dict) or not weights:
+        return False
+    t = rf.attrs.get("target")
+    streams = t.get("streams") if isinstance(t, dict) and isinstance(t.get("streams"), dict) else {}
+
+    def layout(w: Any) -> dict[str, Any] | None:
+        return {n: (v.get("shape") if isinstance(v, dict) else None) for n, v in w.items()} if isinstance(w, dict) else None
+
+    mine = layout(weights)
+    return any(name != stream and isinstance(other, dict) and layout(other.get("weights")) == mine
+               for name, other in streams.items())
+
+
 def start_in_program() -> None:
     """Called by the bootstrap when ``REPLAY_RERUN`` is set: arm the take-over of the step's
     first call. Never records."""
@@ -436,6 +466,9 @@ class _Takeover:
         # run as the program runs them, and the next one is the recording's step 0. With
         # ``take_at``, the program's calls of this stream's steps before that step run too.
         self.skip = _count(target.get("unrecorded_calls")) + _stream_steps_before(part[spec.rank], spec.take_at, spec.stream)
+        # Two models of one architecture in the recording (an A/B check of two fine-tunes, a
+        # model per worker thread): names and shapes cannot tell them apart, their digests can.
+        self.by_digest = _same_architecture_elsewhere(part[spec.rank], spec.stream, target.get("weights"))
 
     def arm(self) -> None:
         import atexit
@@ -666,13 +699,7 @@ class _Takeover:
         if ref is not None and ref() is not obj:
             seen = None  # another object at a freed one's address
         if seen is None:
-            from replay.digest import local_tensor
-
-            # By names and shapes, not digests: weights that changed since the recording are
-            # still this model (the re-run then says which differ).
-            have = {n: list(local_tensor(p).shape) for n, p in obj.named_parameters(remove_duplicate=True)}
-            seen = set(have) == set(weights) and all(
-                isinstance(weights[n], dict) and have[n] == list(weights[n].get("shape") or []) for n in have)
+            seen = _has_recorded_weights(obj, weights, by_digest=self.by_digest)
             try:
                 import weakref
 
