@@ -363,3 +363,57 @@ def test_a_step_of_a_dynamically_quantised_model_re_runs(tmp_path) -> None:
     out, _ = _record(tmp_path, "q")
     s = _replay("step", out, "--step", "2", "--no-save", cwd=tmp_path)
     assert s.returncode == 0 and s.stdout.startswith("reproduced:"), s.stdout + s.stderr[-2000:]
+
+
+# Two replicated ranks; rank 1 runs its steps under CPU autocast (bfloat16) from its third step.
+_AUTOCAST_ON_ONE_RANK = """
+    import contextlib, socket
+    import torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(40, 16); self.mix = nn.Linear(16, 16); self.head = nn.Linear(16, 40)
+        def forward(self, tok):
+            return self.head(torch.tanh(self.mix(self.emb(tok)[:, -1]))).float()
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        model = LM().eval()
+        tok = torch.tensor([[1]])
+        with torch.no_grad():
+            for i in range(6):
+                fast = rank == 1 and i >= 3
+                with torch.autocast("cpu", dtype=torch.bfloat16) if fast else contextlib.nullcontext():
+                    logits = model(tok)
+                nxt = logits.argmax(-1, keepdim=True)
+                both = [torch.empty_like(nxt) for _ in range(2)]
+                dist.all_gather(both, nxt)
+                tok = both[0]
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(worker, args=(port,), nprocs=2)
+"""
+
+
+def test_info_names_the_numerics_setting_a_diverging_rank_ran_under(tmp_path) -> None:
+    """Rank 1 ran under autocast from one step on: info named the step and rank, and nothing
+    said that rank 1's steps ran under other numerics settings (only ``diff`` between the ranks
+    did). It says so under the first divergence."""
+    import json
+
+    _script(tmp_path, "ac", _AUTOCAST_ON_ONE_RANK)
+    out, _ = _record(tmp_path, "ac")
+    info = _replay("info", out, cwd=tmp_path)
+    assert "first divergence        step 2:" in info.stdout, info.stdout  # the prefill is not a step
+    line = next(x for x in info.stdout.splitlines() if "ran under other numerics settings" in x)
+    assert line.strip().startswith("rank 1 ran under other numerics settings from step 2:") and "autocast.cpu.enabled False on rank 0, True on rank 1" in line, line
+    data = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert data["numerics_at_divergence"]["rank"] == 1 and data["numerics_at_divergence"]["step"] == 2, data

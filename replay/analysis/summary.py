@@ -222,6 +222,26 @@ def lockstep_events(part: Part, limit: int = 5) -> list[str]:
     return seen[:limit]
 
 
+def numerics_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None:
+    """Where a rank that diverged ran a step under another numerics context than the majority
+    (TF32, matmul precision, autocast, deterministic mode, ...) at or before the divergence: the
+    first such step and what differs, the likeliest cause ``diff`` would name. None: no rank did
+    (or no per-step context was recorded)."""
+    from replay.analysis.diff_context import first_numerics_difference
+
+    majority = next((r for r in div.majority if r in part), None)
+    if majority is None:
+        return None
+    for rank in div.ranks:
+        if rank not in part:
+            continue
+        found = first_numerics_difference(part[majority], part[rank])
+        if found is not None and found["step"] <= div.step and found["changes"]:
+            return {"rank": rank, "majority_rank": majority, "step": found["step"],
+                    "changes": [{"name": c["name"], "majority": c.get("a"), "rank": c.get("b")} for c in found["changes"][:4]]}
+    return None
+
+
 def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     world = part.world_size
     part, unreadable = readable(part)
@@ -243,6 +263,8 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     }
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
+    if div is not None:
+        out["numerics_at_divergence"] = numerics_at_divergence(part, div)
     _label_streams(part, out)
     out["step_callables"] = step_callables(part)
     out["lockstep"] = lockstep_events(part)

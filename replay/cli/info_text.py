@@ -170,6 +170,11 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
     else:
         lines = [style(f"first divergence        {_where(d)}: {escape(d['field'])} differs on rank(s) "
                        f"{_ranks(d['ranks'])} (majority: {_ranks(d['majority'])})", fg="red", bold=True)]
+    n = s.get("numerics_at_divergence")
+    if d is not None and n:
+        changes = ", ".join(f"{escape(str(c['name']))} {escape(str(c['majority']))} on rank {n['majority_rank']}, "
+                            f"{escape(str(c['rank']))} on rank {n['rank']}" for c in n["changes"])
+        lines.append(style(f"  rank {n['rank']} ran under other numerics settings from step {n['step']}: {changes}", fg="red"))
     if t is not None:
         lines.append(style(f"first token divergence  {_where(t)}: {escape(t['field'])} differs on rank(s) "
                            f"{_ranks(t['ranks'])}", fg="red", bold=True))
