@@ -417,3 +417,52 @@ def test_info_names_the_numerics_setting_a_diverging_rank_ran_under(tmp_path) ->
     assert line.strip().startswith("rank 1 ran under other numerics settings from step 2:") and "autocast.cpu.enabled False on rank 0, True on rank 1" in line, line
     data = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
     assert data["numerics_at_divergence"]["rank"] == 1 and data["numerics_at_divergence"]["step"] == 2, data
+
+
+# Two ranks; the model writes its logits into a buffer and returns nothing (a graph runner's
+# static output), and rank 1 computes them otherwise from its fourth call.
+_STATIC_OUTPUT = """
+    import socket
+    import torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(41, 16); self.head = nn.Linear(16, 41); self.other = False
+            self.register_buffer("out", torch.zeros(1, 41))
+        def forward(self, tok):
+            h = torch.tanh(self.emb(tok))
+            self.out.copy_(self.head(-h) if self.other else self.head(h))
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        m = LM().eval()
+        tok = torch.tensor([5])
+        with torch.no_grad():
+            for i in range(8):
+                m.other = rank == 1 and i >= 3
+                m(tok)
+                tok = (m.out.argmax(-1) + i) % 41
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(worker, args=(port,), nprocs=2)
+"""
+
+
+def test_info_says_a_divergence_found_in_inputs_alone_may_start_earlier(tmp_path) -> None:
+    """The steps record no output (they write a buffer and return nothing): the ranks' first
+    difference is in a later step's input, and info named that step with no caveat (one rank
+    alone said "nothing to compare ... no output")."""
+    _script(tmp_path, "so", _STATIC_OUTPUT)
+    out, _ = _record(tmp_path, "so")
+    info = _replay("info", out, cwd=tmp_path)
+    first = info.stdout.splitlines()[0]
+    assert first.startswith("first divergence at step") and "no step output recorded" in first, info.stdout
+    assert "no token divergence" not in info.stdout and "record a callable inside the step with --probe" in info.stdout, info.stdout

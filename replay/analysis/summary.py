@@ -258,8 +258,9 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         "first_token_divergence": tok.to_json() if tok else None,
         # No token field recorded: "no token divergence" would be a claim nothing was compared for.
         "token_fields": tok is not None or has_fields(names, "tokens."),
-        # Only inputs (and collectives) recorded: their agreement says nothing of what the steps computed.
-        "output_fields": div is not None or computed_fields(names),
+        # Only inputs (and collectives) recorded: their agreement says nothing of what the steps
+        # computed, and where they first differ may be after the steps' results first did.
+        "output_fields": tok is not None or computed_fields(names),
     }
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
@@ -337,6 +338,9 @@ def verdict_line(summary: dict[str, Any]) -> str:
         return f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step"
     text = (f"first divergence at {_at(d)}{left_out}: {d['field']} differs on rank(s) "
             f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d.get('majority') or []))})")
+    if summary.get("output_fields") is False:
+        # Inputs alone: a step that computed otherwise shows only in a later step's input.
+        return text + "; no step output recorded, so what the steps computed may have differed earlier"
     if t is not None:
         return text + f"; first token divergence at {_at(t)} ({t['field']})"
     if summary.get("token_fields") is False:

@@ -181,6 +181,11 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
         margins = s.get("margin_at_token_divergence", {})
         if margins:
             lines.append("  smallest top-1/top-2 margin of the step's rows: " + ", ".join(f"r{r} {fmt_margin(m)}" for r, m in margins.items()))
+    elif d is not None and s.get("output_fields") is False:
+        lines.append("no step output recorded: only what went into the steps was compared, and a step that computed otherwise "
+                     "shows only in a later step's input, so the ranks may have differed earlier; to compare what the steps "
+                     "compute, record a callable inside the step with --probe (a step that writes into a buffer and returns "
+                     "nothing has no output to name)")
     elif d is not None and s.get("token_fields") is False:
         lines.append("no token field recorded: the ranks differ in bits; what they sampled was not recorded as tokens")
     elif d is not None:
