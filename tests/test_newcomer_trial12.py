@@ -466,3 +466,41 @@ def test_info_says_a_divergence_found_in_inputs_alone_may_start_earlier(tmp_path
     first = info.stdout.splitlines()[0]
     assert first.startswith("first divergence at step") and "no step output recorded" in first, info.stdout
     assert "no token divergence" not in info.stdout and "record a callable inside the step with --probe" in info.stdout, info.stdout
+
+
+# A front end that starts its model worker as a subprocess and feeds it requests on a pipe.
+_FRONTEND = """
+    import json, subprocess, sys
+    reqs = [{"prompt": [1, 2, 3], "n": 4}, {"prompt": [8, 9], "n": 4}]
+    p = subprocess.run([sys.executable, "worker.py"], input="".join(json.dumps(r) + "\\n" for r in reqs),
+                       capture_output=True, text=True)
+    print(p.stdout.strip())
+    sys.exit(p.returncode)
+"""
+_WORKER = """
+    import json, sys
+    import torch, torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Flatten(), nn.Linear(8, 16)).eval()
+    with torch.no_grad():
+        for line in sys.stdin:
+            req = json.loads(line)
+            tok = torch.tensor([req["prompt"][-1]])
+            for _ in range(req["n"]):
+                tok = model(tok).argmax(-1)
+            print(int(tok))
+"""
+
+
+def test_a_worker_fed_on_a_pipe_by_its_parent_is_said_to_be_so_when_it_cannot_be_re_run(tmp_path) -> None:
+    """The worker read its requests from a pipe its front end fed; replay keeps the command's
+    stdin only, so the re-launched worker read none and never called its step. The error named
+    no cause; it says where the worker's stdin came from, and what to do."""
+    _script(tmp_path, "front", _FRONTEND)
+    _script(tmp_path, "worker", _WORKER)
+    out, _ = _record(tmp_path, "front")
+    s = _replay("step", out, "--step", "2", "--no-save", cwd=tmp_path)
+    assert s.returncode != 0 and "reproduced" not in s.stdout, s.stdout
+    last = s.stderr.strip().splitlines()[-1]
+    assert "without calling the recorded step" in last and "its stdin was not the command's" in last, s.stderr[-2000:]

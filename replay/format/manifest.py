@@ -32,6 +32,7 @@ __all__ = [
     "create_exclusive",
     "manifest_name",
     "claim_recording",
+    "stdin_id",
 ]
 
 RECORDING_KIND = "replay-recording"
@@ -43,6 +44,16 @@ _MAX_MANIFEST_BYTES = 16 << 20
 # Environment that changes numerics or collective algorithms: kept with every rank file.
 _ENV_PREFIXES = ("NCCL_", "CUBLAS_", "CUBLASLT_", "TORCH_", "CUDA_", "PYTORCH_", "TRITON_", "NVIDIA_TF32")
 _ENV_EXACT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def stdin_id(fd: int) -> str | None:
+    """The identity of what ``fd`` is open on (``dev:inode``; both ends of a pipe share one), or
+    None: the command's stdin in the manifest, each recorded process's in its launch facts."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return f"{st.st_dev}:{st.st_ino}"
 
 
 def numerics_env() -> dict[str, str]:

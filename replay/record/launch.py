@@ -12,6 +12,7 @@ from typing import Any
 from replay import numerics
 from replay.core.environment import env_digests
 from replay.core.sources import source_digests
+from replay.format.manifest import stdin_id
 
 __all__ = ["launch_info", "main_name", "main_names", "module_name"]
 
@@ -77,6 +78,10 @@ def launch_info() -> dict[str, Any]:
         # ``python -c CODE``: the code itself (sys.argv holds "-c" in its place), so that a
         # re-launch can run it again.
         "code": _command_code(getattr(sys, "orig_argv", [])),
+        # What stdin this process was given (``dev:inode``): `replay record` keeps the command's
+        # stdin only, and a process the program started with a stdin of its own (a worker fed
+        # through a pipe) is told apart by this (``stdin_id`` in the manifest).
+        "stdin_id": stdin_id(0),
     }
 
 

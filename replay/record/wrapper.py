@@ -30,7 +30,7 @@ import replay
 from replay._version import __version__  # arch (#18): the version from one place, not the package root
 from replay.errors import UsageError
 from replay.format import perms as _perms  # issue 16
-from replay.format.manifest import STDIN_COPY, write_manifest
+from replay.format.manifest import STDIN_COPY, stdin_id, write_manifest
 from replay.format.seal import SealResult, journal_is_live, seal_part
 from replay.log import get_logger
 from replay.record.settings import ENV_DIR, ENV_SETTINGS, RecordSettings
@@ -176,6 +176,8 @@ def record_command(
             manifest.update(status="failed to start", error=str(e), ended_at=time.time())
             _try_write_manifest(out, manifest, node)
             raise
+        # What CMD was given on stdin, as its processes see it (replay.record.launch.stdin_id).
+        manifest["stdin_id"] = stdin_id(proc.stdin.fileno() if proc.stdin is not None else 0)
         if stdin is not None:
             stdin.feed(proc)
         child.append(proc.pid)

@@ -176,6 +176,7 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
                              + (f"step on the recorded model: it called it on {others} model(s) whose parameters "
                                 "(names and shapes) are not the recorded ones" if others else "step")
                              + "; it cannot be re-run this way" + ("" if stdin_kept or others else _NO_STDIN)
+                             + ("" if others else _stdin_from_parent(spec.recording, launch))
                              + (f": {tail}" if tail else ""))
         data = json.loads(out.read_text())
         from replay.rerun.sandbox import count_files
@@ -203,6 +204,23 @@ def _other_models(out: str) -> int:
 
 _NO_STDIN = ("; it may have read its stdin, which the recording did not keep (a terminal, or recorded before "
              "`replay record` kept it): it was given an empty one")
+
+
+def _stdin_from_parent(recording: str, launch: dict[str, Any]) -> str:
+    """Said when the recorded process read another stdin than the command's (a worker the
+    program fed through a pipe): the re-launch gives it the command's."""
+    from replay.format.manifest import read_manifests
+
+    try:
+        command_stdin = read_manifests(Path(recording))[0].get("stdin_id")
+    except (OSError, ValueError, IndexError):
+        return ""
+    mine = launch.get("stdin_id")
+    if not isinstance(mine, str) or not isinstance(command_stdin, str) or mine == command_stdin:
+        return ""
+    return ("; when recorded, its stdin was not the command's but one the program that started it gave it (a pipe "
+            "it fed), which `replay record` does not keep: a re-launch gives it the command's. Name a factory "
+            "(--factory), or record the worker as a command of its own, its input on its stdin")
 
 
 def _run_program(cmd: list[str], cwd: str, env: dict[str, str], spec: RelaunchSpec) -> tuple[Any, bool]:
