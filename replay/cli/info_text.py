@@ -170,11 +170,8 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
     else:
         lines = [style(f"first divergence        {_where(d)}: {escape(d['field'])} differs on rank(s) "
                        f"{_ranks(d['ranks'])} (majority: {_ranks(d['majority'])})", fg="red", bold=True)]
-    n = s.get("numerics_at_divergence")
-    if d is not None and n:
-        changes = ", ".join(f"{escape(str(c['name']))} {escape(str(c['majority']))} on rank {n['majority_rank']}, "
-                            f"{escape(str(c['rank']))} on rank {n['rank']}" for c in n["changes"])
-        lines.append(style(f"  rank {n['rank']} ran under other numerics settings from step {n['step']}: {changes}", fg="red"))
+    if d is not None:
+        lines += _numerics_lines(s.get("numerics_at_divergence"))
     if t is not None:
         lines.append(style(f"first token divergence  {_where(t)}: {escape(t['field'])} differs on rank(s) "
                            f"{_ranks(t['ranks'])}", fg="red", bold=True))
@@ -191,6 +188,15 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
     elif d is not None:
         lines.append("no token divergence: the ranks differ in bits but sampled the same tokens")
     return lines
+
+
+def _numerics_lines(n: dict[str, Any] | None) -> list[str]:
+    """The numerics settings the diverging rank ran under, where they differ from the majority's."""
+    if not n:
+        return []
+    changes = ", ".join(f"{escape(str(c['name']))} {escape(str(c['majority']))} on rank {n['majority_rank']}, "
+                        f"{escape(str(c['rank']))} on rank {n['rank']}" for c in n["changes"])
+    return [style(f"  rank {n['rank']} ran under other numerics settings from step {n['step']}: {changes}", fg="red")]
 
 
 def _one_rank_lines(s: dict[str, Any]) -> list[str]:
