@@ -504,3 +504,40 @@ def test_a_worker_fed_on_a_pipe_by_its_parent_is_said_to_be_so_when_it_cannot_be
     assert s.returncode != 0 and "reproduced" not in s.stdout, s.stdout
     last = s.stderr.strip().splitlines()[-1]
     assert "without calling the recorded step" in last and "its stdin was not the command's" in last, s.stderr[-2000:]
+
+
+# A plain engine whose cache is a Python list it resets for each request: there is no tensor
+# of the step's object for a keyframe to keep.
+_LIST_CACHE = """
+    import torch, torch.nn as nn
+
+    torch.manual_seed(0)
+
+    class Engine:
+        def __init__(self):
+            self.emb = nn.Embedding(31, 16); self.k = nn.Linear(16, 16); self.head = nn.Linear(16, 31)
+            self.cache = []
+        def forward_tok(self, x):
+            h = self.emb(x)
+            self.cache.append(self.k(h))
+            return self.head(h + torch.cat(self.cache, 1).mean(1, keepdim=True))[:, -1]
+
+    eng = Engine()
+    with torch.no_grad():
+        for prompt in ([1, 2, 3], [4, 5]):
+            eng.cache = []
+            x = torch.tensor([prompt])
+            for _ in range(4):
+                x = eng.forward_tok(x).argmax(-1, keepdim=True)
+"""
+
+
+def test_a_recording_with_no_keyframe_is_not_told_to_keyframe_every_step(tmp_path) -> None:
+    """The re-run of the second request's steps departs (the engine reset its list cache); the
+    hint said "a keyframe every step restores it: --keyframe-every 1", also for a recording made
+    with it that holds no keyframe. It says what to name with --state."""
+    _script(tmp_path, "lc", _LIST_CACHE)
+    out, _ = _record(tmp_path, "lc", "--step", "lc:Engine.forward_tok", "--keyframe-every", "1")
+    s = _replay("step", out, "--step", "6", "--no-save", cwd=tmp_path)
+    assert s.stdout.startswith("not reproduced"), s.stdout + s.stderr[-2000:]
+    assert "--keyframe-every 1" not in s.stdout and "replay record --state NAME" in s.stdout, s.stdout

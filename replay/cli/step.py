@@ -15,6 +15,7 @@ from replay.errors import ReplayError, RerunError, UsageError
 from replay.format.reader import Part
 from replay.textsafe import escape
 from replay.rerun.result import ModeRun, StepRerun
+from replay.rerun.result import NO_STATE_HINT
 from replay.rerun.runner import KEYFRAME_EVERY_STEP_HINT, NO_KEYFRAME_NOTE, RerunOptions, caller_hint, default_modes
 from replay.rerun.step import run_step, uses_relaunch
 
@@ -182,7 +183,8 @@ def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
         # The catch-up feeds recorded inputs to the rebuilt state; state the program changes
         # between steps (a beam search reordering its cache) is only seen at a keyframe.
         # A keyframe cannot restore an object recorded by class name only: no hint then.
-        hint = ("; if the program changes the model's state between steps (a beam search reordering its cache, a "
+        hint = (f"; {NO_STATE_HINT}" if r.no_keyframes else
+                "; if the program changes the model's state between steps (a beam search reordering its cache, a "
                 "reset), a keyframe every step restores it: replay record --keyframe-every 1") if (
             r.keyframe < m.departed.step < r.step and not r.unrecorded and not r.state_outside) else ""
         if m.departed.step == r.keyframe > 0 and not r.live_start:
@@ -205,7 +207,7 @@ def _error_line(r: StepRerun, m: ModeRun) -> str:
     rec = f"raised {escape(m.recorded_error)}" if m.recorded_error else "completed"
     # Raised after a catch-up where it completed when recorded: what it read was not there,
     # most often state the loop changes between steps, which only a keyframe at the step holds.
-    hint = f"; {KEYFRAME_EVERY_STEP_HINT}" if (
+    hint = f"; {NO_STATE_HINT if r.no_keyframes else KEYFRAME_EVERY_STEP_HINT}" if (
         m.error and not m.recorded_error and m.caught_up and r.keyframe < r.step and not r.unrecorded
         and not r.state_outside) else ""
     hint += caller_hint(r.caller) if m.error and not m.recorded_error and not r.state_outside else ""

@@ -357,7 +357,7 @@ def _same_architecture_elsewhere(rf: Any, stream: str | None, weights: Any) -> b
         return {n: (v.get("shape") if isinstance(v, dict) else None) for n, v in w.items()} if isinstance(w, dict) else None
 
     mine = layout(weights)
-    return any(name != stream and isinstance(other, dict) and layout(other.get("weights")) == mine
+    return len(streams) > 1 and any(name != stream and isinstance(other, dict) and layout(other.get("weights")) == mine
                for name, other in streams.items())
 
 
@@ -486,7 +486,7 @@ class _Takeover:
         self.skip = _count(target.get("unrecorded_calls")) + _stream_steps_before(part[spec.rank], spec.take_at, spec.stream)
         # Two models of one architecture in the recording (an A/B check of two fine-tunes, a
         # model per worker thread): names and shapes cannot tell them apart, their digests can.
-        self.by_digest = _same_architecture_elsewhere(part[spec.rank], spec.stream, target.get("weights"))
+        self.by_digest = _same_architecture_elsewhere(part[spec.rank], spec.stream or target.get("stream"), target.get("weights"))
 
     def arm(self) -> None:
         import atexit

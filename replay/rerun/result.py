@@ -160,6 +160,13 @@ class ModeRun:
             seconds=float(d.get("seconds") or 0.0), error=d.get("error"), recorded_error=d.get("recorded_error"))
 
 
+NO_KEYFRAME_NOTE = "the recording holds no state keyframe: steps were re-run from a fresh target"
+# Said instead of "a keyframe every step": with no keyframe at all, more keyframes hold nothing.
+NO_STATE_HINT = ("the recording holds no state keyframe (replay found no tensors of the step's object to keep: a cache in "
+                 "a Python list or on a plain object): name them with replay record --state NAME (a method or attribute "
+                 "returning them), so that each step can start from the state it ran from")
+
+
 @dataclass(slots=True)
 class StepRerun:
     recording: str
@@ -259,6 +266,11 @@ class StepRerun:
         parts = [f"in {m.mode} {m.difference()}" for m in differ]
         return f"; it differs from the recording in the mode{'s' if len(differ) > 1 else ''} it did not run in: {'; '.join(parts)}"
 
+    @property
+    def no_keyframes(self) -> bool:
+        """The recording holds no state keyframe (the re-run started from a fresh target)."""
+        return NO_KEYFRAME_NOTE in self.notes
+
     def _caught_up_cleanly(self) -> bool:
         """Caught up from an earlier keyframe, every catch-up step compared and bit for bit, with
         nothing else to blame (an unrecorded argument, state outside the model, the environment)."""
@@ -300,9 +312,7 @@ class StepRerun:
         if self._caught_up_cleanly():
             # Every step from the keyframe re-ran bit for bit, then this one did not: what the
             # program does between steps (outside the step) is the likeliest cause.
-            out.append(f"; but the steps from the keyframe at step {self.keyframe} re-ran bit for bit: if the program "
-                       "changes the model's state between steps (a beam search reordering its cache, a reset after an "
-                       "error), a keyframe every step restores it: replay record --keyframe-every 1")
+            out.append(f"; but the steps from the keyframe at step {self.keyframe} re-ran bit for bit: {self._between_steps_hint()}")
         if self.unrecorded:
             # Not evidence against the program: the re-run may have run with other contents.
             out.append(f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
@@ -310,6 +320,12 @@ class StepRerun:
                        "difference may be that object's contents, not the program (see 'Objects a step takes' in "
                        "docs/your-engine.md)")
         return out
+
+    def _between_steps_hint(self) -> str:
+        if self.no_keyframes:
+            return NO_STATE_HINT
+        return ("if the program changes the model's state between steps (a beam search reordering its cache, a reset "
+                "after an error), a keyframe every step restores it: replay record --keyframe-every 1")
 
     def _reproduced(self, where: str, same: list[str]) -> str:
         n = len({k for m in self.modes.values() for k in m.vs_recording})

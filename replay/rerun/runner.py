@@ -32,6 +32,7 @@ from replay.core.outputs import name_outputs
 from replay.core.rng import restore_rng
 from replay.core.structure import POSITIONAL_ARG, STRUCTURE_ARG, RecordedDict, RecordedObject, call_arguments, rebuild_inputs, unrecordable
 from replay.core.weights import weight_digests
+from replay.rerun.result import NO_KEYFRAME_NOTE
 from replay.rerun.collectives import RecordedCollectives
 from replay import numerics
 from replay.numerics import strip_reserved
@@ -63,7 +64,6 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     return t.to(device) if device != "cpu" else t
 
 
-NO_KEYFRAME_NOTE = "the recording holds no state keyframe: steps were re-run from a fresh target"
 # Said where a step raised or departed after a catch-up: catch-up cannot redo what the program
 # did to its state between steps; a keyframe at each step holds it.
 KEYFRAME_EVERY_STEP_HINT = ("if the program changes its state between steps (a cache it grows or reorders, a counter), "
