@@ -541,3 +541,34 @@ def test_a_recording_with_no_keyframe_is_not_told_to_keyframe_every_step(tmp_pat
     s = _replay("step", out, "--step", "6", "--no-save", cwd=tmp_path)
     assert s.stdout.startswith("not reproduced"), s.stdout + s.stderr[-2000:]
     assert "--keyframe-every 1" not in s.stdout and "replay record --state NAME" in s.stdout, s.stdout
+
+
+# An engine that is a plain class holding torch layers, its step a method.
+_PLAIN_ENGINE = """
+    import torch, torch.nn as nn
+
+    torch.manual_seed(0)
+
+    class Engine:
+        def __init__(self):
+            self.emb = nn.Embedding(31, 16); self.mix = nn.Linear(16, 16); self.head = nn.Linear(16, 31)
+        def forward_tok(self, x):
+            return self.head(torch.tanh(self.mix(self.emb(x))))[:, -1]
+
+    eng = Engine()
+    x = torch.tensor([[1]])
+    with torch.no_grad():
+        for _ in range(5):
+            x = eng.forward_tok(x).argmax(-1, keepdim=True)
+"""
+
+
+def test_a_plain_engine_is_told_to_name_its_step_method_not_torch_s_layers(tmp_path) -> None:
+    """With no flags the outermost module of a plain-class engine is torch's Embedding; the
+    summary suggested recording torch's Embedding and Linear too (ten streams of torch layers).
+    It names the engine's method that called them."""
+    _script(tmp_path, "pe", _PLAIN_ENGINE)
+    p = _replay("record", "--out", tmp_path / "rec", "--", "python3", "pe.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "replay record --step pe:Engine.forward_tok" in p.stderr, p.stderr
+    assert "--step torch.nn.modules.linear:Linear" not in p.stderr, p.stderr

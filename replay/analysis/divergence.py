@@ -84,8 +84,11 @@ def has_fields(names: set[str], prefix: str) -> bool:
 
 
 # The verdict when the ranks agree on everything recorded, and that is only what went into the steps.
-NO_OUTPUT_FIELDS = ("the steps recorded no output or token field, only what went into them (which agrees); "
-                    "name what a step computes with --output-name, or record a callable inside it with --probe")
+# What to do when no step output was recorded: --output-name only names a returned tuple's tensors.
+OUTPUT_REMEDY = ("record a callable inside the step with --probe (what it returns is compared), or name as the step a "
+                 "callable that returns its logits; --output-name only names the tensors of a returned tuple, and a "
+                 "step that returns no tensor (None, a Python list) has none to name")
+NO_OUTPUT_FIELDS = f"the steps recorded no output or token field, only what went into them (which agrees); {OUTPUT_REMEDY}"
 
 
 def computed_fields(names: set[str]) -> bool:

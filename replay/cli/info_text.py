@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from replay import api
-from replay.analysis.divergence import NO_OUTPUT_FIELDS
+from replay.analysis.divergence import NO_OUTPUT_FIELDS, OUTPUT_REMEDY
 from replay.analysis.summary import verdict_line
 from replay.cli.render import fmt_margin, style, table
 from replay.textsafe import a_or_an, escape
@@ -206,8 +206,7 @@ def _one_rank_lines(s: dict[str, Any]) -> list[str]:
     if s.get("output_fields") is False and any(int(r.get("steps") or 0) for r in s["ranks"]):
         # Nor would a re-run of one of its steps compare anything: said before it is tried.
         lines.append("nothing to compare a re-run with: the steps recorded no output or token field, only what "
-                     "went into them; name what a step computes with --output-name, or record a callable inside "
-                     "it with --probe")
+                     f"went into them; {OUTPUT_REMEDY}")
     return lines
 
 

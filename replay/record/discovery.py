@@ -227,10 +227,23 @@ def on_outermost(session: Any, module: torch.nn.Module) -> str:
             return "keep"
         choose_module(session, ocls, running=owner, direct="forward")
         return "stop"
+    if _torch_layer(cls.__module__):
+        # One of torch's own layers (not a container, which may be the whole model) is the
+        # outermost module, called by a function of the program: the engine calling it is no
+        # nn.Module (a plain class holding layers), and its method is the step a user wants.
+        from replay.record.tracebacks import program_caller
+
+        caller = program_caller(module_name, step_name(cls))
+        return "chosen" if choose_module(session, cls, running=module, **({"caller": caller} if caller else {})) else "stop"
     return "chosen" if choose_module(session, cls, running=module) else "stop"
 
 
 _MAX_FRAMES = 64
+
+
+def _torch_layer(module: str) -> bool:
+    """A class of torch's own layers (``torch.nn.modules.linear``), not a container."""
+    return module.startswith("torch.nn.modules.") and module != "torch.nn.modules.container"
 
 
 def direct_forward_owner(module: torch.nn.Module) -> torch.nn.Module | None:
@@ -417,6 +430,13 @@ def _chosen_line(step: str, c: dict[str, Any], n: int) -> str:
     # the program's own step count is one ahead of the recording's).
     first = ", from its second call: the first, which revealed it, ran unrecorded" if kind == "module_forward" and not \
         c.get("inside") else ""
+    if kind == "module_forward" and c.get("caller"):
+        # A layer of torch's own, called by the program's function: the engine around it is a
+        # plain object, whose method is the step.
+        caller = escape(str(c["caller"]))
+        return (f"replay: step found with no flags: {escape(step)} ({how}, {n} call{'s' if n != 1 else ''} recorded{first}); "
+                f"it is one of torch's own layers, a piece of a model, called by {caller}: if that is your engine's step "
+                f"(an engine that is no nn.Module), record it instead: replay record --step {caller} -- ...")
     return (f"replay: step found with no flags: {escape(step)} ({how}, {n} call{'s' if n != 1 else ''} recorded{first});"
             f" to record another callable: replay record --step MODULE:QUALNAME -- ...")
 
@@ -480,8 +500,8 @@ def _not_recorded_beside(chosen: dict[str, dict[str, Any]], seen: Counter[str], 
     from replay.textsafe import escape
 
     found = [s for s, c in chosen.items() if c.get("kind") == "module_forward" and ran.get(s)]
-    if not found:
-        return []
+    if not found or all(chosen[s].get("caller") for s in found):
+        return []  # torch's own layers: the step found is a piece of the engine's (said with it), and so are these
     # (a wrapper that ran the loop, and a part of the step's model called on its own: not models beside it)
     wrappers = {str(c.get(k)) for c in chosen.values() for k in ("inside", "part") if c.get(k)}
     others = [(k, v) for k, v in seen.most_common() if v >= 2 and k not in found and k not in wrappers]
