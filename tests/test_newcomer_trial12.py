@@ -572,3 +572,34 @@ def test_a_plain_engine_is_told_to_name_its_step_method_not_torch_s_layers(tmp_p
     assert p.returncode == 0, p.stderr[-2000:]
     assert "replay record --step pe:Engine.forward_tok" in p.stderr, p.stderr
     assert "--step torch.nn.modules.linear:Linear" not in p.stderr, p.stderr
+
+
+# A decode loop over a torch.jit.trace'd module (torch.jit.trace runs the module to check it).
+_TRACED_STEP = """
+    import torch, torch.nn as nn
+
+    torch.manual_seed(0)
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(31, 16); self.head = nn.Linear(16, 31)
+        def forward(self, tok):
+            return self.head(self.emb(tok))
+
+    traced = torch.jit.trace(Step().eval(), (torch.tensor([1]),))
+    tok = torch.tensor([1])
+    with torch.no_grad():
+        for _ in range(5):
+            tok = traced(tok).argmax(-1)
+"""
+
+
+def test_a_module_torch_jit_trace_ran_is_neither_chosen_nor_offered(tmp_path) -> None:
+    """With no flags, the module was chosen at the call ``torch.jit.trace`` made to check its
+    trace ("chosen at its first call but never ran again"), then offered as a --step candidate
+    that would record nothing. Only the TorchScript module the loop calls is named, with why."""
+    _script(tmp_path, "tr", _TRACED_STEP)
+    p = _replay("record", "--out", tmp_path / "rec", "--", "python3", "tr.py", cwd=tmp_path)
+    assert "tr:Step" not in p.stderr and "never ran again" not in p.stderr, p.stderr
+    assert "TopLevelTracedModule is TorchScript" in p.stderr, p.stderr

@@ -127,6 +127,8 @@ class Watcher:
         return None
 
     def _outermost(self, module: torch.nn.Module) -> None:
+        if _in_jit_trace():
+            return  # torch.jit.trace running the module to build or check its graph: not the program's call
         cls = type(module)
         if not cls.__module__.startswith(_TOOLING):  # not a candidate: not named as one either
             self.seen[f"{module_name(cls.__module__)}:{cls.__qualname__}"] += 1
@@ -214,8 +216,8 @@ def on_outermost(session: Any, module: torch.nn.Module) -> str:
     cls = type(module)
     if cls.__name__ == "OptimizedModule" or "<locals>" in cls.__qualname__ or isinstance(module, torch.jit.ScriptModule):
         return "keep"  # compiled, scripted or traced modules and local classes cannot be patched: keep looking
-    if tracing():
-        return "keep"  # torch.jit.trace / fx calling the module to build a graph: not the program's loop
+    if tracing() or _in_jit_trace():
+        return "keep"  # torch.jit.trace / fx calling the module to build (or check) a graph: not the program's loop
     if cls.__module__.startswith(_TOOLING):
         return "keep"  # an observer run by quantize_dynamic/prepare (calibration): not the program's loop
     owner = direct_forward_owner(module)
@@ -239,6 +241,21 @@ def on_outermost(session: Any, module: torch.nn.Module) -> str:
 
 
 _MAX_FRAMES = 64
+
+
+def _in_jit_trace() -> bool:
+    """Called from within ``torch.jit.trace``: its check of the trace runs the module eagerly,
+    outside the tracer, with the example inputs."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.replace(os.sep, "/").endswith("torch/jit/_trace.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _torch_layer(module: str) -> bool:
