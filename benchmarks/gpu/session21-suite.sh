@@ -10,8 +10,9 @@ S="$L/summary.txt"
 t() { local name=$1 lim=$2; shift 2; local s=$(date +%s); timeout -k 5 "$lim" "$@" > "$G/$name.log" 2>&1; echo "rc=$? ${name} $(( $(date +%s) - s ))s" | tee -a "$S"; }
 PT=(python3 -m pytest -q -p no:cacheprovider -rs --tb=short --durations=5)
 t lane-record ${LIM:-300} "${PT[@]}" -m "gpu or multigpu" tests/test_record_gpu.py tests/test_mtp_gpu.py &
-t lane-foreign ${LIM:-300} "${PT[@]}" -m "gpu or multigpu" tests/test_foreign_record.py tests/test_foreign_rerun.py tests/test_newcomer_trial2.py tests/test_step_signatures.py tests/test_newcomer_trial7.py tests/test_newcomer_trial12.py &
+t lane-foreign ${LIM:-300} "${PT[@]}" -m "gpu or multigpu" tests/test_foreign_record.py tests/test_foreign_rerun.py tests/test_newcomer_trial2.py tests/test_step_signatures.py tests/test_newcomer_trial7.py &
 t lane-digest ${LIM:-300} "${PT[@]}" tests/test_digest_gpu.py tests/test_drain_process.py tests/test_ring.py tests/test_crash.py tests/test_recorder.py tests/test_record_signals.py tests/test_unrecordable_args.py -m "gpu or multigpu or not slow" &
+t lane-trial12 ${LIM:-300} "${PT[@]}" tests/test_newcomer_trial12.py &
 t lane-hf-bisect ${LIM:-300} "${PT[@]}" -m "gpu or multigpu" tests/test_hf_gpu.py tests/test_bisect_gpu.py &
 wait
 date -u +%FT%TZ >> "$S"
