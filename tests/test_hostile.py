@@ -167,7 +167,9 @@ def _record(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_out_holding_a_recording_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "rec"
-    first = _record("--out", str(out), "--", sys.executable, "-c", "pass", cwd=tmp_path)
+    # (a recording with a step in it: one where nothing was recorded is replaced)
+    first = _record("--out", str(out), "--", sys.executable, "-c",
+                    "import torch; m = torch.nn.Linear(2, 2)\nfor _ in range(3): m(torch.ones(1, 2))", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert _mode(out) == 0o700 and _mode(out / "manifest.json") == 0o600
     marker = tmp_path / "ran"

@@ -446,9 +446,18 @@ class Recorder:
         self._post(Job(kind=FrameKind.NOTE, body={"step": self.step_index, "message": message}))
 
     def open_step_args(self) -> dict[str, Any] | None:
-        """The open step's non-tensor arguments recorded so far (a copy); None: no step open."""
-        st = self._mine()
+        """The open step's non-tensor arguments recorded so far (a copy), whichever thread began
+        it; None: no step open."""
+        st = self._cur
         return dict(st.args) if st is not None else None
+
+    @_failsafe()
+    def add_open_step_args(self, **args: Any) -> None:
+        """Add to the open step's arguments, whichever thread began it (a step another thread is
+        running when this one closes the part: its after-call bookkeeping will not come)."""
+        st = self._cur
+        if st is not None:
+            st.args.update(args)
 
     def early_ok(self) -> bool:
         """Whether a step may begin before its arguments are bound (``Session._early_step``):

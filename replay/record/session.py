@@ -323,7 +323,7 @@ class Session(GraphEvents):
             try:
                 args = rec.open_step_args()
                 if args is not None and numerics.NUMERICS_ARG not in args:
-                    rec.record_args(**{numerics.NUMERICS_ARG: self._numerics_digest(rec)})
+                    rec.add_open_step_args(**{numerics.NUMERICS_ARG: self._numerics_digest(rec)})
             except Exception:  # noqa: BLE001 - closing goes on (and may be closing after a failure)
                 pass
         with self._lock:
@@ -684,6 +684,13 @@ class Session(GraphEvents):
         with self._streams_lock:
             return self._stream_recorder(spec, obj, inputs, object_arg)
 
+    def _starts_a_part(self, spec: StepSpec, obj: Any) -> bool:
+        """Whether a step on ``obj`` would begin a new part (a new engine once the earlier ones
+        are gone), whose recorder no other thread's step holds."""
+        streams = self._streams.streams
+        return (bool(streams) and self._find_stream(obj, spec.step) is None
+                and not any(s.weak and s.obj() is not None for s in streams))
+
     def _stream_recorder(self, spec: StepSpec, obj: Any, inputs: dict[str, torch.Tensor], object_arg: str | None) -> tuple[Recorder | None, Stream | None]:
         rec = self.ensure_recorder()
         if rec is None:
@@ -935,7 +942,7 @@ class Session(GraphEvents):
                     obj, object_arg = v, k
                     break
         rec = self.recorder
-        if rec is not None and not rec.records_this_thread():
+        if rec is not None and not self._starts_a_part(spec, obj) and not rec.records_this_thread():
             return None, obj, {}  # another thread's step is open: not a stream of this recording
         tensors, scalars = split_arguments(bound, skip_first=is_method, owner=obj if is_method else None,
                                            target_arg=obj if object_arg else None)
