@@ -9,6 +9,15 @@ from tests.test_newcomer_scripts import _record, _replay, _script
 
 pytestmark = pytest.mark.e2e
 
+# The end of a two-rank script: ``worker(rank, port)`` on two gloo ranks started by mp.spawn.
+_SPAWN_TWO_RANKS = """
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(worker, args=(port,), nprocs=2)
+"""
+
 
 # A decode loop over a plain function: with no flags nothing is found, and the summary says to
 # name the step with --step.
@@ -236,12 +245,7 @@ _RANK_SETTING = """
             tok = both[0]
         dist.destroy_process_group()
 
-    if __name__ == "__main__":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(worker, args=(port,), nprocs=2)
-"""
+""" + _SPAWN_TWO_RANKS
 
 
 def test_bisect_config_builds_each_rank_from_its_own_recorded_config(tmp_path) -> None:
@@ -395,12 +399,7 @@ _AUTOCAST_ON_ONE_RANK = """
                 tok = both[0]
         dist.destroy_process_group()
 
-    if __name__ == "__main__":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(worker, args=(port,), nprocs=2)
-"""
+""" + _SPAWN_TWO_RANKS
 
 
 def test_info_names_the_numerics_setting_a_diverging_rank_ran_under(tmp_path) -> None:
@@ -448,12 +447,7 @@ _STATIC_OUTPUT = """
                 tok = (m.out.argmax(-1) + i) % 41
         dist.destroy_process_group()
 
-    if __name__ == "__main__":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(worker, args=(port,), nprocs=2)
-"""
+""" + _SPAWN_TWO_RANKS
 
 
 def test_info_says_a_divergence_found_in_inputs_alone_may_start_earlier(tmp_path) -> None:
