@@ -55,6 +55,7 @@ __all__ = [
     "differences",
     "env_numerics",
     "recorded_context",
+    "show_setting",
     "step_context_digest",
     "strip_reserved",
 ]
@@ -374,7 +375,8 @@ def apply(ctx: dict[str, Any]) -> Iterator[list[str]]:
         _cache.raw = None
 
 
-def _show(v: Any) -> str:
+def show_setting(v: Any) -> str:
+    """A setting's value as a line shows it (JSON; None is "unset")."""
     return "unset" if v is None else json.dumps(v)
 
 
@@ -385,12 +387,12 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     lines = []
     for name in sorted(set(recorded) | set(current)):
         if name not in current:
-            lines.append(f"{name}: recorded {_show(recorded[name])}, not known to this torch")
+            lines.append(f"{name}: recorded {show_setting(recorded[name])}, not known to this torch")
         elif name not in recorded:
             if current[name] is not None:
-                lines.append(f"{name}: not recorded, now {_show(current[name])}")
+                lines.append(f"{name}: not recorded, now {show_setting(current[name])}")
         elif recorded[name] != current[name]:
-            lines.append(f"{name}: recorded {_show(recorded[name])}, now {_show(current[name])}")
+            lines.append(f"{name}: recorded {show_setting(recorded[name])}, now {show_setting(current[name])}")
     return lines
 
 

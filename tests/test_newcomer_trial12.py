@@ -402,10 +402,10 @@ _AUTOCAST_ON_ONE_RANK = """
 """ + _SPAWN_TWO_RANKS
 
 
-def test_info_names_the_numerics_setting_a_diverging_rank_ran_under(tmp_path) -> None:
-    """Rank 1 ran under autocast from one step on: info named the step and rank, and nothing
-    said that rank 1's steps ran under other numerics settings (only ``diff`` between the ranks
-    did). It says so under the first divergence."""
+def test_info_and_step_name_the_numerics_setting_a_diverging_rank_ran_under(tmp_path) -> None:
+    """Rank 1 ran under autocast from one step on: info named the step and rank, and ``step
+    --rank 1`` said "vs rank 0: different"; nothing said that rank 1's steps ran under other
+    numerics settings (only ``diff`` between the ranks did). Both say so."""
     import json
 
     _script(tmp_path, "ac", _AUTOCAST_ON_ONE_RANK)
@@ -416,6 +416,9 @@ def test_info_names_the_numerics_setting_a_diverging_rank_ran_under(tmp_path) ->
     assert line.strip().startswith("rank 1 ran under other numerics settings from step 2:") and "autocast.cpu.enabled False on rank 0, True on rank 1" in line, line
     data = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
     assert data["numerics_at_divergence"]["rank"] == 1 and data["numerics_at_divergence"]["step"] == 2, data
+    # And the re-run of rank 1's step, against rank 0's recorded bits, says why they differ.
+    s = _replay("step", out, "--rank", "1", "--step", "2", "--no-save", cwd=tmp_path)
+    assert "note: rank 0 ran step 2 under other numerics settings than rank 1 when recorded: autocast.cpu.enabled: here true, rank 0 false" in s.stdout, s.stdout + s.stderr[-2000:]
 
 
 # Two ranks; the model writes its logits into a buffer and returns nothing (a graph runner's

@@ -773,8 +773,34 @@ def rerun_step(
         result.modes = {"compiled": result.modes["compiled"], **result.modes}
     if first.rf.keyframe(step) is None:
         result.notes.append(NO_KEYFRAME_NOTE)
+    result.notes += _numerics_vs_ranks(part, rank, step)
     result.sources_changed = _sources_changed(first)
     return result
+
+
+def _numerics_vs_ranks(part: Any, rank: int, step: int, limit: int = 3) -> list[str]:
+    """Other ranks that ran this step under other numerics settings (TF32, matmul precision,
+    autocast, ...) when recorded: what makes their bits differ from this rank's, as diff says."""
+    from replay import numerics
+
+    mine = numerics.recorded_context(part[rank], step)
+    if mine is None:
+        return []
+    notes = []
+    for other in sorted(part):
+        if other == rank or len(notes) >= limit:
+            continue
+        try:
+            theirs = numerics.recorded_context(part[other], step)
+        except Exception:  # noqa: BLE001 - another rank's file is not this step's business
+            continue
+        if theirs is None or theirs == mine:
+            continue
+        changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        shown = ", ".join(f"{k}: here {numerics.show_setting(mine.get(k))}, rank {other} {numerics.show_setting(theirs.get(k))}" for k in changed[:4])
+        notes.append(f"rank {other} ran step {step} under other numerics settings than rank {rank} when recorded: {shown}"
+                     f"{', ...' if len(changed) > 4 else ''}")
+    return notes
 
 
 def _sources_changed(rp: Replayer) -> list[str]:
