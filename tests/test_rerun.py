@@ -60,7 +60,7 @@ def test_odd_rank_reproduces_its_own_bits(recordings, run_cli):
     data = res.json()
     eager = data["modes"]["eager"]
     assert eager["matches_ranks"]["logits"] == [1]  # the re-run reproduces the odd rank, not the others
-    vs_others = [v for v in data["verdicts"] if v["b"] in ("rank 0 recorded", "rank 2 recorded")]
+    vs_others = [v for v in data["verdicts"] if v["b"] in ("rank 0 recorded logits", "rank 2 recorded logits")]
     assert vs_others and all(v["verdict"] != "bitwise equal" and v["max_abs"] > 0 for v in vs_others)
 
 

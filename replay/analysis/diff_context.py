@@ -159,7 +159,9 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
                                note=f"weights not recorded in {which}" + (f" for stream {model}" if model else ""))
         merged += [{**it, "name": _of_model(it["name"], model)} for it in _digest_items(pairs, wa, wb)]
     if same_layout:
-        return _capped(Category.WEIGHTS, merged)
+        # Digested once, as each run's first recorded step found them: a weight the program
+        # changed later (an adapter added mid-run) is not seen here.
+        return _capped(Category.WEIGHTS, merged, "as at each run's first recorded step")
     if not merged:
         # Digests of shards cannot be compared across layouts: do not call the weights the same.
         return ContextDiff(category=Category.WEIGHTS, compared=False,

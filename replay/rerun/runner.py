@@ -948,7 +948,10 @@ def _compare_across(result: StepRerun, part: Part, rank: int, step: int, modes: 
             continue
         lg = _ring_logits(other, step)  # where the other rank's ring kept this step
         if lg is not None and lg.shape == head.outputs["logits"].shape:
-            result.comparisons.append(compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run", name_b=f"rank {r} recorded"))
+            # Named for the field: the logits may agree where the step's other outputs (its
+            # sampled tokens) do not, as the verdict table's "same bits as ranks" says.
+            result.comparisons.append(compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run logits",
+                                                      name_b=f"rank {r} recorded logits"))
 
 
 def default_modes(part: Part, rank: int, step: int, device: str, *, relaunch: bool = False) -> list[str]:
