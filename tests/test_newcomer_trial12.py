@@ -369,7 +369,8 @@ def test_a_step_of_a_dynamically_quantised_model_re_runs(tmp_path) -> None:
     assert s.returncode == 0 and s.stdout.startswith("reproduced:"), s.stdout + s.stderr[-2000:]
 
 
-# Two replicated ranks; rank 1 runs its steps under CPU autocast (bfloat16) from its third step.
+# Two replicated ranks; rank 1 runs its steps under CPU autocast (bfloat16) from its third step,
+# and with a setting that changes nothing here (cuDNN's benchmark mode) from the start.
 _AUTOCAST_ON_ONE_RANK = """
     import contextlib, socket
     import torch, torch.nn as nn
@@ -386,6 +387,7 @@ _AUTOCAST_ON_ONE_RANK = """
     def worker(rank, port):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         torch.manual_seed(0)
+        torch.backends.cudnn.benchmark = rank == 1  # differs from the start, and changes nothing here
         model = LM().eval()
         tok = torch.tensor([[1]])
         with torch.no_grad():
@@ -412,8 +414,11 @@ def test_info_and_step_name_the_numerics_setting_a_diverging_rank_ran_under(tmp_
     out, _ = _record(tmp_path, "ac")
     info = _replay("info", out, cwd=tmp_path)
     assert "first divergence        step 2:" in info.stdout, info.stdout  # the prefill is not a step
-    line = next(x for x in info.stdout.splitlines() if "ran under other numerics settings" in x)
-    assert line.strip().startswith("rank 1 ran under other numerics settings from step 2:") and "autocast.cpu.enabled False on rank 0, True on rank 1" in line, line
+    line = next(x for x in info.stdout.splitlines() if "under other numerics settings" in x)
+    assert line.strip().startswith("rank 1 ran step 2 under other numerics settings than rank 0") and \
+        "autocast.cpu.enabled True (rank 0: False), since step 2" in line, line
+    # The setting that began to differ where the bits did comes before one that differed all along.
+    assert line.index("autocast.cpu.enabled") < line.index("backends.cudnn.benchmark True (rank 0: False), since step 0"), line
     data = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
     assert data["numerics_at_divergence"]["rank"] == 1 and data["numerics_at_divergence"]["step"] == 2, data
     # And the re-run of rank 1's step, against rank 0's recorded bits, says why they differ.

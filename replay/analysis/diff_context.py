@@ -381,6 +381,42 @@ def first_numerics_difference(a: RankFile, b: RankFile) -> dict[str, Any] | None
             "changes": _dict_diff(ctx_a if isinstance(ctx_a, dict) else {}, ctx_b if isinstance(ctx_b, dict) else {})}
 
 
+def settings_at(a: RankFile, b: RankFile, step: int) -> list[dict[str, Any]] | None:
+    """The numerics settings that differ between ``a``'s and ``b``'s contexts at ``step``, each
+    with the first common step (up to ``step``) from which its values differ, the newest first:
+    a setting that began to differ where the bits did is the likelier cause than one that
+    already differed on steps that agreed. None: no per-step contexts in both."""
+    na, nb = _target_of(a).get("numerics"), _target_of(b).get("numerics")
+    if not isinstance(na, dict) or not isinstance(nb, dict):
+        return None
+    ca, cb = _step_contexts(a), _step_contexts(b)
+    if ca is None or cb is None:
+        return None
+    common, xa, xb = np.intersect1d(ca[0], cb[0], return_indices=True)
+    keep = common <= step
+    if not keep.any() or common[keep][-1] != step:
+        return None
+    contexts_a, contexts_b = na.get("contexts") or {}, nb.get("contexts") or {}
+    pairs: dict[tuple[str, str], int] = {}  # (digest a, digest b) -> the first step with that pair
+    for s, ia, ib in zip(common[keep].tolist(), ca[1][xa[keep]].tolist(), cb[1][xb[keep]].tolist()):
+        pairs.setdefault((ca[2][ia], cb[2][ib]), s)
+    last = (ca[2][ca[1][xa[keep]][-1]], cb[2][cb[1][xb[keep]][-1]])
+    at_a, at_b = contexts_a.get(last[0]) or {}, contexts_b.get(last[1]) or {}
+    if not isinstance(at_a, dict) or not isinstance(at_b, dict):
+        return None
+    out = [{"name": k, "a": at_a.get(k), "b": at_b.get(k), "since": _since(k, at_a, at_b, pairs, contexts_a, contexts_b, step)}
+           for k in sorted(set(at_a) | set(at_b)) if at_a.get(k) != at_b.get(k)]
+    return sorted(out, key=lambda c: -c["since"])
+
+
+def _since(k: str, at_a: dict[str, Any], at_b: dict[str, Any], pairs: dict[tuple[str, str], int],
+           contexts_a: dict[str, Any], contexts_b: dict[str, Any], step: int) -> int:
+    """The first step at which setting ``k`` had the values it has at ``step`` on both sides."""
+    return min((s for (da, db), s in pairs.items()
+                if (contexts_a.get(da) or {}).get(k) == at_a.get(k) and (contexts_b.get(db) or {}).get(k) == at_b.get(k)),
+               default=step)
+
+
 def _target_of(rf: RankFile) -> dict[str, Any]:
     t = rf.attrs.get("target")
     return t if isinstance(t, dict) else {}

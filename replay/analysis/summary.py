@@ -227,7 +227,7 @@ def numerics_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None
     (TF32, matmul precision, autocast, deterministic mode, ...) at or before the divergence: the
     first such step and what differs, the likeliest cause ``diff`` would name. None: no rank did
     (or no per-step context was recorded)."""
-    from replay.analysis.diff_context import first_numerics_difference
+    from replay.analysis.diff_context import settings_at
 
     majority = next((r for r in div.majority if r in part), None)
     if majority is None:
@@ -235,10 +235,10 @@ def numerics_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None
     for rank in div.ranks:
         if rank not in part:
             continue
-        found = first_numerics_difference(part[majority], part[rank])
-        if found is not None and found["step"] <= div.step and found["changes"]:
-            return {"rank": rank, "majority_rank": majority, "step": found["step"],
-                    "changes": [{"name": c["name"], "majority": c.get("a"), "rank": c.get("b")} for c in found["changes"][:4]]}
+        changes = settings_at(part[majority], part[rank], div.step)
+        if changes:
+            return {"rank": rank, "majority_rank": majority, "step": div.step, "since": changes[0]["since"],
+                    "changes": [{"name": c["name"], "majority": c["a"], "rank": c["b"], "since": c["since"]} for c in changes[:4]]}
     return None
 
 

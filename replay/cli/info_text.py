@@ -194,9 +194,10 @@ def _numerics_lines(n: dict[str, Any] | None) -> list[str]:
     """The numerics settings the diverging rank ran under, where they differ from the majority's."""
     if not n:
         return []
-    changes = ", ".join(f"{escape(str(c['name']))} {escape(str(c['majority']))} on rank {n['majority_rank']}, "
-                        f"{escape(str(c['rank']))} on rank {n['rank']}" for c in n["changes"])
-    return [style(f"  rank {n['rank']} ran under other numerics settings from step {n['step']}: {changes}", fg="red")]
+    changes = "; ".join(f"{escape(str(c['name']))} {escape(str(c['rank']))} (rank {n['majority_rank']}: "
+                        f"{escape(str(c['majority']))}), since step {c['since']}" for c in n["changes"])
+    return [style(f"  rank {n['rank']} ran step {n['step']} under other numerics settings than rank {n['majority_rank']}, "
+                  f"the newest first: {changes}", fg="red")]
 
 
 def _one_rank_lines(s: dict[str, Any]) -> list[str]:
