@@ -605,3 +605,49 @@ def test_a_module_torch_jit_trace_ran_is_neither_chosen_nor_offered(tmp_path) ->
     p = _replay("record", "--out", tmp_path / "rec", "--", "python3", "tr.py", cwd=tmp_path)
     assert "tr:Step" not in p.stderr and "never ran again" not in p.stderr, p.stderr
     assert "TopLevelTracedModule is TorchScript" in p.stderr, p.stderr
+
+
+# Two replicated ranks whose model takes its sampling temperature as a Python float; rank 1
+# passes another one from its fourth call.
+_TEMPERATURE_ON_ONE_RANK = """
+    import socket
+    import torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(40, 16); self.head = nn.Linear(16, 40)
+        def forward(self, tok, temperature):
+            return self.head(torch.tanh(self.emb(tok)[:, -1])) / temperature
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        model = LM().eval()
+        tok = torch.tensor([[1]])
+        with torch.no_grad():
+            for i in range(6):
+                logits = model(tok, 0.7 if rank == 1 and i >= 3 else 0.8)
+                nxt = logits.argmax(-1, keepdim=True)
+                both = [torch.empty_like(nxt) for _ in range(2)]
+                dist.all_gather(both, nxt)
+                tok = both[0]
+        dist.destroy_process_group()
+""" + _SPAWN_TWO_RANKS
+
+
+def test_info_names_a_plain_argument_a_diverging_rank_passed_otherwise(tmp_path) -> None:
+    """Rank 1 passed another temperature (a Python float) from one step on: the recording holds
+    both values, and info, diff and step said only that the logits differ. info names it."""
+    import json
+
+    _script(tmp_path, "temp", _TEMPERATURE_ON_ONE_RANK)
+    out, _ = _record(tmp_path, "temp")
+    info = _replay("info", out, cwd=tmp_path)
+    assert "first divergence        step 2:" in info.stdout, info.stdout
+    assert "rank 1 called step 2 with other arguments than rank 0, the newest first: temperature 0.7 (rank 0: 0.8), since step 2" \
+        in info.stdout, info.stdout
+    data = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert data["arguments_at_divergence"]["changes"][0]["name"] == "temperature", data

@@ -409,6 +409,46 @@ def settings_at(a: RankFile, b: RankFile, step: int) -> list[dict[str, Any]] | N
     return sorted(out, key=lambda c: -c["since"])
 
 
+def arguments_at(a: RankFile, b: RankFile, step: int) -> list[dict[str, Any]]:
+    """The plain (JSON) arguments of ``step`` that differ between ``a`` and ``b`` (a sampling
+    temperature one rank passed otherwise), each with the first common step from which its
+    values are the ones they have at ``step``, the newest first. Tensors are compared as
+    fields; the recorder's own entries and objects recorded by class name are left out."""
+    sa, sb = a.tables.steps, b.tables.steps
+    common, xa, xb = np.intersect1d(sa["step"].astype(np.int64), sb["step"].astype(np.int64), return_indices=True)
+    keep = common <= step
+    if not keep.any() or common[keep][-1] != step:
+        return []
+    ids = np.stack([sa["args"].astype(np.int64)[xa[keep]], sb["args"].astype(np.int64)[xb[keep]]], 1)
+    pairs, first = np.unique(ids, axis=0, return_index=True)
+    steps = common[keep]
+    parsed = {(side, int(i)): _plain_args(rf, int(i)) for side, rf in ((0, a), (1, b)) for i in np.unique(ids[:, side])}
+    at_a, at_b = parsed[(0, int(ids[-1, 0]))], parsed[(1, int(ids[-1, 1]))]
+    out = []
+    for k in sorted(set(at_a) | set(at_b)):
+        if at_a.get(k, _ABSENT) == at_b.get(k, _ABSENT):
+            continue
+        since = min((int(steps[f]) for (ia, ib), f in zip(pairs.tolist(), first.tolist())
+                     if parsed[(0, ia)].get(k, _ABSENT) == at_a.get(k, _ABSENT) and parsed[(1, ib)].get(k, _ABSENT) == at_b.get(k, _ABSENT)),
+                    default=step)
+        out.append({"name": k, "a": _short(at_a.get(k, "absent")), "b": _short(at_b.get(k, "absent")), "since": since})
+    return sorted(out, key=lambda c: -c["since"])
+
+
+_ABSENT = object()
+
+
+def _plain_args(rf: RankFile, sid: int) -> dict[str, Any]:
+    """A step's recorded non-tensor arguments that are plain values (numbers, strings, lists)."""
+    if sid < 0:
+        return {}
+    try:
+        args = json.loads(rf.tables.string(sid))
+    except ValueError:
+        return {}
+    return {k: v for k, v in args.items() if not k.startswith("__") and not isinstance(v, dict)} if isinstance(args, dict) else {}
+
+
 def _since(k: str, at_a: dict[str, Any], at_b: dict[str, Any], pairs: dict[tuple[str, str], int],
            contexts_a: dict[str, Any], contexts_b: dict[str, Any], step: int) -> int:
     """The first step at which setting ``k`` had the values it has at ``step`` on both sides."""

@@ -242,6 +242,21 @@ def numerics_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None
     return None
 
 
+def arguments_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None:
+    """The plain arguments (a temperature, a flag) a diverging rank's step took that differ
+    from the majority's at the divergence, the one that began to differ last first. None: none."""
+    from replay.analysis.diff_context import arguments_at
+
+    majority = next((r for r in div.majority if r in part), None)
+    for rank in div.ranks if majority is not None else []:
+        if rank in part:
+            changes = arguments_at(part[majority], part[rank], div.step)
+            if changes:
+                return {"rank": rank, "majority_rank": majority, "step": div.step,
+                        "changes": [{"name": c["name"], "majority": c["a"], "rank": c["b"], "since": c["since"]} for c in changes[:4]]}
+    return None
+
+
 def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     world = part.world_size
     part, unreadable = readable(part)
@@ -266,6 +281,7 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
     if div is not None:
         out["numerics_at_divergence"] = numerics_at_divergence(part, div)
+        out["arguments_at_divergence"] = arguments_at_divergence(part, div)
     _label_streams(part, out)
     out["step_callables"] = step_callables(part)
     out["lockstep"] = lockstep_events(part)

@@ -172,6 +172,7 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
                        f"{_ranks(d['ranks'])} (majority: {_ranks(d['majority'])})", fg="red", bold=True)]
     if d is not None:
         lines += _numerics_lines(s.get("numerics_at_divergence"))
+        lines += _numerics_lines(s.get("arguments_at_divergence"), what="arguments")
     if t is not None:
         lines.append(style(f"first token divergence  {_where(t)}: {escape(t['field'])} differs on rank(s) "
                            f"{_ranks(t['ranks'])}", fg="red", bold=True))
@@ -190,14 +191,16 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _numerics_lines(n: dict[str, Any] | None) -> list[str]:
-    """The numerics settings the diverging rank ran under, where they differ from the majority's."""
+def _numerics_lines(n: dict[str, Any] | None, what: str = "numerics settings") -> list[str]:
+    """The numerics settings (or plain arguments) of the diverging rank's step, where they
+    differ from the majority's."""
     if not n:
         return []
     changes = "; ".join(f"{escape(str(c['name']))} {escape(str(c['rank']))} (rank {n['majority_rank']}: "
                         f"{escape(str(c['majority']))}), since step {c['since']}" for c in n["changes"])
-    return [style(f"  rank {n['rank']} ran step {n['step']} under other numerics settings than rank {n['majority_rank']}, "
-                  f"the newest first: {changes}", fg="red")]
+    how = "ran step {} under other numerics settings".format(n["step"]) if what == "numerics settings" else \
+        "called step {} with other arguments".format(n["step"])
+    return [style(f"  rank {n['rank']} {how} than rank {n['majority_rank']}, the newest first: {changes}", fg="red")]
 
 
 def _one_rank_lines(s: dict[str, Any]) -> list[str]:
