@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from replay import Recorder, RecorderConfig, open_recording
+from replay.digest import digest
 from replay.format import TensorKind
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.uint8, torch.float64]
@@ -337,3 +338,39 @@ def test_a_forked_child_never_reads_its_parent_s_cuda_generators(monkeypatch):
             os._exit(4)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("outputs", ["digest", "full"])
+def test_cpu_logits_a_probe_saw_are_recorded_as_returned(tmp_path, outputs):
+    """CPU logits a probe saw (their margin taken then) and the step returned are recorded from
+    one copy only while unchanged: logits changed in place after the probe, or other logits
+    returned, are recorded as returned, and the margin stays the probe's."""
+    g = torch.Generator().manual_seed(3)
+    rec = Recorder(RecorderConfig(out=tmp_path / "r", outputs=outputs))
+    seen, returned = [], []
+    for s in range(4):
+        lg = torch.randn(2, 3, 16, generator=g)
+        rec.begin_step()
+        rec.record_logits(lg)  # what a probe does with a ``logits`` argument
+        seen.append(lg.clone())
+        if s == 1:
+            lg.mul_(-2.0)  # changed in place after the probe
+        elif s == 2:
+            lg = torch.randn(2, 3, 16, generator=g)  # other logits returned
+        returned.append(lg.clone())
+        rec.record_outputs(logits=lg, ids=lg.argmax(-1))
+        rec.end_step()
+    rec.close()
+    assert rec.error is None
+    with open_recording(tmp_path / "r") as r:
+        rf = r["run-000"][0]
+        margins = rf.full().steps["margin"]
+        for s in range(4):
+            step = rf.step(s)
+            if outputs == "full":
+                assert torch.equal(step.tensors(TensorKind.OUTPUT)["logits"], returned[s]), s
+            assert step.digests(TensorKind.OUTPUT)["logits"] == digest(returned[s]), s
+            assert step.digests(TensorKind.OUTPUT)["ids"] == digest(returned[s].argmax(-1)), s
+            # (other logits returned are the step's last logits: their margin)
+            top = (returned if s == 2 else seen)[s].topk(2, dim=-1).values
+            assert margins[s] == pytest.approx(float((top[..., 0] - top[..., 1]).min())), s

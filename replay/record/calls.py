@@ -220,11 +220,30 @@ class Binder:
         return inspect.BoundArguments(self.signature, arguments)  # type: ignore[arg-type]
 
 
+# Signatures of plain parameters only (no ``*args``, ``**kwargs``, positional- or keyword-only
+# ones), by ``id`` with the signature kept: their arguments are their bound items, and none is
+# passed by position only (a step's call is split each step, right after the program's work).
+_PLAIN_SIGNATURES: dict[int, tuple[inspect.Signature, bool]] = {}
+
+
+def plain_signature(sig: inspect.Signature) -> bool:
+    known = _PLAIN_SIGNATURES.get(id(sig))
+    if known is not None and known[0] is sig:
+        return known[1]
+    plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
+    if len(_PLAIN_SIGNATURES) >= 256:
+        _PLAIN_SIGNATURES.clear()
+    _PLAIN_SIGNATURES[id(sig)] = (sig, plain)
+    return plain
+
+
 def argument_pairs(bound: inspect.BoundArguments, skip_first: bool) -> list[tuple[str, Any]]:
     """(name, value) of every argument, ``*args`` as ``name.i`` and ``**kwargs`` by key."""
     items = list(bound.arguments.items())
     if skip_first and items:
         items = items[1:]
+    if plain_signature(bound.signature):
+        return items
     params = bound.signature.parameters
     pairs: list[tuple[str, Any]] = []
     for name, value in items:
@@ -306,7 +325,7 @@ def split_arguments(
             scalars[n] = _jsonable(v)
     if structures:
         scalars[STRUCTURE_ARG] = structures
-    positional = positional_names(bound, skip_first)
+    positional = [] if plain_signature(bound.signature) else positional_names(bound, skip_first)
     if positional:
         scalars[POSITIONAL_ARG] = positional
     return tensors, scalars

@@ -43,6 +43,7 @@ from replay.format.ring_salvage import salvage_ring
 from replay.format.seal import seal_rank
 from replay.log import get_logger
 from replay.record import rng as _rng
+from replay.core.outputs import tensor_version
 from replay.core.structure import UNRECORDED_ARG
 from replay.record.calls import cuda_capturing, unrecordable
 from replay.record.config import RecorderConfig
@@ -110,6 +111,10 @@ class _Step:
     margin_logits: torch.Tensor | None = None  # a snapshot of the logits: the margin is computed on the side stream
     margin_src: Any = None  # a host tensor, or (uint8 numpy view, dtype, shape) in the ring
     logits_key: tuple | None = None
+    # A CPU step's logits copied into the ring for the margin when a probe saw them, and their
+    # version then: the same logits returned unchanged are recorded from that copy.
+    margin_copy: Entry | None = None
+    margin_version: int = -1
     accepted: int | None = None
     accepted_entry: Entry | None = None
     accepted_nbytes: int = 0
@@ -174,6 +179,8 @@ class Recorder:
         self._warned = False
         self._closed = False
         self._lock = threading.RLock()
+        # Called with the recorder when it closes, before its end marker (what its owner notes last).
+        self.before_close: list[Callable[[Recorder], None]] = []
         self._step_counter = 0
         self._cur: _Step | None = None
         # Threads whose steps began while another thread's step was open: one step is recorded
@@ -496,7 +503,7 @@ class Recorder:
             (n, TensorKind.OUTPUT, t, cfg.outputs == "full")
             for n, t in named
         ]
-        for (name, t), e in zip(named, self._entries(st, items)):
+        for (name, t), e in zip(named, self._output_entries(st, items)):
             st.groups.setdefault("tokens" if e.kind == TensorKind.TOKENS else "outputs", []).append(e)
             if e.kind == TensorKind.OUTPUT and name == cfg.logits and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
                 self._logits(st, t, e)
@@ -506,6 +513,26 @@ class Recorder:
                     st.accepted_nbytes = t.numel() * t.element_size()
                 else:
                     st.accepted = _host_count(t)
+
+    def _output_entries(self, st: _Step, items: list[tuple[str, TensorKind, torch.Tensor, bool]]) -> list[Entry]:
+        """The outputs' entries; CPU logits a probe saw, unchanged since, from the ring copy made
+        for their margin then (a second copy of the step's largest tensor is the CPU step's
+        largest single cost in the recorder)."""
+        copy = st.margin_copy
+        at = -1 if copy is None else next((i for i, (_, _, t, _) in enumerate(items) if self._is_margin_copy(st, t)), -1)
+        if at < 0:
+            return self._entries(st, items)
+        name, kind, t, store = items[at]
+        assert copy is not None
+        reused = Entry(name=name, kind=kind, dtype=copy.dtype, shape=copy.shape, store=store, host=copy.host,
+                       ring_at=copy.ring_at, npv=copy.npv)
+        rest = self._entries(st, items[:at] + items[at + 1:]) if len(items) > 1 else []
+        return [*rest[:at], reused, *rest[at:]]
+
+    @staticmethod
+    def _is_margin_copy(st: _Step, t: torch.Tensor) -> bool:
+        return (type(t) is torch.Tensor and not t.is_cuda and tensor_version(t) == st.margin_version
+                and st.logits_key == (t.data_ptr(), tuple(t.shape), t.dtype))
 
     @_failsafe()
     def record_tokens(self, **tensors: torch.Tensor) -> None:
@@ -539,6 +566,9 @@ class Recorder:
         else:
             if entry is None or entry.packed is not None:
                 entry = self._staging.entries(self._step_ring(st), None, [("margin", TensorKind.OUTPUT, t, False)])[0]
+                version = tensor_version(t)  # (an inference tensor keeps none: its writes cannot be told)
+                if version is not None and entry.packed is None and entry.release is None:
+                    st.margin_copy, st.margin_version = entry, version
             # The margin is computed by the drain, from the copy the entry made.
             st.margin_src = entry.host if entry.host is not None else (entry.npv, t.dtype, tuple(t.shape))
             if entry.ring_at >= 0:
@@ -883,6 +913,11 @@ class Recorder:
             self._closed = True
         if not self._disabled:
             try:
+                for hook in self.before_close:
+                    try:
+                        hook(self)
+                    except Exception as e:  # noqa: BLE001 - what a hook adds is not worth the recording
+                        log.warning("at the recording's close: %s: %s (recording goes on)", e.__class__.__name__, e)
                 with self._lock:
                     if self._cur is not None:  # whichever thread began it
                         self._end(error="the program ended inside this step")
