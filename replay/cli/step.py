@@ -15,7 +15,7 @@ from replay.errors import ReplayError, RerunError, UsageError
 from replay.format.reader import Part
 from replay.textsafe import escape
 from replay.rerun.result import ModeRun, StepRerun
-from replay.rerun.result import NO_STATE_HINT
+from replay.rerun.result import NO_STATE_HINT, PARAMETERS_CHANGED_HINT
 from replay.rerun.runner import KEYFRAME_EVERY_STEP_HINT, NO_KEYFRAME_NOTE, RerunOptions, caller_hint, default_modes
 from replay.rerun.step import run_step, uses_relaunch
 
@@ -191,6 +191,8 @@ def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
             # The first step after the restore: what the keyframe holds is the likeliest cause.
             hint = ("; that is the keyframe's own step: the keyframe may not hold all the state the step reads "
                     "(name all of it with replay record --state)")
+        if r.parameters_changed:
+            hint = f"; {PARAMETERS_CHANGED_HINT}"  # (a model other than the rebuilt one ran: no state restores that)
         return style(f"  {m.mode}: the re-run departed from the recording at {escape(m.departed)} (teacher-forced from there)"
                      + hint, fg="yellow")
     if not m.uncompared:
@@ -207,7 +209,7 @@ def _error_line(r: StepRerun, m: ModeRun) -> str:
     rec = f"raised {escape(m.recorded_error)}" if m.recorded_error else "completed"
     # Raised after a catch-up where it completed when recorded: what it read was not there,
     # most often state the loop changes between steps, which only a keyframe at the step holds.
-    hint = f"; {NO_STATE_HINT if r.no_keyframes else KEYFRAME_EVERY_STEP_HINT}" if (
+    hint = f"; {PARAMETERS_CHANGED_HINT if r.parameters_changed else NO_STATE_HINT if r.no_keyframes else KEYFRAME_EVERY_STEP_HINT}" if (
         m.error and not m.recorded_error and m.caught_up and r.keyframe < r.step and not r.unrecorded
         and not r.state_outside) else ""
     hint += caller_hint(r.caller) if m.error and not m.recorded_error and not r.state_outside else ""

@@ -128,3 +128,34 @@ def _placement(pl: Any) -> str:
     if callable(getattr(pl, "is_partial", None)) and pl.is_partial():
         return f"Partial({getattr(pl, 'reduce_op', '')})"
     return repr(pl)
+
+
+# How many parameter names a change keeps and says (a model swapped whole has thousands).
+_CHANGE_NAMES = 8
+
+
+def parameter_changes(recorded: Mapping[str, Mapping[str, Any]], module: torch.nn.Module) -> dict[str, Any] | None:
+    """How ``module``'s parameters now differ in names and shapes from ``recorded`` (the
+    ``weight_digests`` of its first recorded step): ``{"added", "removed", "reshaped"}`` (a few
+    names each, with counts), None when they do not. Only names and shapes: nothing is digested
+    (a model the program changed in place keeps its names)."""
+    now = weight_shapes(module)
+    added = [n for n in now if n not in recorded]
+    removed = [n for n in recorded if n not in now]
+    reshaped = [n for n in now if n in recorded and list(recorded[n].get("shape") or []) != list(now[n])]
+    if not (added or removed or reshaped):
+        return None
+    return {k: {"count": len(v), "names": v[:_CHANGE_NAMES]} for k, v in
+            (("added", added), ("removed", removed), ("reshaped", reshaped)) if v}
+
+
+def describe_parameter_changes(changes: Mapping[str, Any]) -> str:
+    """``parameter_changes`` in words: "2 added (l2.lora_A, l2.lora_B), 1 removed (l2.weight)"."""
+    parts = []
+    for what in ("added", "removed", "reshaped"):
+        c = changes.get(what)
+        if isinstance(c, Mapping) and isinstance(c.get("count"), int) and c["count"] > 0:
+            names = [str(n) for n in c.get("names") or []]
+            more = ", ..." if c["count"] > len(names) else ""
+            parts.append(f"{c['count']} {what} ({', '.join(names)}{more})")
+    return ", ".join(parts)

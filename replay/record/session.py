@@ -252,6 +252,9 @@ class Session(GraphEvents):
         self._last_tuner = None
         self._tuner_dirty = True
         self.recorder = Recorder(cfg)
+        streams = self._streams
+        # When the recorder closes (the program's end, a new part), before its end marker.
+        self.recorder.before_close.append(lambda rec: self._note_changed_models(rec, streams))
         self._close_in_worker()
         return self.recorder
 
@@ -331,6 +334,35 @@ class Session(GraphEvents):
         if rec is not None:
             self._record_tuner(force=True, rec=rec)
             rec.close(status, uncaught=self.uncaught)
+
+    def _note_changed_models(self, rec: Recorder, streams: PartStreams) -> None:
+        """A stream's model whose parameters changed in names or shapes while recorded (an adapter
+        added, a layer replaced): a re-run builds the model as it was at its first call, so no
+        keyframe brings the steps after the change back. Kept in the stream's target info (for
+        ``replay step``'s advice) and said in a note (for ``info``)."""
+        changed = False
+        for st in streams.streams:
+            recorded = st.info.get("weights")
+            obj = st.obj()
+            held = None if isinstance(obj, torch.nn.Module) else held_module(obj)
+            model = obj if isinstance(obj, torch.nn.Module) else held[1] if held is not None else None
+            if not isinstance(recorded, dict) or not recorded or model is None:
+                continue
+            try:
+                from replay.core.weights import describe_parameter_changes, parameter_changes
+
+                changes = parameter_changes(recorded, model)
+            except Exception:  # noqa: BLE001 - a model that cannot be walked now: nothing said
+                continue
+            if changes is None:
+                continue
+            st.info["parameters_changed"] = changes
+            changed = True
+            rec.note(f"the model of stream {st.name} on rank {rec.config.rank} changed its parameters after its first recorded step "
+                     f"({describe_parameter_changes(changes)}): a re-run builds it as it was at that step, so steps "
+                     "after the change do not re-run as recorded, and no keyframe restores that")
+        if changed and streams is self._streams and streams.streams:
+            rec.set_target(self._merged_info())
 
     # -- steps -------------------------------------------------------------------------------
 

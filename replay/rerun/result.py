@@ -165,6 +165,10 @@ NO_KEYFRAME_NOTE = "the recording holds no state keyframe: steps were re-run fro
 NO_STATE_HINT = ("the recording holds no state keyframe (replay found no tensors of the step's object to keep: a cache in "
                  "a Python list or on a plain object): name them with replay record --state NAME (a method or attribute "
                  "returning them), so that each step can start from the state it ran from")
+# Said instead of either where the model's parameters changed after its first recorded step.
+PARAMETERS_CHANGED_HINT = ("the step's model changed its parameters after its first recorded step (replay info names "
+                           "them): a re-run builds it as it was then, so no keyframe brings the later steps back; re-run "
+                           "steps before the change, or record the run from where the model is as it stays")
 
 
 @dataclass(slots=True)
@@ -200,6 +204,9 @@ class StepRerun:
     caller: str = ""
     # The program's source files (the script, the step's module) changed since the recording.
     sources_changed: list[str] = field(default_factory=list)
+    # The model's parameters changed in names or shapes after its first recorded step ("2 added
+    # (l2.lora_A, l2.lora_B)"): a re-run builds it as it was then, which no keyframe changes.
+    parameters_changed: str = ""
 
     def problem(self) -> str | None:
         """Why step ``step`` could not be re-run or checked against the recording; None if it was.
@@ -277,15 +284,12 @@ class StepRerun:
         return (self.keyframe < self.step and not self.live_start and bool(self.modes)
                 and all(m.caught_up and m.departed is None and not m.uncompared for m in self.modes.values())
                 and not (self.unrecorded or self.state_outside or self.env_differences or self.sources_changed
-                         or (self.weights is not None and self.weights.differ)))
+                         or self.parameters_changed or (self.weights is not None and self.weights.differ)))
 
     def _caveats(self) -> list[str]:
         """Why a not-reproduced step may not be the program's doing: the re-run differed from the
         recorded run in its environment, its weights or an unrecorded argument."""
-        out = []
-        if self.sources_changed:
-            out.append(f"; but the program's source changed since it was recorded ({', '.join(self.sources_changed[:3])}"
-                       f"{', ...' if len(self.sources_changed) > 3 else ''}): the re-run runs the code as it is now")
+        out = self._program_changed()
         if self.env_differences:
             out.append(f"; but the re-launched program's environment differs from the recorded one in "
                        f"{', '.join(self.env_differences[:3])}{', ...' if len(self.env_differences) > 3 else ''}: set "
@@ -321,7 +325,20 @@ class StepRerun:
                        "docs/your-engine.md)")
         return out
 
+    def _program_changed(self) -> list[str]:
+        """The caveats of a program that is not the one recorded: its source, its model's parameters."""
+        out = []
+        if self.sources_changed:
+            out.append(f"; but the program's source changed since it was recorded ({', '.join(self.sources_changed[:3])}"
+                       f"{', ...' if len(self.sources_changed) > 3 else ''}): the re-run runs the code as it is now")
+        if self.parameters_changed:
+            out.append(f"; but the step's model changed its parameters after its first recorded step "
+                       f"({self.parameters_changed}): the re-run builds it as it was then, which no keyframe changes")
+        return out
+
     def _between_steps_hint(self) -> str:
+        if self.parameters_changed:
+            return PARAMETERS_CHANGED_HINT
         if self.no_keyframes:
             return NO_STATE_HINT
         return ("if the program changes the model's state between steps (a beam search reordering its cache, a reset "
@@ -373,6 +390,7 @@ class StepRerun:
             "recorded_mode": self.recorded_mode or None,
             "caller": self.caller or None,
             "sources_changed": self.sources_changed,
+            "parameters_changed": self.parameters_changed or None,
             "problem": self.problem(),
             "raised": self.raised(),
             "headline": self.headline(),
@@ -387,7 +405,8 @@ class StepRerun:
             raise RecordingDamaged(f"not a step result this replay can read (kind {d.get('kind')!r}, format {version!r})")
         modes = {k: ModeRun.from_json(m) for k, m in (d.get("modes") or {}).items()}
         across = [comparison_from_json(v) for v in d.get("verdicts") or [] if "output" not in v]
-        text = {k: str(d.get(k) or "") for k in ("recording", "part", "device", "state_outside", "recorded_mode", "caller")}
+        text = {k: str(d.get(k) or "") for k in ("recording", "part", "device", "state_outside", "recorded_mode", "caller",
+                                                 "parameters_changed")}
         return cls(recording=text["recording"], part=text["part"], rank=int(d["rank"]),
                    step=int(d["step"]), keyframe=int(d.get("keyframe") or 0), device=text["device"],
                    factory=d.get("factory"), modes=modes, comparisons=across, notes=list(d.get("notes") or []),
@@ -395,6 +414,7 @@ class StepRerun:
                    unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []], live_start=d.get("live_start") is True,
                    env_differences=[str(e) for e in d.get("env_differences") or []],
                    state_outside=text["state_outside"], recorded_mode=text["recorded_mode"], caller=text["caller"],
-                   sources_changed=[str(s) for s in d.get("sources_changed") or []])
+                   sources_changed=[str(s) for s in d.get("sources_changed") or []],
+                   parameters_changed=text["parameters_changed"])
 
 

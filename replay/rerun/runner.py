@@ -31,7 +31,7 @@ from replay.format.schema import TensorKind
 from replay.core.outputs import name_outputs
 from replay.core.rng import restore_rng
 from replay.core.structure import POSITIONAL_ARG, STRUCTURE_ARG, RecordedDict, RecordedObject, call_arguments, rebuild_inputs, unrecordable
-from replay.core.weights import weight_digests
+from replay.core.weights import describe_parameter_changes, weight_digests
 from replay.rerun.result import NO_KEYFRAME_NOTE
 from replay.rerun.collectives import RecordedCollectives
 from replay import numerics
@@ -775,6 +775,7 @@ def rerun_step(
         result.notes.append(NO_KEYFRAME_NOTE)
     result.notes += _numerics_vs_ranks(part, rank, step)
     result.sources_changed = _sources_changed(first)
+    result.parameters_changed = describe_parameter_changes(first.spec.parameters_changed)
     return result
 
 

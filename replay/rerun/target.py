@@ -67,6 +67,9 @@ class TargetSpec:
     # Calls of the step the program made before the recorded step 0 (a step found with no flags
     # misses the first): the first keyframe holds the state they left, not the state as built.
     unrecorded_calls: int = 0
+    # How the model's parameters changed in names or shapes after its first recorded step
+    # (``replay.core.weights.parameter_changes``; empty: they did not, or an older recording).
+    parameters_changed: dict[str, Any] = field(default_factory=dict)
     # issue 16: the rank file the names came from (None: a spec the caller built), for replay.trust
     origin: Any = None
 
@@ -91,6 +94,7 @@ class TargetSpec:
             caller=_text(t, "caller"),
             unrecorded_calls=t["unrecorded_calls"] if isinstance(t.get("unrecorded_calls"), int) else 0,
             weights=_weights(t.get("weights")),
+            parameters_changed=dict(t["parameters_changed"]) if isinstance(t.get("parameters_changed"), dict) else {},
             origin=rf,  # issue 16
         )
 
