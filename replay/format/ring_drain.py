@@ -239,10 +239,34 @@ def run_drain(ring_path: Path, journal: Path, payload: Path, *, parent: int, max
         d.close()
 
 
+# How the drain process is scheduled beside the program (``REPLAY_DRAIN_SCHED``, a development
+# setting for ``benchmarks/diag/drain_priority.py``): "normal" (as the program), "batch"
+# (``SCHED_BATCH``: its wake-ups do not preempt the program's threads), "idle" (``SCHED_IDLE``: it
+# runs only on a core nothing else wants) or "nice" (nice 19).
+DRAIN_SCHED = "normal"
+
+
+def lower_priority(how: str) -> str | None:
+    """Schedule this process as ``how`` says; None, or why it could not (not Linux, refused)."""
+    try:
+        if how == "batch":
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        elif how == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        elif how == "nice":
+            os.nice(19)
+        elif how != "normal":
+            return f"unknown drain scheduling {how!r}"
+    except (AttributeError, OSError) as e:
+        return f"{e.__class__.__name__}: {e}"
+    return None
+
+
 def child_main(argv: list[str]) -> int:
     """The drain process's entry: one JSON argument (ring, journal, payload, parent, max_bytes).
     Exit 0 when done; 3 with one line on standard error when it failed."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the program, which closes the recording
+    lower_priority(os.environ.get("REPLAY_DRAIN_SCHED") or DRAIN_SCHED)
     a = json.loads(argv[0])
     try:
         run_drain(Path(a["ring"]), Path(a["journal"]), Path(a["payload"]), parent=int(a["parent"]), max_bytes=a.get("max_bytes"),
