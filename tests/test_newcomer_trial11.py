@@ -79,7 +79,8 @@ def test_config_settings_are_plain_values_beside_the_declared_fields() -> None:
 # sums are all-reduced, the vocab-parallel head all-gathered, and the loop all-gathering the
 # sampled token between steps (as replicated engines keep ranks in lockstep). With DRIFT set,
 # rank 1 rounds its MLP output otherwise (x * 3 / 3) after the all_reduce of the call K.
-# ASYNC=1 starts the all_reduces with async_op=True and waits on them.
+# ASYNC=1 starts the all_reduces with async_op=True and waits on them (FUTURE=1: on their
+# futures), then writes into their outputs in place.
 _TENSOR_PARALLEL = """
     import os, socket, torch, torch.nn as nn, torch.nn.functional as F
     import torch.distributed as dist
@@ -90,6 +91,7 @@ _TENSOR_PARALLEL = """
     DIE = os.environ.get("DIE") == "1"
     PARTIAL = os.environ.get("PARTIAL") == "1"
     ASYNC = os.environ.get("ASYNC") == "1"
+    FUTURE = os.environ.get("FUTURE") == "1"
 
     class TPMLP(nn.Module):
         def __init__(s, d, rank, ws):
@@ -102,8 +104,12 @@ _TENSOR_PARALLEL = """
             p = s.fc2(F.gelu(s.fc1(x)))
             if PARTIAL and s.rank == 1 and s.calls == K:
                 p = p + 1e-4  # before the all_reduce: every rank gets the changed sum
-            if ASYNC:
+            if ASYNC and FUTURE:
+                dist.all_reduce(p, async_op=True).get_future().wait()
+                p.mul_(1.0)  # written after the collective, in place
+            elif ASYNC:
                 dist.all_reduce(p, async_op=True).wait()
+                p.mul_(1.0)  # written after the collective, in place
             else:
                 dist.all_reduce(p)
             if DRIFT and s.rank == 1 and s.calls == K:
@@ -211,11 +217,27 @@ def test_collectives_the_loop_makes_between_steps_are_not_the_steps(tmp_path) ->
 
 def test_an_async_collective_is_named_as_such_when_a_rank_cannot_be_replayed_alone(tmp_path) -> None:
     """An all_reduce started with async_op=True has no output when the call returns: only its
-    input is recorded, --collectives full or not. The error sent the user to --collectives full."""
-    out = _record_tp(tmp_path, "async", "--collectives", "full", ASYNC="1")
+    input is recorded then. The error sent the user to --collectives full. Its output is taken
+    when the program waits on its work, or else at the step's end if the work is done by then and
+    the program has not written into it since: waited on through its future and written in place,
+    the rank still cannot be replayed alone, and the error says why."""
+    out = _record_tp(tmp_path, "async", "--collectives", "full", ASYNC="1", FUTURE="1")
     s = _replay("step", out, "--rank", "1", "--step", "2", "--no-save", cwd=tmp_path)
     assert s.returncode != 0
     assert "was called with async_op=True" in s.stderr and "--collectives full" not in s.stderr.splitlines()[-1], s.stderr[-2000:]
+
+
+def test_an_async_collective_waited_on_in_its_step_is_replayed_alone(tmp_path) -> None:
+    """``dist.all_reduce(p, async_op=True).wait()`` inside the step, then ``p.mul_(1.0)``: the
+    output is recorded when the program waits (before its write), and one rank re-runs alone with
+    it (it said "cannot be replayed alone")."""
+    from tests.test_newcomer_scripts import _env
+
+    out = _record_tp(tmp_path, "async-waited", "--collectives", "full", ASYNC="1")
+    s = subprocess.run([sys.executable, "-m", "replay", "step", str(out), "--rank", "1", "--step", "2", "--no-save"],
+                       cwd=tmp_path, env={**_env(), "ASYNC": "1"}, capture_output=True, text=True, timeout=300)
+    assert s.returncode == 0, s.stdout + s.stderr[-2000:]
+    assert s.stdout.startswith("reproduced: rank 1 step 2 re-ran bit for bit"), s.stdout
 
 
 _INHERITED_FORWARD = """

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from replay.core.collectives import COLLECTIVES, FUNCTIONAL, FUNCTIONAL_PREFIX, CollectiveSpec
+from replay.core.outputs import tensor_version
 from replay.record.calls import cuda_capturing
 
 __all__ = ["install", "install_functional", "COLLECTIVES", "CollectiveSpec", "FUNCTIONAL", "FUNCTIONAL_PREFIX"]
@@ -33,6 +34,57 @@ def _stacked(ts: Any) -> torch.Tensor | None:
     if not ts or any(t.shape != ts[0].shape or t.dtype != ts[0].dtype for t in ts):
         return None
     return torch.stack([t.detach() for t in ts])
+
+
+class AsyncOutputs:
+    """The outputs of a collective started with ``async_op=True``, taken at the end of the step
+    that started it: when its work is done by then and the program has not written into them
+    since the call (their version counters), they hold what the collective gave."""
+
+    __slots__ = ("work", "outputs", "compare", "versions")
+
+    def __init__(self, work: Any, outputs: list[Any], compare: bool) -> None:
+        self.work, self.outputs, self.compare = work, outputs, compare
+        self.versions = [[tensor_version(t) for t in _tensors(v)] for v in outputs]
+
+    def taken(self, *, waited: bool = False) -> list[torch.Tensor] | None:
+        """The outputs now, as ``record_collective`` takes them; None: not done, or written
+        since. ``waited``: the program's ``wait()`` on the work has just returned, so they are
+        the collective's (copies queued now come after it on the program's stream)."""
+        if not waited:
+            try:
+                if not self.work.is_completed():
+                    return None
+            except Exception:  # noqa: BLE001 - a Work that cannot say: not seen
+                return None
+            for v, versions in zip(self.outputs, self.versions):
+                if None in versions or [tensor_version(t) for t in _tensors(v)] != versions:
+                    return None  # written by the program since (or an inference tensor: cannot be told)
+        outs = [_stacked(v) if isinstance(v, (list, tuple)) else v for v in self.outputs]
+        return [t for t in outs if isinstance(t, torch.Tensor)]
+
+
+def _hook_wait(session: Any, c10d: Any) -> None:
+    """``Work.wait`` of every process group: when the program waits on an async collective of
+    the open step, its outputs are recorded right then, before the program can write into them."""
+    work_type = getattr(c10d, "Work", None)
+    orig = getattr(work_type, "wait", None)
+    if orig is None or getattr(orig, "__replay_wait__", False):
+        return
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        if not torch.compiler.is_compiling():
+            rec = session.recorder
+            if rec is not None and not session.disabled:
+                rec.collective_waited(self)
+        return out
+
+    wait.__replay_wait__ = True  # type: ignore[attr-defined]
+    try:
+        work_type.wait = wait
+    except (AttributeError, TypeError):  # a build whose Work refuses it: outputs at the step's end
+        pass
 
 
 def _group_name(dist: Any, group: Any) -> tuple[str, int]:
@@ -71,14 +123,17 @@ def _wrap(session: Any, dist: Any, name: str, fn: Callable[..., Any], spec: Coll
             ins = [t for p in spec.inputs for t in (before[p] if p in before else _tensors(a.get(p)))]
             outs = [_stacked(a.get(p)) if isinstance(a.get(p), (list, tuple)) else a.get(p) for p in spec.outputs]
             outs = [t for t in outs if isinstance(t, torch.Tensor)]
+            pending = None
             if a.get("async_op") and work is not None:
-                # The outputs are not there yet and Work objects cannot be wrapped safely:
-                # record what went in, and say that the output was not seen.
+                # The outputs are not there yet and Work objects cannot be wrapped safely: what
+                # went in now, the outputs at the step's end if the work is done by then.
+                pending = AsyncOutputs(work, [a.get(p) for p in spec.outputs], spec.compare)
                 outs, compare = [], False
             else:
                 compare = spec.compare
             group, size = _group_name(dist, a.get("group"))
-            rec.record_collective(name, group=group, group_size=size, inputs=ins, outputs=outs, compare=compare)
+            rec.record_collective(name, group=group, group_size=size, inputs=ins, outputs=outs, compare=compare,
+                                  pending=pending)
         except Exception as e:  # noqa: BLE001
             session.warn_once(f"coll:{name}", f"cannot record {name} ({e})")
         return work
@@ -180,6 +235,7 @@ def install(session: Any, dist: Any) -> None:
         if getattr(dist, name, None) is fn:
             setattr(dist, name, wrapped)
     _teach_dynamo(pairs)
+    _hook_wait(session, c10d)
     orig_init = c10d.init_process_group
     orig_destroy = c10d.destroy_process_group
 

@@ -654,6 +654,8 @@ class Recorder:
             body["accepted"] = st.accepted
         if st.args:
             body["args"] = st.args
+        if st.collectives:
+            self._take_async_outputs(st)
         rjob = self._step_ring(st)
         if st.rng:
             st.groups = {"rng": self._staging.entries(rjob, None, [(k, TensorKind.RNG, v, True) for k, v in st.rng.items()]), **st.groups}
@@ -822,24 +824,21 @@ class Recorder:
         inputs: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
         outputs: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
         compare: bool = True,
+        pending: Any = None,
     ) -> None:
-        """Record one collective call after it completed (``compare``: all ranks get equal bits)."""
+        """Record one collective call after it completed (``compare``: all ranks get equal bits).
+        ``pending``: an async collective's outputs, taken at the step's end if its work is done
+        (``replay.record.collectives.AsyncOutputs``)."""
         if cuda_capturing():
             return
         st = self._mine()
         ordinal = self._collective_counter
         self._collective_counter += 1
-        mode = self.config.collectives
-        limit = self.config.collective_full_bytes
-
-        def keep(t: torch.Tensor) -> bool:
-            return mode == "full" or (mode == "auto" and t.numel() * t.element_size() <= limit)
-
         rjob = self._side_job() if st is None else None
         entries = self._entries(
             st,
             [(f"in{i}", TensorKind.COLLECTIVE, t, False) for i, t in enumerate(inputs)]
-            + [(f"{op}.out{i}", TensorKind.COLLECTIVE, t, keep(t)) for i, t in enumerate(outputs)],
+            + [(f"{op}.out{i}", TensorKind.COLLECTIVE, t, self._keep_collective(t)) for i, t in enumerate(outputs)],
             rjob,
         )
         ins, outs = entries[: len(inputs)], entries[len(inputs) :]
@@ -855,6 +854,8 @@ class Recorder:
             "outputs": outs,
         }
         if st is not None:
+            if pending is not None:
+                meta["pending"] = (pending, [list(t.shape) for t in inputs])
             st.collectives.append(meta)
             return
         job = Job(kind=FrameKind.COLLECTIVE, body={"step": self._step_counter - 1})
@@ -867,6 +868,42 @@ class Recorder:
         job.fin = {"coll": coll, "single": True}
         self._stage_device(None, job, rjob)
         self._send(job, rjob)
+
+    def _keep_collective(self, t: torch.Tensor) -> bool:
+        """Whether a collective's output is stored in full (``--collectives``), not only digested."""
+        mode = self.config.collectives
+        return mode == "full" or (mode == "auto" and t.numel() * t.element_size() <= self.config.collective_full_bytes)
+
+    def _take_async_outputs(self, st: _Step) -> None:
+        """The outputs of the step's async collectives not waited on in it whose work is done by
+        its end, unwritten since: recorded as a synchronous collective's are (a one-rank re-run
+        hands them back)."""
+        for c in st.collectives:
+            pending = c.pop("pending", None)
+            if pending is not None:
+                self._async_outputs(st, c, pending, pending[0].taken())
+
+    @_failsafe()
+    def collective_waited(self, work: Any) -> None:
+        """The program's ``wait()`` on ``work`` returned: if it is an async collective of the open
+        step, its outputs are recorded now."""
+        st = self._cur
+        for c in st.collectives if st is not None else ():
+            pending = c.get("pending")
+            if pending is not None and pending[0].work is work:
+                del c["pending"]
+                self._async_outputs(st, c, pending, pending[0].taken(waited=True))
+                return
+
+    def _async_outputs(self, st: _Step, c: dict[str, Any], pending: tuple[Any, list[list[int]]],
+                       outs: list[torch.Tensor] | None) -> None:
+        if not outs:
+            return
+        op = c["op"]
+        c["outputs"] = self._entries(st, [(f"{op}.out{i}", TensorKind.COLLECTIVE, t, self._keep_collective(t))
+                                         for i, t in enumerate(outs)])
+        c["compare"] = bool(pending[0].compare)
+        c["shapes"] = f"{pending[1]} -> {[list(t.shape) for t in outs]}"
 
     @_failsafe()
     def record_tuner(self, choices: Mapping[str, str]) -> None:
