@@ -345,3 +345,17 @@ def test_no_token_divergence_is_said_only_when_tokens_were_recorded():
          "unreadable_ranks": [], "token_fields": False}
     assert verdict_line(s).endswith("; no token field recorded to compare")
     assert verdict_line({**s, "token_fields": True}).endswith("; no token divergence")
+
+
+def test_a_divergence_says_when_no_group_of_ranks_is_a_majority() -> None:
+    """Three ranks that all differ, or four split two against two, have no majority: the ranks
+    named odd are named by rule, and the line says so instead of "majority: 0"."""
+    from replay.analysis.divergence import Divergence
+
+    three = Divergence(step=2, field="output.logits", ranks=[1, 2], majority=[0], digests={0: 5, 1: 6, 2: 7})
+    assert "no majority: 3 different values among 3 ranks" in three.what(), three.what()
+    even = Divergence(step=2, field="output.logits", ranks=[1, 3], majority=[0, 2], digests={0: 5, 1: 6, 2: 5, 3: 6})
+    assert "no majority: ranks 0, 2 and 1, 3 split evenly" in even.what(), even.what()
+    real = Divergence(step=2, field="output.logits", ranks=[1], majority=[0, 2, 3], digests={0: 5, 1: 6, 2: 5, 3: 5})
+    assert real.what().endswith("(majority: 0, 2, 3)") and real.to_json()["majority_strict"], real.what()
+    assert not even.to_json()["majority_strict"]

@@ -70,3 +70,158 @@ def test_a_model_whose_parameters_changed_while_recorded_is_named_and_no_keyfram
     assert result["headline"].startswith("not reproduced") and "l2.A" in (result.get("parameters_changed") or ""), result
     before = _replay("step", out, "--step", "1", cwd=tmp_path)
     assert before.returncode == 0 and before.stdout.startswith("reproduced"), before.stdout + before.stderr
+
+
+# Two gloo ranks (mp.spawn), each decoding on its own; rank 1's forward raises at its sixth call
+# (replay's step 4: the first call is the prefill), after rank 0 has finished.
+_ONE_RANK_RAISES = """
+    import socket, time, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self, rank):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(40, 16), nn.Linear(16, 40)
+            self.rank, self.calls = rank, 0
+        def forward(self, ids):
+            self.calls += 1
+            if self.rank == 1 and self.calls == 6:
+                time.sleep(1.0)  # rank 0 is done by then
+                raise ValueError("rank 1: bad block table")
+            return self.head(self.emb(ids).mean(1))
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        model = LM(rank)
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            for _ in range(8):
+                ids = torch.cat([ids, model(ids).argmax(-1, keepdim=True)], 1)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(worker, args=(port,), nprocs=2)
+"""
+
+
+def test_a_rank_that_raised_in_a_step_another_completed_is_the_first_divergence(tmp_path) -> None:
+    """Rank 1 raised in step 4, which rank 0 completed: info, report and bisect steps said "no
+    divergence" (a raised step records no output, and fields were compared only where both ranks
+    had them). That step is the first divergence, said as such."""
+    _script(tmp_path, "raises", _ONE_RANK_RAISES)
+    out = tmp_path / "rec"
+    rec = _replay("record", "--quiet", "--out", out, "--", "python3", "raises.py", cwd=tmp_path)
+    assert rec.returncode != 0, rec.stderr[-2000:]  # the program's own failure, as without replay
+    info = _replay("info", out, "--json", cwd=tmp_path)
+    d = json.loads(info.stdout)["first_divergence"]
+    assert d is not None and d["step"] == 4 and d["ranks"] == [1], d
+    text = _replay("info", out, cwd=tmp_path).stdout
+    assert text.startswith("first divergence at step 4: rank(s) 1 raised in the step, rank(s) 0 completed it"), text
+    bisect = _replay("bisect", "steps", out, "--no-save", cwd=tmp_path)
+    assert "first disagree at step 4" in bisect.stdout, bisect.stdout + bisect.stderr
+    report = _replay("report", out, cwd=tmp_path)
+    assert report.stdout.startswith("first divergence at step 4"), report.stdout
+
+
+# Two gloo ranks decoding the same tokens; rank 0 alone makes a health-check call of the model
+# first, so its recorded steps are rank 1's one call later.
+_WARM_UP_ON_ONE_RANK = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(40, 16), nn.Linear(16, 40)
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        model = LM()
+        with torch.no_grad():
+            if rank == 0:
+                model(torch.tensor([[0]]))  # health check
+            ids = torch.tensor([[1, 2, 3]])
+            for _ in range(7):
+                ids = torch.cat([ids, model(ids).argmax(-1, keepdim=True)], 1)
+        print("rank", rank, ids.tolist(), flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(worker, args=(port,), nprocs=2)
+"""
+
+
+def test_ranks_offset_by_a_call_are_said_to_be_offset_not_diverged(tmp_path) -> None:
+    """Rank 0 alone made one more call of the step before the loop: both ranks decode the same
+    tokens, but every recorded step number is shifted, and info sent the user after a rank-1
+    divergence at step 0 ("argmax agrees on 0.0%"). It now says the steps are the same steps
+    offset by one call, and which step of one is which of the other."""
+    _script(tmp_path, "warm", _WARM_UP_ON_ONE_RANK)
+    out = tmp_path / "rec"
+    rec = _replay("record", "--quiet", "--out", out, "--", "python3", "warm.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    s = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert s["offset_at_divergence"] == {"rank": 1, "against": 0, "shift": 1, "from": 0, "steps": 6}, s["offset_at_divergence"]
+    text = _replay("info", out, cwd=tmp_path).stdout
+    assert "offset by 1 call of the step" in text.splitlines()[0], text
+    assert "compare rank 1's step N with rank 0's step N+1" in text, text
+
+
+# Two gloo ranks that start from other random weights and take rank 0's by broadcast, as a
+# DDP-style set-up does; then each decodes the same tokens.
+_WEIGHTS_BROADCAST_AT_START = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(40, 16), nn.Linear(16, 40)
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        torch.manual_seed(100 + rank)
+        model = LM()
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            for _ in range(6):
+                ids = torch.cat([ids, model(ids).argmax(-1, keepdim=True)], 1)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(worker, args=(port,), nprocs=2)
+"""
+
+
+def test_a_rank_re_launched_alone_gets_the_weights_its_start_up_received(tmp_path) -> None:
+    """Rank 1 takes its weights from rank 0 by broadcast at start-up. Re-launched alone, its
+    start-up ran on a process group that communicates nothing, so it kept its own random weights
+    and `step` said "not reproduced ... other weights". The start-up's collectives are answered
+    from the recording, in order, until the step is taken over."""
+    _script(tmp_path, "bcast", _WEIGHTS_BROADCAST_AT_START)
+    out = tmp_path / "rec"
+    rec = _replay("record", "--quiet", "--out", out, "--", "python3", "bcast.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    s = _replay("step", out, "--rank", "1", "--step", "3", "--no-save", cwd=tmp_path)
+    assert s.returncode == 0 and s.stdout.startswith("reproduced: rank 1 step 3 re-ran bit for bit"), s.stdout + s.stderr[-2000:]
+    assert "the re-run answered them from the recording" in s.stdout, s.stdout

@@ -12,10 +12,10 @@ from typing import Iterable
 
 import numpy as np
 
-from replay.analysis.vote import vote
+from replay.analysis.vote import majority_text, vote
 from replay.format.reader import Part, RankFile
 
-__all__ = ["Divergence", "first_divergence", "order_in_step", "vote"]
+__all__ = ["Divergence", "STATUS_FIELD", "first_divergence", "order_in_step", "vote"]
 
 _ABSENT = np.uint64(0)
 
@@ -36,8 +36,23 @@ class Divergence:
             "field": self.field,
             "ranks": self.ranks,
             "majority": self.majority,
+            # Whether the largest group is more than half the ranks compared (else the ranks
+            # named odd are the ones outside the lowest rank's group, by rule, not by vote).
+            "majority_strict": 2 * len(self.majority) > len(self.majority) + len(self.ranks),
             "digests": {str(r): f"{d:016x}" for r, d in sorted(self.digests.items())},
+            "what": self.what(),
         }
+
+    def what(self) -> str:
+        """What differs, in words: "output.logits differs on rank(s) 1 (majority: 0, 2, 3)", or
+        for a step some ranks raised in, "rank(s) 1 raised in the step, rank(s) 0 completed it"."""
+        if self.field == STATUS_FIELD:
+            raised = sorted(r for r, v in self.digests.items() if v)
+            done = sorted(r for r, v in self.digests.items() if not v)
+            return (f"rank(s) {', '.join(map(str, raised))} raised in the step, rank(s) {', '.join(map(str, done))} "
+                    "completed it")
+        groups = len(set(self.digests.values())) + (1 if len(self.digests) < len(self.ranks) + len(self.majority) else 0)
+        return f"{self.field} differs on rank(s) {', '.join(map(str, self.ranks))} ({majority_text(self.ranks, self.majority, groups)})"
 
     def __str__(self) -> str:
         odd = ", ".join(map(str, self.ranks))
@@ -109,6 +124,44 @@ def first_divergence(
     chosen = sorted(ranks) if ranks is not None else list(part)
     if len(chosen) < 2:
         return None
+    found = _first_field_divergence(part, chosen, prefix, steps)
+    if prefix is not None:
+        return found
+    raised = _first_status_divergence(part, chosen, steps)
+    # A step one rank raised in and another completed is where their runs broke apart; a field
+    # that differs first at the same step (an input) is its likelier cause and goes first.
+    if raised is not None and (found is None or raised.step < found.step or (
+            raised.step == found.step and not found.field.startswith(_CAUSES))):
+        return raised
+    return found
+
+
+# Fields that go into a step: differing at the step a rank raised in, they come first.
+_CAUSES = ("input.", "collective.")
+# The field a step's status is compared as (``info``: "step status differs on rank(s) 1").
+STATUS_FIELD = "step status (raised)"
+
+
+def _first_status_divergence(part: Part, chosen: list[int], steps: np.ndarray | None) -> Divergence | None:
+    """The first step recorded by two ranks or more that some raised in and others completed
+    (a rank's field rows stop at its raise, so comparing fields alone calls them equal)."""
+    tables = {r: part[r].tables.steps for r in chosen}
+    if steps is not None:
+        tables = {r: t[np.isin(t["step"], steps)] for r, t in tables.items()}
+    raised = np.unique(np.concatenate([t["step"][t["status"] != 0] for t in tables.values()] or [np.zeros(0, np.int64)]))
+    for step in raised:
+        values = {}
+        for r, t in tables.items():
+            at = np.flatnonzero(t["step"] == step)
+            if at.size:
+                values[r] = int(t["status"][at[0]] != 0)
+        if len(values) > 1 and len(set(values.values())) > 1:
+            return _verdict(int(step), STATUS_FIELD, values)
+    return None
+
+
+def _first_field_divergence(part: Part, chosen: list[int], prefix: str | None,
+                            steps: np.ndarray | None) -> Divergence | None:
     names: dict[str, int] = {}
     rows = {r: _field_ids(part[r], names, prefix, steps) for r in chosen}
     ids = {i: n for n, i in names.items()}

@@ -258,6 +258,20 @@ def arguments_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | Non
     return None
 
 
+def offset_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None:
+    """A diverging rank whose steps from the divergence on are the majority's shifted by a call
+    or two (``replay.analysis.offset``): ``{"rank", "against", "shift", "from", "steps"}``."""
+    from replay.analysis.offset import step_offset
+
+    against = next((r for r in div.majority if r in part), None)
+    for rank in div.ranks if against is not None else ():
+        if rank in part:
+            found = step_offset(part[against], part[rank], div.step)
+            if found is not None:
+                return {"rank": rank, "against": against, **found}
+    return None
+
+
 def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     world = part.world_size
     part, unreadable = readable(part)
@@ -283,6 +297,7 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     if div is not None:
         out["numerics_at_divergence"] = numerics_at_divergence(part, div)
         out["arguments_at_divergence"] = arguments_at_divergence(part, div)
+        out["offset_at_divergence"] = offset_at_divergence(part, div)
     _label_streams(part, out)
     out["step_callables"] = step_callables(part)
     out["lockstep"] = lockstep_events(part)
@@ -352,9 +367,13 @@ def verdict_line(summary: dict[str, Any]) -> str:
             return f"nothing compared{left_out}: a rank recorded no step, so the ranks share no step to compare"
         if summary.get("output_fields") is False:
             return f"nothing compared{left_out}: {NO_OUTPUT_FIELDS}"
-        return f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step"
-    text = (f"first divergence at {_at(d)}{left_out}: {d['field']} differs on rank(s) "
-            f"{', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d.get('majority') or []))})")
+        return f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step{step_count_note(ranks)}"
+    text = f"first divergence at {_at(d)}{left_out}: {divergence_what(d)}"
+    offset = summary.get("offset_at_divergence")
+    if offset:
+        k = int(offset["shift"])
+        text += (f"; but rank {offset['rank']}'s steps from there are rank {offset['against']}'s offset by {abs(k)} "
+                 f"call{'s' if abs(k) > 1 else ''} of the step, with the same bits (not a divergence from there)")
     if summary.get("output_fields") is False:
         # Inputs alone: a step that computed otherwise shows only in a later step's input.
         return text + "; no step output recorded, so what the steps computed may have differed earlier"
@@ -363,6 +382,25 @@ def verdict_line(summary: dict[str, Any]) -> str:
     if summary.get("token_fields") is False:
         return text + "; no token field recorded to compare"
     return text + "; no token divergence"
+
+
+def step_count_note(ranks: list[dict[str, Any]]) -> str:
+    """Said beside "no divergence" when the ranks recorded different numbers of steps: the steps
+    past a rank's last were compared among fewer ranks, or not at all."""
+    counts = {int(r["rank"]): int(r.get("steps") or 0) for r in ranks}
+    if len(set(counts.values())) < 2:
+        return ""
+    shown = ", ".join(f"rank {r} {n}" for r, n in sorted(counts.items())[:8])
+    return (f"; but the ranks recorded different numbers of steps ({shown}{', ...' if len(counts) > 8 else ''}): a rank "
+            "that stopped early was not compared past its last step")
+
+
+def divergence_what(d: dict[str, Any]) -> str:
+    """What differs at a divergence (``Divergence.what``), from its JSON."""
+    what = d.get("what")
+    if isinstance(what, str):
+        return what
+    return f"{d['field']} differs on rank(s) {', '.join(map(str, d['ranks']))} (majority: {', '.join(map(str, d.get('majority') or []))})"
 
 
 def _at(d: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["vote", "vote_columns"]
+__all__ = ["majority_text", "vote", "vote_columns"]
 
 
 def vote_columns(values: np.ndarray, present: np.ndarray) -> np.ndarray:
@@ -39,3 +39,22 @@ def vote(values: dict[int, int]) -> tuple[list[int], list[int]]:
     column = np.array([[ids.setdefault(values[r], len(ids))] for r in ranks], dtype=np.int64)  # [R, 1]
     win = column[int(vote_columns(column, np.ones_like(column, dtype=bool))[0]), 0]
     return [r for r, v in zip(ranks, column[:, 0]) if v == win], [r for r, v in zip(ranks, column[:, 0]) if v != win]
+
+
+def _ranks(rs: list[int]) -> str:
+    return ", ".join(map(str, rs))
+
+
+def majority_text(odd: list[int], majority: list[int], groups: int) -> str:
+    """What the ranks named odd are odd against: a true majority ("majority: 0, 1, 3"), or, when
+    the largest group holds half the ranks or fewer, that there is none (``groups``: how many
+    distinct values the ranks hold) and which rule named the odd ones."""
+    total = len(odd) + len(majority)
+    if 2 * len(majority) > total:
+        return f"majority: {_ranks(majority)}"
+    if total == 2:
+        return f"against rank {_ranks(majority)}: two ranks cannot outvote each other"
+    if groups == 2 and len(majority) == len(odd):
+        return f"no majority: ranks {_ranks(majority)} and {_ranks(odd)} split evenly; named: the group without rank {min(majority + odd)}"
+    return (f"no majority: {groups} different values among {total} ranks; named: the ranks outside rank "
+            f"{min(majority)}'s group")

@@ -7,7 +7,8 @@ from typing import Any
 
 from replay import api
 from replay.analysis.divergence import NO_OUTPUT_FIELDS, OUTPUT_REMEDY
-from replay.analysis.summary import verdict_line
+from replay.analysis.offset import offset_text
+from replay.analysis.summary import divergence_what, step_count_note, verdict_line
 from replay.cli.render import fmt_margin, style, table
 from replay.textsafe import a_or_an, escape
 
@@ -166,13 +167,9 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
         lines = [f"nothing compared: {NO_OUTPUT_FIELDS}"]
     elif d is None:
         read = "every rank that can be read" if s["unreadable_ranks"] else "every rank"
-        lines = [style(f"no divergence: {read} recorded the same bits at every common step", fg="green")]
+        lines = [style(f"no divergence: {read} recorded the same bits at every common step{step_count_note(s['ranks'])}", fg="green")]
     else:
-        lines = [style(f"first divergence        {_where(d)}: {escape(d['field'])} differs on rank(s) "
-                       f"{_ranks(d['ranks'])} (majority: {_ranks(d['majority'])})", fg="red", bold=True)]
-    if d is not None:
-        lines += _numerics_lines(s.get("numerics_at_divergence"))
-        lines += _numerics_lines(s.get("arguments_at_divergence"), what="arguments")
+        lines = _at_divergence_lines(s, d)
     if t is not None:
         lines.append(style(f"first token divergence  {_where(t)}: {escape(t['field'])} differs on rank(s) "
                            f"{_ranks(t['ranks'])}", fg="red", bold=True))
@@ -189,6 +186,16 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
     elif d is not None:
         lines.append("no token divergence: the ranks differ in bits but sampled the same tokens")
     return lines
+
+
+def _at_divergence_lines(s: dict[str, Any], d: dict[str, Any]) -> list[str]:
+    """The first divergence, and what else the recording says of its step: ranks offset by a
+    call, the numerics settings and arguments the diverging rank's step took otherwise."""
+    lines = [style(f"first divergence        {_where(d)}: {escape(divergence_what(d))}", fg="red", bold=True)]
+    if s.get("offset_at_divergence"):
+        lines.append(style(f"  {escape(offset_text(s['offset_at_divergence']))}", fg="yellow"))
+    lines += _numerics_lines(s.get("numerics_at_divergence"))
+    return lines + _numerics_lines(s.get("arguments_at_divergence"), what="arguments")
 
 
 def _numerics_lines(n: dict[str, Any] | None, what: str = "numerics settings") -> list[str]:

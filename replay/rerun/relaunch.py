@@ -378,7 +378,14 @@ def start_in_program() -> None:
 
     target = target_info(rf, spec.stream)
     _fake_process_group(spec.rank, part.world_size)
-    _Takeover(spec, part, target).arm()
+    takeover = _Takeover(spec, part, target)
+    if part.world_size > 1:
+        # What the start-up received from the other ranks (weights, a request), from the recording.
+        from replay.rerun.setup_collectives import SetupAnswers
+
+        takeover.setup = SetupAnswers(rf, lambda: takeover.done)
+        takeover.setup.install()
+    takeover.arm()
     return None
 
 
@@ -471,6 +478,7 @@ class _Takeover:
         self._forwards: list[Any] = []  # modules whose forward is ours until the first call
         self.compile_kwargs: dict[str, Any] = {}
         self.done = False
+        self.setup: Any = None  # SetupAnswers: the start-up's collectives, answered from the recording
         self._real_compile: Any = None
         self._checked: dict[int, tuple[Any, bool]] = {}  # id -> (weak reference, is the recorded model)
         self.other_models = 0  # models the step was called on whose parameters are not the recorded ones
@@ -794,6 +802,9 @@ class _Takeover:
         if held is not None and held.uncopied:
             result.notes.append(f"the step's argument {', '.join(held.uncopied)}, held by class name only, could not be "
                                 "copied: each mode after the first started from what the one before left in it")
+        if self.setup is not None and self.setup.recorded:
+            result.notes.append(self.setup.summary() or f"the program's start-up made {self.setup.recorded} collective(s) "
+                                f"before the first recorded step: the re-run answered them from the recording")
         if other_compile:
             result.notes.append(f"the re-launched program called torch.compile with {_kwargs_text(relaunched_kwargs)}; "
                                 f"compiled again as recorded, with {_kwargs_text(compile_kwargs)}")
