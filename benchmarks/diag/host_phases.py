@@ -101,6 +101,13 @@ def main() -> int:
         # The parts of the early path (before the call) and of begin_step.
         import replay.numerics as numerics_mod
         import replay.record.rng as rng_mod
+        import replay.record.session as session_mod
+        from replay.record.calls import Binder
+
+        if args.fine:
+            # Binding and splitting the step's arguments (before the call, or after it on the early path).
+            timed(session_mod, "split_arguments", "split_arguments")
+            timed(Binder, "bind", "Binder.bind")
 
         for owner, name, label in ((numerics_mod, "current", "numerics.current"), (rng_mod, "capture_rng", "capture_rng"),
                                    (Recorder, "early_ok", "Recorder.early_ok"), (Session, "_find_stream", "Session._find_stream"),
