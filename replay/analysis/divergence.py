@@ -41,6 +41,7 @@ class Divergence:
             "majority_strict": 2 * len(self.majority) > len(self.majority) + len(self.ranks),
             "digests": {str(r): f"{d:016x}" for r, d in sorted(self.digests.items())},
             "what": self.what(),
+            "majority_text": self.majority_text(),
         }
 
     def what(self) -> str:
@@ -51,8 +52,12 @@ class Divergence:
             done = sorted(r for r, v in self.digests.items() if not v)
             return (f"rank(s) {', '.join(map(str, raised))} raised in the step, rank(s) {', '.join(map(str, done))} "
                     "completed it")
+        return f"{self.field} differs on rank(s) {', '.join(map(str, self.ranks))} ({self.majority_text()})"
+
+    def majority_text(self) -> str:
+        """What the odd ranks are odd against ("majority: 0, 1, 3", or that there is no majority)."""
         groups = len(set(self.digests.values())) + (1 if len(self.digests) < len(self.ranks) + len(self.majority) else 0)
-        return f"{self.field} differs on rank(s) {', '.join(map(str, self.ranks))} ({majority_text(self.ranks, self.majority, groups)})"
+        return majority_text(self.ranks, self.majority, groups)
 
     def __str__(self) -> str:
         odd = ", ".join(map(str, self.ranks))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from replay.analysis.divergence import NO_OUTPUT_FIELDS
+from replay.analysis.divergence import NO_OUTPUT_FIELDS, STATUS_FIELD
 from replay.analysis.summary import divergence_what
 from replay.errors import ReplayError
 from replay.report import plots
@@ -156,7 +156,12 @@ def _verdict(rep: Report) -> str:
         lines.append("<b>No divergence</b>: every rank recorded the same bits at every common step.")
     else:
         cls = "bad" if t is not None else "warn"
-        lines.append(f"<b>First divergence: {_at(d)}</b>: {_e(divergence_what(d))}.")
+        if d.get("field") == STATUS_FIELD:
+            lines.append(f"<b>First divergence: {_at(d)}</b>: {_e(divergence_what(d))}.")
+        else:
+            majority = d.get("majority_text") or f"majority: {', '.join(map(str, d['majority']))}"
+            lines.append(f"<b>First divergence: {_at(d)}, {_ranks(d['ranks'])}, field <code>{_e(d['field'])}</code></b> "
+                         f"({_e(majority)}).")
         if t is not None:
             lines.append(f"<b>First token divergence: {_at(t)}, {_ranks(t['ranks'])}</b> (<code>{_e(t['field'])}</code>).")
         else:
