@@ -225,3 +225,53 @@ def test_a_rank_re_launched_alone_gets_the_weights_its_start_up_received(tmp_pat
     s = _replay("step", out, "--rank", "1", "--step", "3", "--no-save", cwd=tmp_path)
     assert s.returncode == 0 and s.stdout.startswith("reproduced: rank 1 step 3 re-ran bit for bit"), s.stdout + s.stderr[-2000:]
     assert "the re-run answered them from the recording" in s.stdout, s.stdout
+
+
+# A model whose forward fails once, at its sixth call, on a module-level counter (a transient
+# allocation error); the loop catches it and calls again. Keyframes every 3 steps hold the
+# model's buffers, not the counter.
+_FLAKY_ONCE = """
+    import torch, torch.nn as nn
+
+    CALLS = 0
+
+    class Flaky(RuntimeError):
+        pass
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(40, 16), nn.Linear(16, 40)
+            self.register_buffer("pos", torch.zeros(1))
+        def forward(self, ids):
+            global CALLS
+            CALLS += 1
+            if CALLS == 6:
+                raise Flaky("transient: KV block allocation failed, retry")
+            self.pos += 1
+            return self.head(self.emb(ids).mean(1))
+
+    model = LM()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for _ in range(8):
+            try:
+                logits = model(ids)
+            except Flaky:
+                logits = model(ids)
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+"""
+
+
+def test_a_step_that_completes_where_it_raised_when_recorded_is_not_reproduced(tmp_path) -> None:
+    """From its keyframe, a step that raised when recorded (on a module global no keyframe holds)
+    completed in the re-run: `step` said "not compared ... the recording has no output of those
+    names" (exit 7), a wrong reason. It did not follow the recording: not reproduced, and why."""
+    _script(tmp_path, "flaky", _FLAKY_ONCE)
+    out, _ = _record(tmp_path, "flaky", "--keyframe-every", "3")
+    s = _replay("step", out, "--step", "4", "--no-save", cwd=tmp_path)
+    first = s.stdout.splitlines()[0] if s.stdout else ""
+    assert first.startswith("not reproduced: rank 0 step 4"), s.stdout + s.stderr[-2000:]
+    assert "it completed in the re-run, but raised Flaky" in first, first
+    assert "no output of those names" not in s.stdout, s.stdout

@@ -36,6 +36,8 @@ def comparison_from_json(d: dict[str, Any]) -> Comparison:
 
 # The departure field of a step that raised in the re-run where it completed when recorded.
 RAISED_FIELD = "error"
+# A departure's field where the step completed in the re-run but raised when recorded.
+COMPLETED_FIELD = "status (completed; it raised when recorded)"
 
 
 @dataclass(slots=True)
@@ -129,12 +131,22 @@ class ModeRun:
         }
 
     def reproduces(self) -> bool:
-        """Every output bitwise equal to the recording, and every collective's input too."""
-        return all(c.equal for c in self.vs_recording.values()) and self.collective_departure is None
+        """Every output bitwise equal to the recording, and every collective's input too (and it
+        did not complete where it raised when recorded)."""
+        return (all(c.equal for c in self.vs_recording.values()) and self.collective_departure is None
+                and not self.completed_where_it_raised)
+
+    @property
+    def completed_where_it_raised(self) -> bool:
+        """The step raised when recorded and completed in the re-run: it did not follow the recording."""
+        return self.error is None and self.recorded_error is not None
 
     def difference(self) -> str:
         """How a mode that does not reproduce the step left the recording, in a clause."""
         bad = [(k, c) for k, c in self.vs_recording.items() if not c.equal]
+        if self.completed_where_it_raised:
+            return (f"it completed in the re-run, but raised {self.recorded_error} when recorded (what it read differs "
+                    f"from what it read then: state the keyframe does not hold, a module global, a counter)")
         if not bad:
             return (f"the {self.collective_departure} differs from the recorded one: the rank's own computation departed "
                     f"before it (its outputs equal the recording's only because a one-rank re-run hands each collective its "
@@ -224,7 +236,7 @@ class StepRerun:
                     # Raising the same error is not a comparison: nothing the step computed was checked.
                     return (f"{m.mode}: step {self.step} raised {kind} in the re-run, as it did when recorded; nothing it "
                             f"computed before raising was recorded to compare with")
-            elif not m.vs_recording:
+            elif not m.vs_recording and not m.completed_where_it_raised:
                 names = ", ".join(sorted(m.digests or m.outputs))
                 why = (f"the re-run returned {names}; the recording has no output of those names" if names else
                        "the step returned no tensor the recorder could record, when recorded or re-run")

@@ -41,7 +41,7 @@ from replay.rerun.imports import import_context
 from replay.rerun.streams import check_stream, stream_of, stream_state
 from replay.rerun.target import StepKind, Target, TargetSpec, build_target
 
-from replay.rerun.result import RAISED_FIELD, ModeRun, StepDeparture, StepRerun, WeightCheck
+from replay.rerun.result import COMPLETED_FIELD, RAISED_FIELD, ModeRun, StepDeparture, StepRerun, WeightCheck
 
 __all__ = ["MODES", "ModeRun", "Replayer", "RerunOptions", "StepRerun", "default_modes", "rerun_step", "StepDeparture", "WeightCheck"]
 
@@ -572,7 +572,7 @@ class Replayer:
             outs = self._driver(s)
             self._raise_if_catch_up_failed(s, step)
             bad, compared = _check_outputs(outs, _recorded_fields(self.rf, s))
-            bad = bad or self._collective_field(s)
+            bad = bad or self._collective_field(s) or self._completed_field(s)
             if bad and self.departed is None:
                 self.departed = StepDeparture(s, bad)
             if not compared:
@@ -639,8 +639,12 @@ class Replayer:
         """
         if self.last_error is not None and self.rf.step(step).ok:
             return StepDeparture(step, RAISED_FIELD)  # it raised (its outputs are missing because of that)
-        bad = _departure(outs, _recorded_fields(self.rf, step)) or self._collective_field(step)
+        bad = self._completed_field(step) or _departure(outs, _recorded_fields(self.rf, step)) or self._collective_field(step)
         return StepDeparture(step, bad) if bad else None
+
+    def _completed_field(self, step: int) -> str | None:
+        """The step completed in the re-run where it raised when recorded: not the recorded path."""
+        return COMPLETED_FIELD if self.last_error is None and not self.rf.step(step).ok else None
 
     def _collective_field(self, step: int) -> str | None:
         """A collective of ``step`` whose input left the recording, as a departure's field."""
