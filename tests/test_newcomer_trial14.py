@@ -275,3 +275,16 @@ def test_a_step_that_completes_where_it_raised_when_recorded_is_not_reproduced(t
     assert first.startswith("not reproduced: rank 0 step 4"), s.stdout + s.stderr[-2000:]
     assert "it completed in the re-run, but raised Flaky" in first, first
     assert "no output of those names" not in s.stdout, s.stdout
+
+
+def test_a_repeat_that_raised_is_not_called_bits_that_vary(tmp_path) -> None:
+    """`--repeat 3` where a repeat raised (the module counter reached its failing call) said
+    "repeats: bits vary ... a nondeterministic kernel". The repeats are not compared, and why."""
+    _script(tmp_path, "flaky", _FLAKY_ONCE)
+    out, _ = _record(tmp_path, "flaky")
+    s = _replay("step", out, "--step", "3", "--repeat", "3", "--json", "--no-save", cwd=tmp_path)
+    result = json.loads(s.stdout)
+    assert result["modes"]["eager"]["repeats_equal"] is None, result["modes"]["eager"]
+    assert any(n.startswith("--repeat not compared: repeat 2 raised Flaky") for n in result["notes"]), result["notes"]
+    text = _replay("step", out, "--step", "3", "--repeat", "3", "--no-save", cwd=tmp_path).stdout
+    assert "bits vary" not in text, text

@@ -880,11 +880,19 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
 def _repeat(rp: Replayer, step: int, repeat: int, run: ModeRun, saved: dict[str, Any], held: LiveObjects | None,
             result: StepRerun) -> None:
     """The step's repeats, each from the state (and the copies of held objects) it first ran from."""
-    for _ in range(repeat - 1):
+    for i in range(repeat - 1):
         rp.target.load_state(saved)
         if held is not None:
             rp.target.live_args = held.fresh(rp.target.live_args)
         run.repeat_digests.append({k: digest(v) for k, v in rp.run(step).items()})
+        if rp.last_error != run.error:
+            # Raised (or not) otherwise than the first run: its bits say nothing about kernels.
+            how = f"raised {rp.last_error}" if rp.last_error else "completed"
+            first = f"raised {run.error}" if run.error else "completed"
+            result.notes.append(f"--repeat not compared: repeat {i + 2} {how} where the first run {first}: the step reads "
+                                "state a repeat does not restore (a module global, a counter, an object outside the "
+                                "model), so its repeats are not runs of the same step")
+            return
     if held is not None and held.uncopied:
         # The repeats did not start from the same state: their bits say nothing about kernels.
         note = (f"--repeat not compared: the step's argument {', '.join(held.uncopied)}, held by class name only, could "
