@@ -129,10 +129,11 @@ _STRIDED = torch.strided
 
 
 def _unnamed_ids(name: str, t: torch.Tensor) -> bool:
-    """An integer tensor a step returns by place, unnamed (``return next_tok, logits``: ``out0``):
-    sampled ids, as a probe's integer outputs are taken; compared first, as tokens. (A named
-    output is a token field only by name: an engine's ``drafts`` stay outputs.)"""
-    return name.startswith("out") and name[3:].isdigit() and not (t.is_floating_point() or t.is_complex()) \
+    """An integer tensor a step returns by place, unnamed (``return next_tok, logits``: ``out0``;
+    ``return next_tokens`` alone, or the sampled token as a Python int: ``output``): sampled ids,
+    as a probe's integer outputs are taken; compared first, as tokens. (A named output is a token
+    field only by name: an engine's ``drafts`` stay outputs.)"""
+    return (name == "output" or name.startswith("out") and name[3:].isdigit()) and not (t.is_floating_point() or t.is_complex()) \
         and t.dtype is not torch.bool and t.numel() <= _MAX_UNNAMED_IDS
 
 
