@@ -32,7 +32,7 @@ if [ "${DIAG:-1}" != 0 ]; then
 fi
 [ "${BLIM:-280}" = 0 ] && { cat "$S"; exit 0; }
 s=$(date +%s)
-timeout -k 5 ${BLIM:-280} python3 benchmarks/bench_record.py --ab --out "$L/bench_record.json" > "$L/bench_record.md" 2>> "$S"
+timeout -k 5 ${BLIM:-280} python3 benchmarks/bench_record.py $( [ "${AB:-1}" = 0 ] || echo --ab ) --out "$L/bench_record.json" > "$L/bench_record.md" 2>> "$S"
 echo "rc=$? bench $(( $(date +%s) - s ))s" | tee -a "$S"
 date -u +%FT%TZ >> "$S"
 cat "$L/bench_record.md"
