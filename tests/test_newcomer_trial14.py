@@ -288,3 +288,49 @@ def test_a_repeat_that_raised_is_not_called_bits_that_vary(tmp_path) -> None:
     assert any(n.startswith("--repeat not compared: repeat 2 raised Flaky") for n in result["notes"]), result["notes"]
     text = _replay("step", out, "--step", "3", "--repeat", "3", "--no-save", cwd=tmp_path).stdout
     assert "bits vary" not in text, text
+
+
+# Two gloo ranks; rank 1 forgot model.eval(): its dropout is active in every step.
+_TRAINING_MODE_ON_ONE_RANK = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.drop, self.head = nn.Embedding(40, 16), nn.Dropout(0.3), nn.Linear(16, 40)
+        def forward(self, ids):
+            return self.head(self.drop(self.emb(ids).mean(1)))
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        model = LM()
+        if rank == 0:
+            model.eval()
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            for _ in range(5):
+                ids = torch.cat([ids, model(ids).argmax(-1, keepdim=True)], 1)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(worker, args=(port,), nprocs=2)
+"""
+
+
+def test_info_names_a_rank_whose_model_was_left_in_training_mode(tmp_path) -> None:
+    """Rank 1 forgot .eval(): dropout made every step differ, and info named input.ids at step 0
+    with no cause. It names the modes the ranks' models were in at their first recorded step."""
+    _script(tmp_path, "train", _TRAINING_MODE_ON_ONE_RANK)
+    out = tmp_path / "rec"
+    rec = _replay("record", "--quiet", "--out", out, "--", "python3", "train.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    s = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert s["training_modes"] == {"0": 0, "1": 4}, s["training_modes"]
+    text = _replay("info", out, cwd=tmp_path).stdout
+    assert "modules in training mode: rank 0: 0, rank 1: 4" in text and "a missing .eval()?" in text, text

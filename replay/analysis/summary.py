@@ -300,12 +300,26 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         out["offset_at_divergence"] = offset_at_divergence(part, div)
     _label_streams(part, out)
     out["step_callables"] = step_callables(part)
+    out["training_modes"] = training_modes(part)
     out["lockstep"] = lockstep_events(part)
     if with_details:
         out["unrecorded_fields"] = unrecorded_fields(part)
         out["tuner_differences"] = _tuner_differences(part)
         out["kernel_differences"] = _kernel_differences(part)
     return out
+
+
+def training_modes(part: Part) -> dict[str, int] | None:
+    """How many modules of each rank's model were in training mode at its first recorded step
+    (``{rank: n}``), when the ranks differ in it (a rank left without ``.eval()`` runs dropout);
+    None when they agree or it was not recorded."""
+    counts: dict[str, int] = {}
+    for r, rf in part.items():
+        t = rf.attrs.get("target")
+        n = t.get("training") if isinstance(t, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool):
+            counts[str(r)] = n
+    return counts if len(counts) > 1 and len(set(counts.values())) > 1 else None
 
 
 def step_callables(part: Part) -> list[dict[str, Any]]:

@@ -127,6 +127,11 @@ def _rank_problems(s: dict[str, Any]) -> list[str]:
             lines.append(style(f"  rank {r['rank']}: its program ended on an uncaught {escape(r['uncaught'])} (after its "
                                f"{int(r.get('steps') or 0)} recorded steps)", fg="red"))
         lines += _record_ring_line(r)
+    training = s.get("training_modes")
+    if training:
+        shown = ", ".join(f"rank {r}: {n}" for r, n in sorted(training.items(), key=lambda kv: int(kv[0]))[:8])
+        lines.append(style(f"  the ranks' models were in different modes at their first recorded step (modules in training "
+                           f"mode: {shown}); dropout and batch norm compute otherwise in training mode: a missing .eval()?", fg="red"))
     return lines
 
 
@@ -194,6 +199,10 @@ def _at_divergence_lines(s: dict[str, Any], d: dict[str, Any]) -> list[str]:
     lines = [style(f"first divergence        {_where(d)}: {escape(divergence_what(d))}", fg="red", bold=True)]
     if s.get("offset_at_divergence"):
         lines.append(style(f"  {escape(offset_text(s['offset_at_divergence']))}", fg="yellow"))
+    elif d["step"] == 0 and str(d["field"]).startswith("input."):
+        lines.append(style("  the ranks' inputs differ at the first recorded step: they differed before it (in the program's "
+                           "set-up, or in a call of the step that was not recorded: with no flags, a module's first call, the "
+                           "prefill, is not)", fg="yellow"))
     lines += _numerics_lines(s.get("numerics_at_divergence"))
     return lines + _numerics_lines(s.get("arguments_at_divergence"), what="arguments")
 

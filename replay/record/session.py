@@ -616,6 +616,9 @@ class Session(GraphEvents):
 
                 info["weights"] = weight_digests(model)
                 info["buffers"] = buffer_digests(model)
+                # Dropout and batch norm compute otherwise in training mode: a rank left there
+                # (a missing .eval()) drifts from its first step.
+                info["training"] = sum(1 for m in model.modules() if m.training)
             except Exception as e:  # noqa: BLE001
                 self.warn_once(f"weights:{spec.step}", f"cannot digest the weights of {spec.step} ({e})")
         return info
