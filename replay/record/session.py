@@ -95,6 +95,16 @@ def normalize_step(target: str) -> str:
 _MISSING = object()
 
 
+def _model_facts(model: torch.nn.Module) -> dict[str, Any]:
+    """What the target info keeps of the step's model at its first recorded step: its weights'
+    and buffers' digests, and how many of its modules are in training mode (dropout and batch
+    norm compute otherwise there: a rank left without ``.eval()`` drifts from its first step)."""
+    from replay.core.weights import buffer_digests, weight_digests
+
+    return {"weights": weight_digests(model), "buffers": buffer_digests(model),
+            "training": sum(1 for m in model.modules() if m.training)}
+
+
 class Session(GraphEvents):
     """The recording state of one process (a singleton per process; see ``bootstrap``)."""
 
@@ -612,13 +622,7 @@ class Session(GraphEvents):
             if not spec.state:
                 info["state_from"] = "module_buffers" if model is obj else f"held_module:{held[0]}"  # type: ignore[index]
             try:
-                from replay.core.weights import buffer_digests, weight_digests
-
-                info["weights"] = weight_digests(model)
-                info["buffers"] = buffer_digests(model)
-                # Dropout and batch norm compute otherwise in training mode: a rank left there
-                # (a missing .eval()) drifts from its first step.
-                info["training"] = sum(1 for m in model.modules() if m.training)
+                info.update(_model_facts(model))
             except Exception as e:  # noqa: BLE001
                 self.warn_once(f"weights:{spec.step}", f"cannot digest the weights of {spec.step} ({e})")
         return info
