@@ -41,6 +41,16 @@ def _script(tmp: Path, name: str, text: str) -> Path:
     return path
 
 
+# The end of a two-rank script: ``worker(rank, port)`` on two gloo ranks started by mp.spawn.
+_SPAWN_TWO_RANKS = """
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(worker, args=(port,), nprocs=2)
+"""
+
+
 def _record(tmp: Path, name: str, *flags: str) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp / f"rec-{name}"
     p = _replay("record", "--quiet", "--out", out, *flags, "--", sys.executable, f"{name}.py", cwd=tmp)

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_newcomer_scripts import _record, _replay, _script
+from tests.test_newcomer_scripts import _SPAWN_TWO_RANKS, _record, _replay, _script
 
 pytestmark = pytest.mark.e2e
-
-# The end of a two-rank script: ``worker(rank, port)`` on two gloo ranks started by mp.spawn.
-_SPAWN_TWO_RANKS = """
-    if __name__ == "__main__":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(worker, args=(port,), nprocs=2)
-"""
-
 
 # A decode loop over a plain function: with no flags nothing is found, and the summary says to
 # name the step with --step.

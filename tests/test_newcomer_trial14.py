@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.test_newcomer_scripts import _record, _replay, _script
+from tests.test_newcomer_scripts import _SPAWN_TWO_RANKS, _record, _replay, _script
 
 pytestmark = pytest.mark.e2e
 
@@ -101,12 +101,7 @@ _ONE_RANK_RAISES = """
                 ids = torch.cat([ids, model(ids).argmax(-1, keepdim=True)], 1)
         dist.destroy_process_group()
 
-    if __name__ == "__main__":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(worker, args=(port,), nprocs=2)
-"""
+""" + _SPAWN_TWO_RANKS
 
 
 def test_a_rank_that_raised_in_a_step_another_completed_is_the_first_divergence(tmp_path) -> None:
@@ -155,12 +150,7 @@ _WARM_UP_ON_ONE_RANK = """
         print("rank", rank, ids.tolist(), flush=True)
         dist.destroy_process_group()
 
-    if __name__ == "__main__":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(worker, args=(port,), nprocs=2)
-"""
+""" + _SPAWN_TWO_RANKS
 
 
 def test_ranks_offset_by_a_call_are_said_to_be_offset_not_diverged(tmp_path) -> None:
@@ -205,12 +195,7 @@ _WEIGHTS_BROADCAST_AT_START = """
                 ids = torch.cat([ids, model(ids).argmax(-1, keepdim=True)], 1)
         dist.destroy_process_group()
 
-    if __name__ == "__main__":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(worker, args=(port,), nprocs=2)
-"""
+""" + _SPAWN_TWO_RANKS
 
 
 def test_a_rank_re_launched_alone_gets_the_weights_its_start_up_received(tmp_path) -> None:
@@ -315,12 +300,7 @@ _TRAINING_MODE_ON_ONE_RANK = """
                 ids = torch.cat([ids, model(ids).argmax(-1, keepdim=True)], 1)
         dist.destroy_process_group()
 
-    if __name__ == "__main__":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(worker, args=(port,), nprocs=2)
-"""
+""" + _SPAWN_TWO_RANKS
 
 
 def test_info_names_a_rank_whose_model_was_left_in_training_mode(tmp_path) -> None:

@@ -143,7 +143,7 @@ def first_divergence(
 
 # Fields that go into a step: differing at the step a rank raised in, they come first.
 _CAUSES = ("input.", "collective.")
-# The field a step's status is compared as (``info``: "step status differs on rank(s) 1").
+# The field a step's status is compared as (``Divergence.what`` says it in words).
 STATUS_FIELD = "step status (raised)"
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from replay.format.reader import RankFile
 
-__all__ = ["offset_text", "step_offset"]
+__all__ = ["offset_brief", "offset_text", "step_offset"]
 
 # Shifts tried, and the fewest steps that must agree after the shift to call it an offset.
 _SHIFTS = (1, -1, 2, -2)
@@ -62,11 +62,21 @@ def step_offset(a: RankFile, b: RankFile, start: int) -> dict[str, Any] | None:
     return None
 
 
+def _calls(o: dict[str, Any]) -> str:
+    k = abs(int(o["shift"]))
+    return f"{k} call{'s' if k > 1 else ''}"
+
+
+def offset_brief(o: dict[str, Any]) -> str:
+    """``step_offset``'s finding in a clause of a verdict line."""
+    return (f"rank {o['rank']}'s steps from there are rank {o['against']}'s offset by {_calls(o)} of the step, with the "
+            "same bits (not a divergence from there)")
+
+
 def offset_text(o: dict[str, Any]) -> str:
     """``step_offset``'s finding for ``info``, ranks named (keys ``rank``, ``against``)."""
     k = int(o["shift"])
-    calls = f"{abs(k)} call{'s' if abs(k) > 1 else ''}"
     return (f"rank {o['rank']}'s steps from step {o['from']} are rank {o['against']}'s from step {o['from'] + k} "
-            f"({o['steps']} steps with the same bits once shifted): the ranks are offset by {calls} of the step "
+            f"({o['steps']} steps with the same bits once shifted): the ranks are offset by {_calls(o)} of the step "
             f"(one made calls the other did not: a warm-up, a step retried after an error), not diverged from there; "
             f"compare rank {o['rank']}'s step N with rank {o['against']}'s step N{k:+d}")

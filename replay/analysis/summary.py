@@ -385,9 +385,9 @@ def verdict_line(summary: dict[str, Any]) -> str:
     text = f"first divergence at {_at(d)}{left_out}: {divergence_what(d)}"
     offset = summary.get("offset_at_divergence")
     if offset:
-        k = int(offset["shift"])
-        text += (f"; but rank {offset['rank']}'s steps from there are rank {offset['against']}'s offset by {abs(k)} "
-                 f"call{'s' if abs(k) > 1 else ''} of the step, with the same bits (not a divergence from there)")
+        from replay.analysis.offset import offset_brief
+
+        text += f"; but {offset_brief(offset)}"
     if summary.get("output_fields") is False:
         # Inputs alone: a step that computed otherwise shows only in a later step's input.
         return text + "; no step output recorded, so what the steps computed may have differed earlier"

@@ -37,9 +37,10 @@ def _stacked(ts: Any) -> torch.Tensor | None:
 
 
 class AsyncOutputs:
-    """The outputs of a collective started with ``async_op=True``, taken at the end of the step
-    that started it: when its work is done by then and the program has not written into them
-    since the call (their version counters), they hold what the collective gave."""
+    """The outputs of a collective started with ``async_op=True``, taken when the program waits
+    on its work, or else at the end of the step that started it: when its work is done by then
+    and the program has not written into them since the call (their version counters), they hold
+    what the collective gave."""
 
     __slots__ = ("work", "outputs", "compare", "versions")
 
@@ -126,7 +127,7 @@ def _wrap(session: Any, dist: Any, name: str, fn: Callable[..., Any], spec: Coll
             pending = None
             if a.get("async_op") and work is not None:
                 # The outputs are not there yet and Work objects cannot be wrapped safely: what
-                # went in now, the outputs at the step's end if the work is done by then.
+                # went in now, the outputs at the program's wait() (``_hook_wait``) or the step's end.
                 pending = AsyncOutputs(work, [a.get(p) for p in spec.outputs], spec.compare)
                 outs, compare = [], False
             else:

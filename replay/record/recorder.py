@@ -517,8 +517,7 @@ class Recorder:
 
     def _output_entries(self, st: _Step, items: list[tuple[str, TensorKind, torch.Tensor, bool]]) -> list[Entry]:
         """The outputs' entries; CPU logits a probe saw, unchanged since, from the ring copy made
-        for their margin then (a second copy of the step's largest tensor is the CPU step's
-        largest single cost in the recorder)."""
+        for their margin then (not a second copy of the step's largest tensor)."""
         copy = st.margin_copy
         at = -1 if copy is None else next((i for i, (_, _, t, _) in enumerate(items) if self._is_margin_copy(st, t)), -1)
         if at < 0:

@@ -95,6 +95,15 @@ def normalize_step(target: str) -> str:
 _MISSING = object()
 
 
+def _step_model(obj: Any) -> tuple[str | None, torch.nn.Module | None]:
+    """The model a step's object runs: the object itself, or the one model an engine object
+    holds (``Engine.step`` with ``self.model``), with that attribute's name."""
+    if isinstance(obj, torch.nn.Module):
+        return None, obj
+    held = held_module(obj)
+    return (held[0], held[1]) if held is not None else (None, None)
+
+
 def _model_facts(model: torch.nn.Module) -> dict[str, Any]:
     """What the target info keeps of the step's model at its first recorded step: its weights'
     and buffers' digests, and how many of its modules are in training mode (dropout and batch
@@ -354,8 +363,7 @@ class Session(GraphEvents):
         for st in streams.streams:
             recorded = st.info.get("weights")
             obj = st.obj()
-            held = None if isinstance(obj, torch.nn.Module) else held_module(obj)
-            model = obj if isinstance(obj, torch.nn.Module) else held[1] if held is not None else None
+            model = _step_model(obj)[1]
             if not isinstance(recorded, dict) or not recorded or model is None:
                 continue
             try:
@@ -616,11 +624,10 @@ class Session(GraphEvents):
         info["state_from"] = "attribute" if spec.state else None
         # An engine object that holds one model (``Engine.step`` with ``self.model``): that
         # model's weights and buffers are the step's, as a re-run's ``Target.module()`` takes them.
-        held = None if isinstance(obj, torch.nn.Module) else held_module(obj)
-        model = obj if isinstance(obj, torch.nn.Module) else held[1] if held is not None else None
+        attr, model = _step_model(obj)
         if model is not None:
             if not spec.state:
-                info["state_from"] = "module_buffers" if model is obj else f"held_module:{held[0]}"  # type: ignore[index]
+                info["state_from"] = "module_buffers" if model is obj else f"held_module:{attr}"
             try:
                 info.update(_model_facts(model))
             except Exception as e:  # noqa: BLE001

@@ -44,6 +44,16 @@ class CollectiveMismatch:
         return f"collective #{self.index} ({self.op}) input"
 
 
+def copy_output(dst: Any, out: torch.Tensor) -> None:
+    """A recorded collective output into the program's output argument: a tensor, or a list of
+    tensors (all_gather's ``tensor_list``, recorded stacked)."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(out.reshape(dst.shape).to(dst.device))
+    elif isinstance(dst, (list, tuple)):
+        for d, o in zip(dst, out.reshape(len(dst), *dst[0].shape)):
+            d.copy_(o.to(d.device))
+
+
 class _DoneWork:
     """What an ``async_op=True`` call returns: the recorded output is already in place."""
 
@@ -201,12 +211,7 @@ class RecordedCollectives:
             row = self._next(name, ins)
             if spec.outputs:
                 out = self._output(row, name)
-                dst = a.get(spec.outputs[0])
-                if isinstance(dst, torch.Tensor):
-                    dst.copy_(out.reshape(dst.shape).to(dst.device))
-                elif isinstance(dst, (list, tuple)):
-                    for d, o in zip(dst, out.reshape(len(dst), *dst[0].shape)):
-                        d.copy_(o.to(d.device))
+                copy_output(a.get(spec.outputs[0]), out)
             return _DoneWork() if a.get("async_op") else None
 
         return stand_in

@@ -22,18 +22,9 @@ import torch
 
 from replay.core.collectives import COLLECTIVES
 from replay.format.reader import RankFile
+from replay.rerun.collectives import _DoneWork, copy_output
 
 __all__ = ["SetupAnswers"]
-
-
-class _Done:
-    """What an ``async_op=True`` call returns here: the recorded output is already in place."""
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class SetupAnswers:
@@ -80,7 +71,7 @@ class SetupAnswers:
             out = self._answer(name, a.get(out_param))
             if out is None:
                 return orig(*args, **kwargs)
-            return _Done() if a.get("async_op") else None
+            return _DoneWork() if a.get("async_op") else None
 
         return setup_collective
 
@@ -95,13 +86,8 @@ class SetupAnswers:
                                f"{name} (#{self.answered + 1}): its output was recorded as a digest only")
             self._queue.clear()
             return None
-        out = self._rf.read_tensor(t.tensors[i])
         try:
-            if isinstance(dst, torch.Tensor):
-                dst.copy_(out.reshape(dst.shape).to(dst.device))
-            else:
-                for d, o in zip(dst, out.reshape(len(dst), *dst[0].shape)):
-                    d.copy_(o.to(d.device))
+            copy_output(dst, self._rf.read_tensor(t.tensors[i]))
         except (RuntimeError, ValueError, IndexError) as e:
             self.stopped_at = f"{name} (#{self.answered + 1}): the recorded output does not fit ({e})"
             self._queue.clear()
