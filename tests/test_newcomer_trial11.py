@@ -153,6 +153,13 @@ _TENSOR_PARALLEL = """
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
+        if DIE:
+            # Each rank waited on by itself: mp.spawn's join stops the other ranks once one has
+            # failed, and could stop rank 0 before its collective with the gone rank raised.
+            ctx = mp.spawn(worker, args=(2, port), nprocs=2, join=False)
+            for proc in ctx.processes:
+                proc.join()
+            raise SystemExit(max(proc.exitcode for proc in ctx.processes))
         mp.spawn(worker, args=(2, port), nprocs=2)
 """
 
