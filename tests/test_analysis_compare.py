@@ -77,3 +77,19 @@ def test_digests_can_only_say_equal_or_different() -> None:
 def test_top2_margin_only_for_logit_like_tensors() -> None:
     assert top2_margin(torch.tensor([[1.0, 3.0, 2.5]])) == pytest.approx(0.5)
     assert top2_margin(torch.tensor([1, 2])) is None and top2_margin(torch.tensor([1.0])) is None
+
+
+def test_within_tolerance_says_the_tolerance_it_was_judged_by() -> None:
+    """"within tolerance" alone (step's verdict table, a not-reproduced reason) did not say which
+    tolerance; the verdict carries the dtype's rtol and atol, and keeps them through --json."""
+    from replay.rerun.result import comparison_from_json
+
+    a = torch.tensor([1.0, 2.0, 3.0])
+    b = a.clone()
+    b[0] = torch.nextafter(b[0], torch.tensor(2.0))
+    c = compare_tensors(a, b)
+    assert c.verdict_text == "within tolerance (rtol 1e-05, atol 1e-08)" and c.verdict_text in str(c), str(c)
+    assert comparison_from_json(c.to_json()).verdict_text == c.verdict_text
+    assert compare_tensors(a, a.clone()).verdict_text == "bitwise equal"
+    # A damaged result file's tolerance is left out, never formatted from what it holds.
+    assert comparison_from_json({**c.to_json(), "atol": "1e-8"}).verdict_text == "within tolerance"

@@ -43,10 +43,21 @@ class Comparison:
     numel: int | None = None
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # The tolerance the values were judged by (floats that differ in bits only): "within
+    # tolerance" means nothing without it.
+    rtol: float | None = None
+    atol: float | None = None
 
     @property
     def equal(self) -> bool:
         return self.verdict is Verdict.BITWISE_EQUAL
+
+    @property
+    def verdict_text(self) -> str:
+        """The verdict, with the tolerance it was judged by where one was."""
+        if self.rtol is None or self.atol is None or self.verdict is Verdict.BITWISE_EQUAL:
+            return str(self.verdict)
+        return f"{self.verdict} (rtol {self.rtol:g}, atol {self.atol:g})"
 
     def to_json(self) -> dict[str, Any]:
         d = {
@@ -62,13 +73,15 @@ class Comparison:
             "mismatched": self.mismatched,
             "numel": self.numel,
         }
+        if self.rtol is not None:
+            d["rtol"], d["atol"] = self.rtol, self.atol
         if self.note:
             d["note"] = self.note
         d.update(self.extra)
         return d
 
     def __str__(self) -> str:
-        parts = [f"{self.a} vs {self.b}: {self.verdict}"]
+        parts = [f"{self.a} vs {self.b}: {self.verdict_text}"]
         if self.verdict is not Verdict.BITWISE_EQUAL:
             if self.mismatched is not None and self.numel:
                 parts.append(f"{self.mismatched}/{self.numel} elements differ")
@@ -178,6 +191,8 @@ def compare_tensors(
             margin=margin,
             mismatched=mismatched,
             numel=numel,
+            rtol=rtol,
+            atol=atol,
         )
     mismatched = int((a != b).sum())
     return Comparison(name_a, name_b, Verdict.DIFFERENT, mismatched=mismatched, numel=numel,

@@ -120,7 +120,7 @@ class ModuleVerdict:
             "name": self.name, "module": self.module, "verdict": self.verdict,
             "max_abs": c.max_abs if c else None, "max_rel": c.max_rel if c else None, "ulp": c.ulp if c else None,
             "mismatched": c.mismatched if c else None, "numel": c.numel if c else None,
-            "inputs_equal": self.inputs_equal, "rank_local": self.rank_local, "source": self.source, "note": self.note,
+            "rtol": c.rtol if c else None, "atol": c.atol if c else None, "inputs_equal": self.inputs_equal, "rank_local": self.rank_local, "source": self.source, "note": self.note,
         }
 
     def figures(self) -> str:
@@ -720,7 +720,9 @@ def _rounding_notes(rows: list[ModuleVerdict], makers: list[ModuleVerdict], make
     rounding = [m for m in makers if m is not maker and rows.index(m) < end]
     if not rounding:
         return []
-    return [f"{rounding[0].name} already turns equal inputs into outputs that differ within tolerance "
+    c = rounding[0].comparison
+    tol = c.verdict_text[len(str(Verdict.WITHIN_TOLERANCE)):] if c is not None else ""
+    return [f"{rounding[0].name} already turns equal inputs into outputs that differ within tolerance{tol} "
             f"({rounding[0].figures()}): rounding, not the difference {maker.name if maker else 'that matters'} makes"]
 
 

@@ -21,6 +21,7 @@ from replay.bisect.steps import StepsBisection
 from replay.cli.common import (json_option, open_run, parse_options, parse_ranks, part_option, program_output_to_stderr,
                                run_argument, save_and_emit, split_list)
 from replay.cli.progress import progress
+from replay.analysis.compare import Verdict
 from replay.cli.render import fmt_verdict, style, table
 from replay.errors import RerunError, UsageError  # RerunError: exit code of a bisection that compared nothing
 from replay.format.reader import Part
@@ -343,6 +344,9 @@ def render_layers(r: LayersBisection) -> str:
         lines.append(f"module outputs ({len(r.modules)} compared, in execution order; {len(shown)} shown, all with --json):")
         lines.append(table(["#", "module", "verdict", "max abs", "max rel", "inputs", "ran"],
                            [_row(idx[id(m)], m, r.first) for m in shown]))
+        tolerances = sorted({c.verdict_text for m in shown if (c := m.comparison) is not None and c.verdict is Verdict.WITHIN_TOLERANCE})
+        if tolerances:
+            lines.append(f"  {'; '.join(tolerances)}: the tolerance of the output's dtype")
     lines += [f"  step output: {escape(c)}" for c in r.outputs if not c.equal]
     if r.equal_inputs is not None:
         # Between two runs whose inputs already differed: run A against run B's model on run A's data.

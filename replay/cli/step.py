@@ -221,7 +221,7 @@ def _verdict_table(r: StepRerun) -> list[str]:
     for m in r.modes.values():
         for name, c in m.vs_recording.items():
             ranks = m.matches_ranks.get(name, [])
-            verdict = style(str(c.verdict), fg="green" if c.equal else "red")
+            verdict = style(c.verdict_text, fg="green" if c.equal else "red")
             rep = "-" if m.repeats_equal is None else ("same bits" if m.repeats_equal else style("bits vary", fg="red"))
             rows.append([m.mode, escape(name), verdict, ",".join(map(str, ranks)) or "none", rep, escape(m.graph) or "-"])
     if not rows:

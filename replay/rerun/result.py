@@ -24,14 +24,20 @@ __all__ = ["ModeRun", "StepDeparture", "StepRerun", "WeightCheck", "comparison_f
 
 def comparison_from_json(d: dict[str, Any]) -> Comparison:
     """A ``Comparison`` from its ``to_json()`` (unknown keys kept in ``extra``)."""
-    known = ("a", "b", "verdict", "max_abs", "max_rel", "ulp", "argmax_agree", "topk_overlap", "margin", "mismatched", "numel", "note")
+    known = ("a", "b", "verdict", "max_abs", "max_rel", "ulp", "argmax_agree", "topk_overlap", "margin", "mismatched", "numel", "note",
+             "rtol", "atol")
     try:
         verdict = Verdict(d["verdict"])
     except (KeyError, ValueError):
         raise RecordingDamaged(f"a step result holds a comparison without a known verdict ({d.get('verdict')!r})") from None
     return Comparison(str(d.get("a", "")), str(d.get("b", "")), verdict,
-                      **{k: d.get(k) for k in known[3:-1]}, note=str(d.get("note") or ""),
+                      **{k: d.get(k) for k in known[3:-3]}, note=str(d.get("note") or ""),
+                      rtol=_float_or_none(d.get("rtol")), atol=_float_or_none(d.get("atol")),
                       extra={k: v for k, v in d.items() if k not in known and k != "output"})
+
+
+def _float_or_none(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 # The departure field of a step that raised in the re-run where it completed when recorded.
@@ -152,7 +158,7 @@ class ModeRun:
                     f"before it (its outputs equal the recording's only because a one-rank re-run hands each collective its "
                     f"recorded result)")
         name, c = bad[0]
-        line = f"{name} is {c.verdict} from the recording" + (f" (and {len(bad) - 1} more output(s))" if len(bad) > 1 else "")
+        line = f"{name} is {c.verdict_text} from the recording" + (f" (and {len(bad) - 1} more output(s))" if len(bad) > 1 else "")
         return line + (f"; before it, the {self.collective_departure} differs" if self.collective_departure else "")
 
     @classmethod
