@@ -603,3 +603,22 @@ def test_weight_digests_record_dtensor_placements_and_declared_shards(tmp_path):
     assert "layout" not in w["1.bias"]  # a plain tensor nobody declared: no layout, never a guess
     assert layout_of(w["0.weight"]["layout"]).kind is LayoutKind.SHARDED and layout_of(w["0.weight"]["layout"]).dim == 0
     assert param_global_shape(w["1.weight"], 4) == (2, 24) and param_global_shape(w["1.bias"], 4) is None
+
+
+def test_different_batching_says_what_aligned_rows_found_not_a_batch_token_divergence(tmp_path, run_cli):
+    """The headline named a "first token divergence" between a batch of two requests and a batch
+    of one (step N of A is not step N of B); with no request in both runs it printed "0 of 0 rows
+    differ ()", and fields kept as digests went unmentioned beside "0 of 10 rows differ"."""
+    a = record_run(tmp_path / "a", batch=2, request_order=[10, 11])
+    b = record_run(tmp_path / "b", batch=1, request_order=[12])  # no request of A's
+    res = run_cli("diff", a, b)
+    head = res.out.splitlines()[0]
+    assert res.code == 1 and "token divergence" not in head and "rows cannot be aligned" in head, res.out
+    assert "rows cannot be aligned: no (request, position) row was recorded in both runs" in res.out
+    assert "0 of 0" not in res.out
+    # Logits kept as digests only: the tokens' rows are compared, and the logits said not to be.
+    c = record_run(tmp_path / "c", batch=4, request_order=[10, 11, 12, 13], outputs="digest")
+    d = record_run(tmp_path / "d", batch=2, request_order=[10, 11], outputs="digest", scale_logits=1.5)
+    res = run_cli("diff", c, d)
+    assert "by request and position, 0 of 10 rows differ in tokens.tokens" in res.out.splitlines()[0], res.out
+    assert "output.hidden, output.logits recorded as digests only, whose rows cannot be compared" in res.out

@@ -78,9 +78,11 @@ def _row_keys(rf: RankFile, step: int, req: str, pos: str) -> list[tuple[int, in
     return list(zip(r.tolist(), p.tolist()))
 
 
-def _token_rows(rf: RankFile, steps: np.ndarray, req: str, pos: str) -> tuple[dict[tuple[int, int], dict[str, Any]], str]:
+def _token_rows(rf: RankFile, steps: np.ndarray, req: str, pos: str, digests_only: set[str]
+                ) -> tuple[dict[tuple[int, int], dict[str, Any]], str]:
     """(request, position) -> {field: row bytes}, for every token and output field recorded in
-    full with one row per request (compared bit for bit)."""
+    full with one row per request (compared bit for bit); ``digests_only`` gets the fields
+    recorded as digests only (their rows cannot be compared)."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     t = rf.full()
     for s in steps[:MAX_STEPS]:
@@ -94,6 +96,7 @@ def _token_rows(rf: RankFile, steps: np.ndarray, req: str, pos: str) -> tuple[di
             prefix = "tokens" if int(r["kind"]) == int(TensorKind.TOKENS) else "output"
             name = f"{prefix}.{t.string(int(r['name']))}"
             if int(r["offset"]) < 0:
+                digests_only.add(name)
                 continue
             v = rf.read_tensor(r)
             if v.dim() == 0 or v.shape[0] != len(keys):
@@ -122,16 +125,23 @@ def align_batches(a: RankFile, b: RankFile, steps_a: np.ndarray, steps_b: np.nda
                               note=f"rows cannot be aligned: the recordings have no {missing} among their inputs "
                                    f"(record an input named one of {', '.join(REQUEST_INPUTS if req is None else POSITION_INPUTS)}); "
                                    "the step-by-step comparison compares whole batches")
-    rows_a, why_a = _token_rows(a, steps_a, req, pos)
-    rows_b, why_b = _token_rows(b, steps_b, req, pos)
+    digests_only: set[str] = set()
+    rows_a, why_a = _token_rows(a, steps_a, req, pos, digests_only)
+    rows_b, why_b = _token_rows(b, steps_b, req, pos, digests_only)
     if why_a or why_b:
         return BatchAlignment(batched_differently=True, evidence=evidence,
                               note=f"rows cannot be aligned: {'A ' + why_a if why_a else 'B ' + why_b}")
     keys = sorted(set(rows_a) & set(rows_b), key=lambda k: (k[1], k[0]))
     differ, first, fields = _compare_rows(keys, rows_a, rows_b)
-    left = [f"{w} has {n - MAX_STEPS} more steps, not read" for w, n in (("A", steps_a.size), ("B", steps_b.size)) if n > MAX_STEPS]
     only = len(set(rows_a) ^ set(rows_b))
-    notes = left + ([f"{only} (request, position) rows recorded in one run only"] if only else [])
+    unseen = (f"; {', '.join(sorted(digests_only))} recorded as digests only, whose rows cannot be compared "
+              "(outputs = \"full\" in a record profile keeps them)") if digests_only else ""
+    if not fields:
+        why = ("no (request, position) row was recorded in both runs" if not keys
+               else "no token or output field was recorded in full with one row per request")
+        return BatchAlignment(batched_differently=True, evidence=evidence, note=f"rows cannot be aligned: {why}{unseen}")
+    left = [f"{w} has {n - MAX_STEPS} more steps, not read" for w, n in (("A", steps_a.size), ("B", steps_b.size)) if n > MAX_STEPS]
+    notes = left + ([f"{only} (request, position) rows recorded in one run only"] if only else []) + ([unseen[2:]] if unseen else [])
     return BatchAlignment(batched_differently=True, evidence=evidence, aligned=True, note="; ".join(notes),
                           rows_compared=len(keys), rows_differ=differ, first=first, fields=sorted(fields))
 

@@ -241,6 +241,11 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     streams = [s for s, _, _, _ in done]
     notes += _models_apart(streams)
     batching = _batching(streams[0], files[0])
+    if batching.batched_differently:
+        # Step N of A is not step N of B: their tokens are whole batches of other requests, and
+        # a "token divergence" between them says nothing; rows aligned by request say it instead.
+        for s in streams:
+            s.first_token = None
     context = context_differences([(ma, mb) for _, ma, mb, _ in done], a.recording.manifest, b.recording.manifest,
                                   same_layout=wa == wb, numerics_per_step=next((n for *_, n in done if n), None))
     weights = next(c for c in context if c.category is Category.WEIGHTS)
@@ -409,7 +414,9 @@ def _different_headline(rd: RunDiff) -> str:
     s, f = rd.first
     steps = sum(x.differing_steps for x in rd.streams if x is s)
     text = f"different: {s.name} {f.where}: {f.field} first differs; {steps} of {s.facts.common.size} steps differ"
-    if rd.first_token is not None:
+    if rd.batching is not None:
+        text += "; the runs batched differently: " + _batching_clause(rd.batching)
+    elif rd.first_token is not None:
         t = rd.first_token[1]
         text += f"; first token divergence {t.where} ({t.field}, smallest top-2 margin of its rows A {_fmt_margin(t.margin_a)}, B {_fmt_margin(t.margin_b)})"
     elif any(x.token_fields for x in rd.streams):
@@ -419,12 +426,20 @@ def _different_headline(rd: RunDiff) -> str:
     if rd.collective_inputs:
         text += (f"; its input differs only on rank{'s' if len(rd.collective_inputs) > 1 else ''} "
                  f"{', '.join(map(str, rd.collective_inputs))} (the collective spread that change to every rank)")
-    if rd.batching is not None:
-        text += "; the runs batched differently" + (" (rows aligned below)" if rd.batching.aligned else "")
     weights = _differing_weights(rd)
     if weights is not None:  # the likeliest cause, named on the first line
         text += f"; weights differ: {weights.items[0]['name']}" + (f" and {weights.count - 1} more" if weights.count > 1 else "")
     return text
+
+
+def _batching_clause(bt: BatchAlignment) -> str:
+    """What aligning rows by request found, for the headline (the step-by-step tokens compare
+    batches of other requests)."""
+    if not bt.aligned:
+        return "rows cannot be aligned (below), so tokens are not compared"
+    fb = bt.first
+    where = f", first request {fb['request']} position {fb['position']} ({fb['field']})" if fb else ""
+    return f"by request and position, {bt.rows_differ} of {bt.rows_compared} rows differ in {', '.join(bt.fields)}{where}"
 
 
 def _different_elsewhere(rd: RunDiff) -> str:
