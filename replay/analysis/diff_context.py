@@ -20,6 +20,7 @@ import numpy as np
 from replay.analysis.summary import short_kernel_name
 from replay.analysis.unshard import param_global_shape
 from replay.core.environment import recorded_env_differences
+from replay.errors import RecordingDamaged
 from replay.format.reader import RankFile
 
 __all__ = ["Category", "ContextDiff", "RankMeta", "rank_meta", "context_differences", "first_numerics_difference"]
@@ -36,10 +37,17 @@ class RankMeta:
     attrs: dict[str, Any]
     tuner: dict[str, str]
     kernels: dict[str, list[str]]
+    # The target object's Python scalars at the first keyframe (a temperature, a scale, a flag
+    # kept as an attribute of the model and read inside forward): (step, {name: value}).
+    scalars: tuple[int, dict[str, Any]] | None = None
 
 
 def rank_meta(rf: RankFile) -> RankMeta:
-    return RankMeta(rank=rf.rank, attrs=dict(rf.attrs), tuner=rf.tuner_choices(), kernels=_graph_kernels(rf))
+    try:
+        scalars = rf.first_keyframe_scalars()
+    except (RecordingDamaged, KeyError, ValueError, TypeError):
+        scalars = None  # a damaged keyframe table: the scalars are not compared (reading the steps says why)
+    return RankMeta(rank=rf.rank, attrs=dict(rf.attrs), tuner=rf.tuner_choices(), kernels=_graph_kernels(rf), scalars=scalars)
 
 _CAP = 20  # items listed per category; the count says how many there are
 
@@ -260,7 +268,7 @@ def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
         ca, cb = ta.get("config"), tb.get("config")
         if ca is None and cb is None and n == 0:  # the part's config: its first model's
             ca, cb = a.attrs.get("config"), b.attrs.get("config")
-        if ca is not None or cb is not None:
+        if ca or cb:  # an empty config on both sides is no config: "the same" would say nothing
             configs = True
             items += _named(model, _dict_diff(ca if isinstance(ca, dict) else {"config": ca},
                                               cb if isinstance(cb, dict) else {"config": cb}))
@@ -271,9 +279,23 @@ def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
             configs = True
             items += _named(model, _dict_diff({"config": sa}, {"config": sb}))
         items += _named(model, _how_called(ta, tb))
-    if not configs and not items:
+    scalars, note = _scalar_items(a, b)
+    if not configs and not items and scalars is None:
         return ContextDiff(category=Category.CONFIG, compared=False, note="no target config recorded")
-    return _capped(Category.CONFIG, items)
+    return _capped(Category.CONFIG, items + (scalars or []), note)
+
+
+def _scalar_items(a: RankMeta, b: RankMeta) -> tuple[list[dict[str, Any]] | None, str]:
+    """The target's Python attributes that differ at each run's first keyframe (None: neither
+    run holds any), and where they were read."""
+    if a.scalars is None or b.scalars is None or not (a.scalars[1] or b.scalars[1]):
+        return None, ""
+    (sa, va), (sb, vb) = a.scalars, b.scalars
+    items = [{"name": f"target.{k}", "a": _short(va.get(k, "absent")), "b": _short(vb.get(k, "absent"))}
+             for k in sorted(set(va) | set(vb)) if va.get(k, "absent") != vb.get(k, "absent")
+             or type(va.get(k)) is not type(vb.get(k))]
+    at = f"step {sa}" if sa == sb else f"step {sa} in A, {sb} in B"
+    return items, f"the target's Python attributes as at each run's first keyframe ({at})"
 
 
 def _named(model: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:

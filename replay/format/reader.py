@@ -420,6 +420,30 @@ class RankFile:
         rows = t.tensors[first : first + n]
         return int(row["step"]), {t.string(int(r["name"])): self.read_tensor(r) for r in rows}
 
+    def first_keyframe_scalars(self) -> tuple[int, dict[str, bool | int | float]] | None:
+        """The Python scalars of the target (``replay.core.state``) in the first keyframe:
+        (its step, {attribute: value}), reading none of the keyframe's tensors; None when the
+        rank took no keyframe."""
+        from replay.core.state import SCALAR_PREFIX, UNCHANGED_PREFIX
+
+        t = self.full()
+        k = t.keyframes
+        if not k.size:
+            return None
+        row = k[np.argmin(k["step"])]
+        first, n = int(row["first_tensor"]), int(row["n_tensors"])
+        if first < 0 or n < 0 or first + n > t.tensors.size:
+            raise RecordingDamaged(f"{self.path}: keyframe at step {int(row['step'])} points outside /tensors")
+        out: dict[str, bool | int | float] = {}
+        for r in t.tensors[first : first + n]:
+            name = t.string(int(r["name"]))
+            prefix = next((p for p in (SCALAR_PREFIX, UNCHANGED_PREFIX) if name.startswith(p)), None)
+            if prefix is None or int(r["ndim"]) != 0:
+                continue
+            v = self.read_tensor(r)
+            out[name[len(prefix):]] = bool(v.item()) if v.dtype == torch.bool else v.item()
+        return int(row["step"]), out
+
     def tuner_choices(self) -> dict[str, str]:
         t = self.tables
         return {t.string(int(r["op"])): t.string(int(r["tactic"])) for r in t.tuner}
