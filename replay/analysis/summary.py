@@ -208,8 +208,9 @@ def _in_stream(d: dict[str, Any], steps: Any, idx: Any, names: list[str]) -> dic
 
 # Notes the recorder keeps that say what was not recorded as it ran, shown by ``info``: what
 # ``--check-lockstep`` found, steps two threads ran at once (one is recorded at a time), and a
-# model whose parameters changed after its first recorded step (a re-run cannot rebuild that).
-_SHOWN_EVENTS = ("lockstep:", "steps ran in two threads", "the model of stream ")
+# model whose parameters changed after its first recorded step (a re-run cannot rebuild that), and
+# calls of an async step not recorded because another call of it was being awaited.
+_SHOWN_EVENTS = ("lockstep:", "steps ran in two threads", "the model of stream ", "calls not recorded: ")
 
 
 def lockstep_events(part: Part, limit: int = 5) -> list[str]:

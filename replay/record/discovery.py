@@ -555,8 +555,23 @@ def summary_lines(reports: list[dict[str, Any]], *, recorded_steps: int = 0) -> 
     lines += _not_recorded_beside(chosen, seen, ran)
     lines += _compiled_collectives(reports, chosen, ran)
     lines += _nested_outputs(reports)
+    lines += _overlapped(reports)
     lines += _unrecorded_arguments(reports)
     return lines
+
+
+def _overlapped(reports: list[dict[str, Any]]) -> list[str]:
+    """Calls of an async step not recorded because another call of it was being awaited."""
+    from replay.textsafe import escape
+
+    counts: Counter[str] = Counter()
+    for r in reports:
+        o = r.get("overlapped")
+        if isinstance(o, dict):
+            counts.update({str(k): int(v) for k, v in o.items() if isinstance(v, int)})
+    return [f"replay: {escape(step)}: {n} call(s) not recorded: each began while another call of it was being awaited "
+            "(concurrent tasks); a rank's recorded steps are one sequence of calls (replay info says so too)"
+            for step, n in sorted(counts.items()) if n > 0]
 
 
 def _nothing_chosen(reports: list[dict[str, Any]], seen: Counter[str], ran: Counter[str], recorded_steps: int) -> list[str]:

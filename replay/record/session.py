@@ -155,6 +155,10 @@ class Session(GraphEvents):
         self.lockstep: Any = None
         self._warned: set[str] = set()
         self._nested_said: dict[str, list[str]] = {}  # step -> returned containers of tensors, not recorded
+        # Calls of an async step made while another call of it was awaited (concurrent tasks):
+        # not recorded (one rank's steps are one sequence), counted so that it is said.
+        self._overlapped: Counter[str] = Counter()
+        self._said_overlapped: Counter[str] = Counter()  # all parts' counts, for replay record's summary
         self._unrecorded_said: dict[str, list[str]] = {}  # step -> arguments recorded by class name only
         self._unrecorded_prints: dict[str, list[Fingerprint | None]] = {}  # their states at the step's first call
         # id(model) -> its calls that ran before its step was chosen (discovery chose it at one
@@ -274,6 +278,7 @@ class Session(GraphEvents):
         streams = self._streams
         # When the recorder closes (the program's end, a new part), before its end marker.
         self.recorder.before_close.append(lambda rec: self._note_changed_models(rec, streams))
+        self.recorder.before_close.append(self._note_overlapped)
         self._close_in_worker()
         return self.recorder
 
@@ -354,6 +359,17 @@ class Session(GraphEvents):
             self._record_tuner(force=True, rec=rec)
             rec.close(status, uncaught=self.uncaught)
 
+    def _note_overlapped(self, rec: Recorder) -> None:
+        """Calls of an async step that were not recorded because another call of it was being
+        awaited: said in a note (for ``info``), or the recording would read as every call."""
+        for step, n in sorted(self._overlapped.items()):
+            rec.note(f"calls not recorded: {n} call(s) of {step} on rank {rec.config.rank} each began while another call "
+                     "of it was being awaited (concurrent tasks on one event loop), and a rank's recorded steps are one "
+                     "sequence of calls; to record every call, name a step the tasks do not run concurrently "
+                     "(--step MODULE:QUALNAME)")
+        self._said_overlapped.update(self._overlapped)
+        self._overlapped.clear()
+
     def _note_changed_models(self, rec: Recorder, streams: PartStreams) -> None:
         """A stream's model whose parameters changed in names or shapes while recorded (an adapter
         added, a layer replaced): a re-run builds the model as it was at its first call, so no
@@ -427,6 +443,8 @@ class Session(GraphEvents):
 
     def _call_step(self, spec: StepSpec, fn: Callable[..., Any], binder: Binder, is_method: bool, args: tuple, kwargs: dict) -> Any:
         if getattr(self._local, "depth", 0) or self.disabled or capturing() or spec.step in self._inactive:
+            if getattr(self._local, "awaited", None) == spec.step and not self.disabled:
+                self._overlapped[spec.step] += 1
             return fn(*args, **kwargs)
         self._local.depth = 1
         try:
@@ -844,6 +862,7 @@ class Session(GraphEvents):
         # Steps other coroutines call while this one is awaited are not recorded: one rank's
         # steps are one sequence (as nested steps are not).
         self._local.depth = getattr(self._local, "depth", 0) + 1
+        awaited, self._local.awaited = getattr(self._local, "awaited", None), spec.step
         try:
             out = await coro
         except BaseException as e:
@@ -851,6 +870,7 @@ class Session(GraphEvents):
             raise
         finally:
             self._local.depth -= 1
+            self._local.awaited = awaited
         return self._record_result(spec, out, rec, obj, after_call, written)
 
     def _step_raised(self, e: BaseException, rec: Recorder, after_call: Callable[[], None] | None) -> None:
@@ -1142,6 +1162,7 @@ class Session(GraphEvents):
             "chosen": list(self._chosen),
             "seen": dict(self._watcher.seen) if self._watcher is not None else {},
             "nested_outputs": {k: v for k, v in self._nested_said.items() if v},
+            "overlapped": dict(self._said_overlapped + self._overlapped),
             "unrecorded_arguments": self._unrecorded_changed(),
         }
 
