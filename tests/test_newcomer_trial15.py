@@ -95,3 +95,46 @@ def test_calls_of_an_async_step_not_recorded_while_another_is_awaited_are_said(t
     assert "aio:step: 10 call(s) not recorded: each began while another call of it was being awaited" in p.stderr, p.stderr
     info = _replay("info", out, cwd=tmp_path)
     assert "5 " in info.stdout and "calls not recorded: 10 call(s) of aio:step on rank 0" in info.stdout, info.stdout
+
+
+# Continuous batching: requests finish one by one, and the last decode calls run on an empty
+# batch (0 rows, logits of shape (0, vocab)).
+_EMPTY_BATCH = """
+    import torch, torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 16), nn.Linear(16, 20)).eval()
+    ids, remaining = torch.tensor([1, 2, 3]), torch.tensor([3, 5, 7])
+    with torch.no_grad():
+        for _ in range(10):
+            nxt = model(ids).argmax(-1)
+            remaining = remaining - 1
+            keep = remaining > 0
+            ids, remaining = nxt[keep], remaining[keep]
+"""
+
+
+def test_a_step_on_an_empty_batch_is_recorded_and_recording_goes_on(tmp_path: Path) -> None:
+    """The first step with no rows stopped the recorder ("min(): Expected reduction dim ..." from
+    the logits' top-2 margin): the program went on, its later steps unrecorded. Every call is a
+    step; the empty ones re-run and compare."""
+    _script(tmp_path, "empty", _EMPTY_BATCH)
+    out = tmp_path / "rec"
+    p = _replay("record", "--out", out, "--", sys.executable, "empty.py", cwd=tmp_path)
+    assert p.returncode == 0 and "recording stopped" not in p.stderr, p.stderr[-2000:]
+    info = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert [r["steps"] for r in info["ranks"]] == [9], info["ranks"]  # 10 calls, the first revealed the step
+    s = _replay("step", out, "--rank", "0", "--step", "8", "--no-save", cwd=tmp_path)
+    assert s.returncode == 0 and "reproduced" in s.stdout and "bit for bit" in s.stdout, s.stdout + s.stderr[-1500:]
+
+
+def test_the_margin_of_no_row_is_none_rather_than_an_error() -> None:
+    import math
+
+    import numpy as np
+
+    from replay.format.ring_salvage import margin_of
+
+    assert math.isnan(margin_of(np.zeros((0, 20), dtype=np.float32)))
+    assert math.isnan(margin_of(np.zeros((4, 1), dtype=np.float32)))
+    assert margin_of(np.array([[1.0, 3.0, 2.0]], dtype=np.float32)) == 1.0

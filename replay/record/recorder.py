@@ -169,6 +169,12 @@ def _outside_ring(job: Job) -> bool:
         (job.margin_host is not None and job.margin_at < 0)
 
 
+
+def _has_margin(t: torch.Tensor) -> bool:
+    """Logits with a top-1/top-2 margin: floats with two or more values a row, and a row at all
+    (a decode step of continuous batching runs on an empty batch once its requests are done)."""
+    return t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2 and t.numel() > 0
+
 class Recorder:
     """Records one rank. Create one per process; see ``RecorderConfig`` for the settings."""
 
@@ -506,7 +512,7 @@ class Recorder:
         ]
         for (name, t), e in zip(named, self._output_entries(st, items)):
             st.groups.setdefault("tokens" if e.kind == TensorKind.TOKENS else "outputs", []).append(e)
-            if e.kind == TensorKind.OUTPUT and name == cfg.logits and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
+            if e.kind == TensorKind.OUTPUT and name == cfg.logits and _has_margin(t):
                 self._logits(st, t, e)
             if name == cfg.accepted:
                 if t.is_cuda:
@@ -549,7 +555,7 @@ class Recorder:
         """The step's logits, for its top-2 margin and the logits ring, without adding a field
         (a probe sees them before a step that later raises could return them)."""
         st = self._mine()
-        if st is not None and isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] >= 2:
+        if st is not None and isinstance(t, torch.Tensor) and _has_margin(t):
             self._logits(st, t, None)
 
     def _logits(self, st: _Step, t: torch.Tensor, entry: Entry | None) -> None:
