@@ -138,3 +138,32 @@ def test_the_margin_of_no_row_is_none_rather_than_an_error() -> None:
     assert math.isnan(margin_of(np.zeros((0, 20), dtype=np.float32)))
     assert math.isnan(margin_of(np.zeros((4, 1), dtype=np.float32)))
     assert margin_of(np.array([[1.0, 3.0, 2.0]], dtype=np.float32)) == 1.0
+
+
+def test_a_one_step_difference_in_a_repeating_decode_is_not_called_an_offset(tmp_path: Path) -> None:
+    """Rank 1 differed at step 5 only, and greedy decoding then repeated one token on every rank:
+    the steps after it agree as numbered, and also shifted by one (each step the same as the
+    next). info said "offset by 1 call of the step ... compare rank 1's step N with rank 0's step
+    N+1" where no rank made an extra call; the steps agree as numbered, so no offset is said."""
+    import torch
+
+    from replay import Recorder, RecorderConfig
+
+    out = tmp_path / "rec"
+    for rank in range(2):
+        rec = Recorder(RecorderConfig(out=out, rank=rank, world_size=2))
+        rec.set_target({"factory": "tests.toy:build", "config": {}})
+        for s in range(9):
+            rec.begin_step()
+            rec.record_inputs(ids=torch.tensor([min(s, 6)]))
+            logits = torch.arange(8.0).reshape(1, 8) * (1 + min(s, 6))  # from step 6 on: the same every step
+            if rank == 1 and s == 5:
+                logits = logits + 1e-3
+            rec.record_outputs(logits=logits)
+            rec.end_step()
+        rec.close()
+        assert rec.error is None, rec.error
+    s = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert s["first_divergence"]["step"] == 5 and s.get("offset_at_divergence") is None, s.get("offset_at_divergence")
+    text = _replay("info", out, cwd=tmp_path).stdout
+    assert "offset" not in text, text

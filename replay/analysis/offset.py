@@ -55,6 +55,11 @@ def step_offset(a: RankFile, b: RankFile, start: int) -> dict[str, Any] | None:
     sig_a = dict(zip(sa.tolist(), ga.tolist()))
     for first in (start, start + 1):
         later = sb >= first
+        same_index = [(sig_a[s], g) for s, g in zip(sb[later].tolist(), gb[later].tolist()) if s in sig_a]
+        if same_index and all(x == y for x, y in same_index):
+            # The steps agree as numbered too (a one-step difference, then the same steps): a
+            # shift that also agrees only says the steps repeat (greedy decoding in a loop).
+            continue
         for k in _SHIFTS:
             pairs = [(sig_a[s + k], g) for s, g in zip(sb[later].tolist(), gb[later].tolist()) if s + k in sig_a]
             if len(pairs) >= _MIN_AGREE and all(x == y for x, y in pairs):
