@@ -167,3 +167,39 @@ def test_a_one_step_difference_in_a_repeating_decode_is_not_called_an_offset(tmp
     assert s["first_divergence"]["step"] == 5 and s.get("offset_at_divergence") is None, s.get("offset_at_divergence")
     text = _replay("info", out, cwd=tmp_path).stdout
     assert "offset" not in text, text
+
+
+# A step that reads Python's and NumPy's global generators (noise added to the logits).
+_HOST_RANDOM_IN_THE_STEP = """
+    import random
+    import numpy as np
+    import torch, torch.nn as nn
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 16), nn.Linear(16, 30)).eval()
+
+    def decode(ids):
+        logits = model(ids)[:, -1]
+        return logits + random.random() * 1e-3 + float(np.random.rand()) * 1e-3
+
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, decode(ids).argmax(-1, keepdim=True)], 1)
+"""
+
+
+def test_repeats_of_a_step_that_reads_python_s_random_start_from_its_state(tmp_path: Path) -> None:
+    """The first run reproduced bit for bit (the generators restored from the keyframe, caught
+    up); its repeats went on from where it left them, and --repeat blamed "a nondeterministic
+    kernel, or ... an unseeded random source". Each repeat starts from the same generators."""
+    _script(tmp_path, "hostrng", _HOST_RANDOM_IN_THE_STEP)
+    out = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", out, "--step", "hostrng:decode", "--", sys.executable, "hostrng.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    s = _replay("step", out, "--rank", "0", "--step", "3", "--repeat", "3", "--no-save", "--json", cwd=tmp_path)
+    assert s.returncode == 0, s.stderr[-2000:]
+    mode = json.loads(s.stdout)["modes"]["eager"]
+    assert mode["repeats_equal"] is True, mode

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -855,6 +856,9 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
             result.notes.append(note)
     _note_scalars(rp.target, rp.keyframe, result)
     saved = rp.target.snapshot() if repeat > 1 else None
+    # Python's and NumPy's generators as the step is about to read them (restored from the
+    # keyframe and advanced by catch-up): each repeat starts from them too.
+    host_rng = _host_rng() if repeat > 1 else None
     # The objects held by class name only, as the step is about to take them: a repeat starts
     # from a copy of these too (the run changes them), or is not compared when they cannot be copied.
     held = LiveObjects(rp.rf, step, rp.target.live_args) if repeat > 1 and rp.target.live_args else None
@@ -869,7 +873,7 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
         run.graph = f"{info.get('mode', '')} {info.get('key', '')}".strip() + (f" ({info['reason']})" if info.get("reason") else "")
     if repeat > 1:
         assert saved is not None
-        _repeat(rp, step, repeat, run, saved, held, result)
+        _repeat(rp, step, repeat, run, (saved, host_rng), held, result)
     if rp.collectives is not None:
         run.collective_mismatches = [str(m) for m in rp.collectives.mismatches]
         at_step = rp.collectives.departure_at(step)
@@ -877,11 +881,31 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
     return run
 
 
-def _repeat(rp: Replayer, step: int, repeat: int, run: ModeRun, saved: dict[str, Any], held: LiveObjects | None,
-            result: StepRerun) -> None:
-    """The step's repeats, each from the state (and the copies of held objects) it first ran from."""
+def _host_rng() -> tuple[Any, Any]:
+    """Python's and (when imported) NumPy's global generator states."""
+    import random
+
+    np_random = getattr(sys.modules.get("numpy"), "random", None)
+    return random.getstate(), np_random.get_state() if np_random is not None else None
+
+
+def _set_host_rng(state: tuple[Any, Any]) -> None:
+    import random
+
+    random.setstate(state[0])
+    np_random = getattr(sys.modules.get("numpy"), "random", None)
+    if state[1] is not None and np_random is not None:
+        np_random.set_state(state[1])
+
+
+def _repeat(rp: Replayer, step: int, repeat: int, run: ModeRun, start: tuple[dict[str, Any], tuple[Any, Any]],
+            held: LiveObjects | None, result: StepRerun) -> None:
+    """The step's repeats, each from the state, the host generators and the copies of held
+    objects it first ran from."""
+    saved, host_rng = start
     for i in range(repeat - 1):
         rp.target.load_state(saved)
+        _set_host_rng(host_rng)
         if held is not None:
             rp.target.live_args = held.fresh(rp.target.live_args)
         run.repeat_digests.append({k: digest(v) for k, v in rp.run(step).items()})
