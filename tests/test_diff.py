@@ -324,7 +324,7 @@ def test_json_output(tmp_path, run_cli):
     assert out["first_token_divergence"] is None
     assert [s["differing_steps"] for s in out["streams"]] == [0, 2]
     assert [c["category"] for c in out["other_differences"]] == [
-        "weights", "config", "numerics", "buffers", "tuner choices", "graph kernels", "versions", "environment"]
+        "weights", "config", "step arguments", "numerics", "buffers", "tuner choices", "graph kernels", "versions", "environment"]
 
 
 @pytest.mark.parametrize(
@@ -622,3 +622,34 @@ def test_different_batching_says_what_aligned_rows_found_not_a_batch_token_diver
     res = run_cli("diff", c, d)
     assert "by request and position, 0 of 10 rows differ in tokens.tokens" in res.out.splitlines()[0], res.out
     assert "output.hidden, output.logits recorded as digests only, whose rows cannot be compared" in res.out
+
+
+def _record_with_temperature(out: Path, temp: float, *, logits_scale: float = 1.0) -> Path:
+    rec = Recorder(RecorderConfig(out=out, rank=0, world_size=1))
+    rec.set_target({"factory": "tests.toy:build", "config": {"layers": 2, "tp": 1}})
+    for s in range(4):
+        rec.begin_step()
+        rec.record_args(temp=temp, top_k=5)
+        rec.record_inputs(**step_inputs(s, 4))
+        logits = step_logits(s, 4) * logits_scale
+        rec.record_outputs(logits=logits, tokens=logits.argmax(-1))
+        rec.end_step()
+    rec.close()
+    assert rec.error is None, rec.error
+    return out
+
+
+def test_a_plain_step_argument_that_differs_is_named(tmp_path, run_cli):
+    """A temperature passed to the step (0.9 in A, 0.5 in B): diff listed weights, config and
+    numerics as the same and never named it, even where it was the whole cause."""
+    a = _record_with_temperature(tmp_path / "a", 0.9)
+    b = _record_with_temperature(tmp_path / "b", 0.5)
+    res = run_cli("diff", a, b)
+    assert res.code == 0 and res.out.startswith("the same:")  # the fields' bits are the same
+    assert "step arguments  1 differ: temp (from step 0, 4 steps): A 0.9, B 0.5" in res.out, res.out
+    c = _record_with_temperature(tmp_path / "c", 0.5, logits_scale=2.0)
+    head = run_cli("diff", a, c).out.splitlines()[0]
+    assert head.startswith("different:") and "the step's argument temp differs from step 0: A 0.9, B 0.5" in head, head
+    same = run_cli("diff", a, a, "--json").json()
+    args = next(x for x in same["other_differences"] if x["category"] == "step arguments")
+    assert args["compared"] and not args["differs"]

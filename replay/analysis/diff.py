@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from replay.analysis.align import BatchAlignment, align_batches
-from replay.analysis.diff_context import Category, RankMeta, context_differences, first_numerics_difference, rank_meta
+from replay.analysis.diff_context import (Category, RankMeta, arguments_difference, context_differences,
+                                          first_numerics_difference, rank_meta)
 from replay.analysis.diff_records import (
     DiffOptions, DiffVerdict, FirstDifference, RecordingDiff, RunDiff, StreamDiff, UnshardedField, worst,
 )
@@ -123,11 +124,16 @@ class _PairJob:
     same_layout: bool
 
 
-def _run_pair(job: _PairJob) -> tuple[StreamDiff, RankMeta, RankMeta, dict[str, Any] | None]:
+# What comparing one pair of rank files gives: the stream's diff, each side's settings, the first
+# step whose numerics context differs, and the step arguments that differ.
+_PairFacts = tuple[StreamDiff, RankMeta, RankMeta, "dict[str, Any] | None", "list[dict[str, Any]] | None"]
+
+
+def _run_pair(job: _PairJob) -> _PairFacts:
     ra, rb = RankFile(job.dir_a, job.rank_a), RankFile(job.dir_b, job.rank_b)
     s = compare_stream(ra, rb, Names(), lambda n: n not in job.excluded, job.opts, job.same_layout)
     _label_models(s, ra, rb)
-    return s, rank_meta(ra), rank_meta(rb), first_numerics_difference(ra, rb)
+    return s, rank_meta(ra), rank_meta(rb), first_numerics_difference(ra, rb), arguments_difference(ra, rb)
 
 
 def _label_models(s: StreamDiff, ra: RankFile, rb: RankFile) -> None:
@@ -170,7 +176,7 @@ def _idle_cores() -> int:
     return max(1, min(cores, int(cores - busy + 1)))  # +1: this process is one of the busy ones
 
 
-def _compare_pairs(jobs: list[_PairJob]) -> list[tuple[StreamDiff, RankMeta, RankMeta, dict[str, Any] | None]]:
+def _compare_pairs(jobs: list[_PairJob]) -> list[_PairFacts]:
     def size(d: Path, r: int) -> int:
         for suffix in (".h5", ".journal"):
             p = d / f"rank-{r:05d}{suffix}"
@@ -238,7 +244,7 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     jobs = [_PairJob(dir_a=a.part.path, rank_a=x, dir_b=b.part.path, rank_b=y, excluded=frozenset(excluded),
                      opts=opts, same_layout=wa == wb) for x, y in pairs]
     done = _compare_pairs(jobs)
-    streams = [s for s, _, _, _ in done]
+    streams = [s for s, *_ in done]
     notes += _models_apart(streams)
     batching = _batching(streams[0], files[0])
     if batching.batched_differently:
@@ -246,8 +252,9 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
         # a "token divergence" between them says nothing; rows aligned by request say it instead.
         for s in streams:
             s.first_token = None
-    context = context_differences([(ma, mb) for _, ma, mb, _ in done], a.recording.manifest, b.recording.manifest,
-                                  same_layout=wa == wb, numerics_per_step=next((n for *_, n in done if n), None))
+    context = context_differences([(ma, mb) for _, ma, mb, *_ in done], a.recording.manifest, b.recording.manifest,
+                                  same_layout=wa == wb, numerics_per_step=next((n for *_, n, _ in done if n), None),
+                                  arguments=next((g for *_, g in done if g is not None), None))
     weights = next(c for c in context if c.category is Category.WEIGHTS)
     verdict = worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
                     + ([DiffVerdict.DIFFERENT] if weights.differs else [])
@@ -429,6 +436,10 @@ def _different_headline(rd: RunDiff) -> str:
     weights = _differing_weights(rd)
     if weights is not None:  # the likeliest cause, named on the first line
         text += f"; weights differ: {weights.items[0]['name']}" + (f" and {weights.count - 1} more" if weights.count > 1 else "")
+    args = next((c for c in rd.context if c.category is Category.ARGUMENTS and c.differs), None)
+    if weights is None and args is not None and args.items[0]["step"] <= f.step:
+        it = args.items[0]  # a step argument that already differed where the fields began to
+        text += f"; the step's argument {it['name']} differs from step {it['step']}: A {it['a']}, B {it['b']}"
     return text
 
 

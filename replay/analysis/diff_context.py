@@ -23,7 +23,8 @@ from replay.core.environment import recorded_env_differences
 from replay.errors import RecordingDamaged
 from replay.format.reader import RankFile
 
-__all__ = ["Category", "ContextDiff", "RankMeta", "rank_meta", "context_differences", "first_numerics_difference"]
+__all__ = ["Category", "ContextDiff", "RankMeta", "rank_meta", "context_differences", "first_numerics_difference",
+           "arguments_difference"]
 
 NUMERICS_ARG = "__numerics__"  # the step argument holding the digest of the step's numerics context
 
@@ -56,6 +57,7 @@ class Category(enum.Enum):
     WEIGHTS = "weights"
     BUFFERS = "buffers"
     CONFIG = "config"
+    ARGUMENTS = "step arguments"
     NUMERICS = "numerics"
     TUNER = "tuner choices"
     KERNELS = "graph kernels"
@@ -460,6 +462,44 @@ def arguments_at(a: RankFile, b: RankFile, step: int) -> list[dict[str, Any]]:
 _ABSENT = object()
 
 
+def arguments_difference(a: RankFile, b: RankFile) -> list[dict[str, Any]] | None:
+    """The step's plain arguments (a temperature, a top-k) whose values differ between ``a`` and
+    ``b`` at a common step: each with the first such step and how many steps differ; None when
+    neither recorded any plain argument (nothing to compare)."""
+    sa, sb = a.tables.steps, b.tables.steps
+    common, xa, xb = np.intersect1d(sa["step"].astype(np.int64), sb["step"].astype(np.int64), return_indices=True)
+    if not common.size:
+        return None
+    ids = np.stack([sa["args"].astype(np.int64)[xa], sb["args"].astype(np.int64)[xb]], 1)
+    pairs, first, counts = np.unique(ids, axis=0, return_index=True, return_counts=True)
+    found: dict[str, dict[str, Any]] = {}
+    any_args = False
+    for (ia, ib), f, n in zip(pairs.tolist(), first.tolist(), counts.tolist()):
+        pa, pb = _plain_args(a, ia), _plain_args(b, ib)
+        any_args = any_args or bool(pa or pb)
+        for k in set(pa) | set(pb):
+            va, vb = pa.get(k, _ABSENT), pb.get(k, _ABSENT)
+            if va == vb and type(va) is type(vb):
+                continue
+            item = found.get(k)
+            step = int(common[f])
+            if item is None or step < item["step"]:
+                found[k] = {"name": k, "a": _short(va) if va is not _ABSENT else "absent",
+                            "b": _short(vb) if vb is not _ABSENT else "absent", "step": step,
+                            "steps": (item["steps"] if item else 0) + n}
+            else:
+                item["steps"] += n
+    if not any_args:
+        return None
+    return sorted(found.values(), key=lambda c: (c["step"], c["name"]))
+
+
+def _arguments(items: list[dict[str, Any]] | None) -> ContextDiff:
+    if items is None:
+        return ContextDiff(category=Category.ARGUMENTS, compared=False, note="no plain step argument recorded")
+    return _capped(Category.ARGUMENTS, items, "the step's plain arguments, step by step")
+
+
 def _plain_args(rf: RankFile, sid: int) -> dict[str, Any]:
     """A step's recorded non-tensor arguments that are plain values (numbers, strings, lists)."""
     if sid < 0:
@@ -554,7 +594,7 @@ def _environment(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[st
 
 def context_differences(
     pairs: list[tuple[RankMeta, RankMeta]], manifest_a: Mapping[str, Any], manifest_b: Mapping[str, Any], *, same_layout: bool,
-    numerics_per_step: dict[str, Any] | None = None,
+    numerics_per_step: dict[str, Any] | None = None, arguments: list[dict[str, Any]] | None = None,
 ) -> list[ContextDiff]:
     """Every category, most likely cause first. ``pairs`` are the rank files compared.
 
@@ -565,6 +605,7 @@ def context_differences(
     return [
         _weights(pairs, same_layout),
         _config(a0, b0),
+        _arguments(arguments),
         _numerics(a0, b0, numerics_per_step),
         _buffers(pairs, same_layout),
         _tuner(pairs),

@@ -228,4 +228,6 @@ def _item(i: dict[str, Any]) -> str:
         ra = i["ranks_a"]
         where = f" [rank{'s' if len(ra) > 1 else ''} {', '.join(map(str, ra[:4]))}{', ...' if len(ra) > 4 else ''}]"
     at = f" kernel #{i['first_difference']}" if "first_difference" in i else ""
+    if "steps" in i and "step" in i:  # a step argument: from which step, for how many
+        at = f" (from step {i['step']}, {i['steps']} step{'s' if i['steps'] != 1 else ''})"
     return f"{_e(i['name'])}{at}: A {_e(i.get('a'))}, B {_e(i.get('b'))}{where}"
