@@ -203,3 +203,19 @@ def test_repeats_of_a_step_that_reads_python_s_random_start_from_its_state(tmp_p
     assert s.returncode == 0, s.stderr[-2000:]
     mode = json.loads(s.stdout)["modes"]["eager"]
     assert mode["repeats_equal"] is True, mode
+
+
+def test_step_compares_offset_ranks_logits_at_the_step_that_holds_them(tmp_path: Path) -> None:
+    """Rank 0 made one call more than rank 1 before the loop: info says rank 1's step N is rank
+    0's step N+1, but `step` compared the re-run's logits with rank 0's step N ("different,
+    40/40 elements differ"), a cross-rank difference that is not there."""
+    from tests.test_newcomer_trial14 import _WARM_UP_ON_ONE_RANK
+
+    _script(tmp_path, "warm", _WARM_UP_ON_ONE_RANK)
+    out = tmp_path / "rec"
+    rec = _replay("record", "--quiet", "--out", out, "--", sys.executable, "warm.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    s = _replay("step", out, "--rank", "1", "--step", "2", "--no-save", cwd=tmp_path)
+    assert s.returncode == 0, s.stderr[-2000:]
+    assert "vs rank 0 recorded logits of its step 3: bitwise equal" in s.stdout, s.stdout
+    assert "the same logits are its step 3 (the ranks are offset by 1 call(s)" in s.stdout, s.stdout

@@ -987,8 +987,26 @@ def _compare_across(result: StepRerun, part: Part, rank: int, step: int, modes: 
         if lg is not None and lg.shape == head.outputs["logits"].shape:
             # Named for the field: the logits may agree where the step's other outputs (its
             # sampled tokens) do not, as the verdict table's "same bits as ranks" says.
-            result.comparisons.append(compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run logits",
-                                                      name_b=f"rank {r} recorded logits"))
+            c = compare_tensors(head.outputs["logits"], lg, name_a=f"{modes[0]} re-run logits", name_b=f"rank {r} recorded logits")
+            shifted = None if c.equal else _offset_logits(other, step, head.outputs["logits"])
+            if shifted is not None:
+                # The ranks are offset by a call or two (info says so): this step is another
+                # step number there; the same number is another step, and no difference.
+                c = compare_tensors(head.outputs["logits"], shifted[1], name_a=f"{modes[0]} re-run logits",
+                                    name_b=f"rank {r} recorded logits of its step {shifted[0]}")
+                result.notes.append(f"rank {r}'s step {step} is another step: the same logits are its step {shifted[0]} "
+                                    f"(the ranks are offset by {abs(shifted[0] - step)} call(s) of the step, as info says)")
+            result.comparisons.append(c)
+
+
+def _offset_logits(other: RankFile, step: int, logits: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """(step, logits) of ``other``'s ring at a step a call or two from ``step`` holding these
+    same bits, or None."""
+    for k in (1, -1, 2, -2):
+        lg = _ring_logits(other, step + k)
+        if lg is not None and lg.shape == logits.shape and compare_tensors(logits, lg).equal:
+            return step + k, lg
+    return None
 
 
 def default_modes(part: Part, rank: int, step: int, device: str, *, relaunch: bool = False) -> list[str]:
