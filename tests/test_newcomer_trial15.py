@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_newcomer_scripts import _replay, _script
+from tests.test_newcomer_scripts import _SPAWN_TWO_RANKS, _replay, _script
 
 pytestmark = pytest.mark.e2e
 
@@ -219,3 +219,54 @@ def test_step_compares_offset_ranks_logits_at_the_step_that_holds_them(tmp_path:
     assert s.returncode == 0, s.stderr[-2000:]
     assert "vs rank 0 recorded logits of its step 3: bitwise equal" in s.stdout, s.stdout
     assert "the same logits are its step 3 (the ranks are offset by 1 call(s)" in s.stdout, s.stdout
+
+
+# Two gloo ranks decode the same tokens; rank 1's forward raises once (a simulated OOM) at its
+# third call and the loop retries the step.
+_RETRIED_ON_ONE_RANK = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self, rank):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(40, 16), nn.Linear(16, 40)
+            self.rank, self.calls = rank, 0
+        def forward(self, ids):
+            self.calls += 1
+            if self.rank == 1 and self.calls == 3:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            logits = self.head(self.emb(ids).mean(1))
+            return {"logits": logits, "tokens": logits.argmax(-1, keepdim=True)}
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        model = LM(rank)
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            for _ in range(8):
+                try:
+                    out = model(ids)
+                except RuntimeError:
+                    out = model(ids)
+                ids = torch.cat([ids, out["tokens"]], 1)
+        dist.destroy_process_group()
+
+""" + _SPAWN_TWO_RANKS
+
+
+def test_a_rank_that_raised_and_retried_has_no_token_divergence(tmp_path: Path) -> None:
+    """Rank 1 raised in a step and called it again; the ranks sampled the same tokens. info said
+    "first token divergence at step 2" (the step rank 1 raised in, which sampled no token), and,
+    once that was fixed, at a later step compared as numbered across the offset."""
+    _script(tmp_path, "retry", _RETRIED_ON_ONE_RANK)
+    out = tmp_path / "rec"
+    rec = _replay("record", "--quiet", "--out", out, "--", sys.executable, "retry.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    s = json.loads(_replay("info", out, "--json", cwd=tmp_path).stdout)
+    assert s["first_divergence"]["field"] == "step status (raised)" and s["offset_at_divergence"]["shift"] == -1, s
+    assert s["first_token_divergence"] is None, s["first_token_divergence"]
+    head = _replay("info", out, cwd=tmp_path).stdout.splitlines()[0]
+    assert head.endswith("no token divergence once the offset is taken into account"), head

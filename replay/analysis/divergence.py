@@ -213,6 +213,7 @@ def _general(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], part: P
     differs = np.zeros(n, dtype=bool)
     order = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
     aligned: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    raised = {r: _raised_steps(part[r]) for r in chosen}
     for r in chosen:
         idx = np.searchsorted(all_keys, keys[r])
         present = np.zeros(n, dtype=bool)
@@ -221,7 +222,9 @@ def _general(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], part: P
         dig[idx] = rows[r][2]
         order[idx] = np.minimum(order[idx], row_order[r])
         last_step = int(rows[r][0].max()) if rows[r][0].size else -1
-        missing = ~present & (key_step <= last_step)
+        # A step the rank raised in has no outputs: their absence is the step's status (compared
+        # as such), not a field that differs (no token was sampled there to differ).
+        missing = ~present & (key_step <= last_step) & ~np.isin(key_step, raised[r])
         newref = present & ~have_ref
         ref[newref] = dig[newref]
         have_ref |= present
@@ -237,9 +240,14 @@ def _general(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], part: P
         last_step = int(rows[r][0].max()) if rows[r][0].size else -1
         if present[first]:
             values[r] = int(dig[first])
-        elif key_step[first] <= last_step:
+        elif key_step[first] <= last_step and key_step[first] not in raised[r]:
             values[r] = -1  # the field is missing on this rank
     return _verdict(int(key_step[first]), ids[int(all_keys[first] & ((1 << 20) - 1))], values)
+
+
+def _raised_steps(rf: RankFile) -> np.ndarray:
+    t = rf.tables.steps
+    return t["step"][t["status"] != 0].astype(np.int64)
 
 
 def order_in_step(steps: np.ndarray) -> np.ndarray:

@@ -298,7 +298,12 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     if div is not None:
         out["numerics_at_divergence"] = numerics_at_divergence(part, div)
         out["arguments_at_divergence"] = arguments_at_divergence(part, div)
-        out["offset_at_divergence"] = offset_at_divergence(part, div)
+        out["offset_at_divergence"] = offset = offset_at_divergence(part, div)
+        if offset and tok is not None and tok.step >= offset["from"] and set(tok.ranks) <= {offset["rank"]}:
+            # Tokens compared as numbered across ranks offset by a call: the steps compared are
+            # other steps, which have the same bits once shifted (tokens included).
+            out["first_token_divergence"] = None
+            out.pop("margin_at_token_divergence", None)
     _label_streams(part, out)
     out["step_callables"] = step_callables(part)
     out["training_modes"] = training_modes(part)
@@ -396,7 +401,7 @@ def verdict_line(summary: dict[str, Any]) -> str:
         return text + f"; first token divergence at {_at(t)} ({t['field']})"
     if summary.get("token_fields") is False:
         return text + "; no token field recorded to compare"
-    return text + "; no token divergence"
+    return text + ("; no token divergence once the offset is taken into account" if offset else "; no token divergence")
 
 
 def step_count_note(ranks: list[dict[str, Any]]) -> str:

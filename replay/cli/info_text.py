@@ -188,6 +188,9 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
                      "nothing has no output to name)")
     elif d is not None and s.get("token_fields") is False:
         lines.append("no token field recorded: the ranks differ in bits; what they sampled was not recorded as tokens")
+    elif d is not None and s.get("offset_at_divergence"):
+        lines.append("no token divergence once the offset is taken into account: the steps the ranks' tokens differ at "
+                     "as numbered are other steps, with the same bits once shifted")
     elif d is not None:
         lines.append("no token divergence: the ranks differ in bits but sampled the same tokens")
     return lines
