@@ -270,3 +270,52 @@ def test_a_rank_that_raised_and_retried_has_no_token_divergence(tmp_path: Path) 
     assert s["first_token_divergence"] is None, s["first_token_divergence"]
     head = _replay("info", out, cwd=tmp_path).stdout.splitlines()[0]
     assert head.endswith("no token divergence once the offset is taken into account"), head
+
+
+# Two models of one class (a draft and a target), their weights seeded from the environment.
+_TWO_MODELS_SEEDED_FROM_THE_ENVIRONMENT = """
+    import os
+    import torch, torch.nn as nn
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(30, 16), nn.Linear(16, 30)
+        def forward(self, ids):
+            return self.head(self.emb(ids))[:, -1]
+
+    seed = int(os.environ.get("SEED", "0"))
+    torch.manual_seed(seed)
+    draft = LM().eval()
+    torch.manual_seed(seed + 100)
+    target = LM().eval()
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.cat([ids, draft(ids).argmax(-1, keepdim=True)], 1)
+            ids = torch.cat([ids, target(ids).argmax(-1, keepdim=True)], 1)
+"""
+
+
+def test_a_relaunch_that_built_other_weights_says_so_not_other_shapes(tmp_path: Path) -> None:
+    """The re-launched program built both models with other weights (another seed): the refusal
+    said their parameters' "names and shapes" were not the recorded ones, sending the user after
+    an architecture change; it says the names and shapes are the recorded ones, the values not."""
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "seeded", _TWO_MODELS_SEEDED_FROM_THE_ENVIRONMENT)
+    out = tmp_path / "rec"
+
+    def replay(*args: object, seed: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "replay", *map(str, args)], cwd=tmp_path, env={**_env(), "SEED": seed},
+                              capture_output=True, text=True, timeout=300)
+
+    assert replay("record", "--quiet", "--out", out, "--", sys.executable, "seeded.py", seed="1").returncode == 0
+    ok = replay("step", out, "--rank", "0", "--step", "1", "--no-save", seed="1")
+    assert ok.returncode == 0 and "reproduced" in ok.stdout, ok.stdout + ok.stderr[-1500:]
+    other = replay("step", out, "--rank", "0", "--step", "1", "--no-save", seed="2")
+    last = other.stderr.strip().splitlines()[-1]
+    assert other.returncode != 0 and "with the recorded parameter names and shapes but other values" in last, last
+    assert "(names and shapes) are not" not in last

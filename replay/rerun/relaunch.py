@@ -173,8 +173,7 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
             tail = " | ".join((p.stderr or p.stdout or "").strip().splitlines()[-3:])
             others = _other_models(spec.out)
             raise RerunError(f"the re-launched program ended (exit code {p.returncode}) without calling the recorded "
-                             + (f"step on the recorded model: it called it on {others} model(s) whose parameters "
-                                "(names and shapes) are not the recorded ones" if others else "step")
+                             + (f"step on the recorded model: it called it on {others}" if others else "step")
                              + "; it cannot be re-run this way" + ("" if stdin_kept or others else _NO_STDIN)
                              + ("" if others else _stdin_from_parent(spec.recording, launch))
                              + (f": {tail}" if tail else ""))
@@ -195,11 +194,22 @@ def relaunch_step(spec: RelaunchSpec, launch: dict[str, Any], *, world: int,
 OTHER_MODELS = ".other-models"
 
 
-def _other_models(out: str) -> int:
+def _other_models(out: str) -> str:
+    """What the re-launched program said of the models it called the step on that were not the
+    recorded one, as a clause ("" for none)."""
     try:
-        return _count(int(Path(out + OTHER_MODELS).read_text()))
+        counts = [_count(int(x)) for x in Path(out + OTHER_MODELS).read_text().split()[:2]]
     except (OSError, ValueError):
-        return 0
+        return ""
+    shapes, values = (counts + [0, 0])[:2]
+    said = []
+    if shapes:
+        said.append(f"{shapes} model(s) whose parameters (names and shapes) are not the recorded ones")
+    if values:
+        said.append(f"{values} model(s) with the recorded parameter names and shapes but other values (the program "
+                    "built other weights than when recorded: a seed set otherwise, weights initialised in threads that "
+                    "race, or another checkpoint)")
+    return " and ".join(said)
 
 
 _NO_STDIN = ("; it may have read its stdin, which the recording did not keep (a terminal, or recorded before "
@@ -482,6 +492,7 @@ class _Takeover:
         self._real_compile: Any = None
         self._checked: dict[int, tuple[Any, bool]] = {}  # id -> (weak reference, is the recorded model)
         self.other_models = 0  # models the step was called on whose parameters are not the recorded ones
+        self.other_values = 0  # ... whose parameters have the recorded names and shapes, other values
         # The part's engine among those the program built one after another (``engine_run``):
         # a new one begins, as when recording, at a new object once the earlier ones are gone.
         self.engine_run = _count(target.get("engine_run"))
@@ -608,9 +619,9 @@ class _Takeover:
     def _say_other_models(self) -> None:
         """At the program's exit without a take-over: how many models the step was called on
         that were not the recorded one (the parent's error says so)."""
-        if not self.done and self.other_models:
+        if not self.done and (self.other_models or self.other_values):
             try:
-                Path(self.spec.out + OTHER_MODELS).write_text(str(self.other_models))
+                Path(self.spec.out + OTHER_MODELS).write_text(f"{self.other_models} {self.other_values}")
             except OSError:
                 pass
 
@@ -732,7 +743,9 @@ class _Takeover:
                 self._checked[id(obj)] = (weakref.ref(obj), seen)
             except TypeError:
                 pass
-            if not seen:
+            if not seen and self.by_digest and _has_recorded_weights(obj, weights, by_digest=False):
+                self.other_values += 1  # the recorded names and shapes, other values
+            elif not seen:
                 self.other_models += 1
         return seen
 
