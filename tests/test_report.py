@@ -376,3 +376,18 @@ def test_report_of_one_rank_makes_no_verdict_across_ranks(tmp_path, run_cli):
     page = Path(run_cli("report", rec).out.splitlines()[-1]).read_text()
     assert "No divergence" not in page and "<b>One rank</b>: nothing to compare across ranks" in page
     assert f"replay step {rec} --rank 0 --step 2" in page
+
+
+def test_next_commands_name_a_factory_where_the_recording_has_none(diverged):
+    """The page suggested `replay bisect layers ... --between recorded,rerun` for a recording
+    with no factory, which that command then refused ("needs a factory"); the suggestion says
+    it needs one, and leaves it out where the recording names one."""
+    import dataclasses
+
+    from replay.report.html import _next_commands
+
+    rep = build_report(diverged)
+    assert not rep.has_factory
+    cmds = _next_commands(rep)
+    assert "replay bisect layers" in cmds and "--factory MODULE:QUALNAME" in cmds, cmds
+    assert "--factory" not in _next_commands(dataclasses.replace(rep, has_factory=True))

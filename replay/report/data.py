@@ -66,6 +66,7 @@ class Report:
     results: list[dict[str, Any]] = field(default_factory=list)
     skipped_results: list[str] = field(default_factory=list)
     diff: dict[str, Any] | None = None  # issue 17: `replay diff` against another run (--against), as its JSON
+    has_factory: bool = False  # a rank's target names a factory (bisect layers needs one)
 
     @property
     def bin_size(self) -> int:
@@ -186,7 +187,12 @@ def build_report(recording: Recording | str | Path, part: str | None = None, *, 
         kernel_tables=kernels(summary.get("kernel_differences", [])),
         results=results,
         skipped_results=skipped,
+        has_factory=any(_names_factory(rf.attrs.get("target")) for rf in chosen.values()),
     )
+
+
+def _names_factory(target: Any) -> bool:
+    return isinstance(target, dict) and isinstance(target.get("factory"), str) and bool(target["factory"])
 
 
 def check_report_path(out: Path) -> None:

@@ -248,9 +248,12 @@ def _next_commands(rep: Report) -> str:
     rank, step = target["ranks"][0], target["step"]
     graphs = sum(r["graph_steps"] for r in rep.rank_runs)
     between = "eager,cudagraph" if graphs else "recorded,rerun"
+    # bisect layers puts its taps on a model it builds: with no factory recorded, it needs one.
+    factory = "" if rep.has_factory else (" --factory MODULE:QUALNAME   # the recording names no factory: "
+                                          "a callable that builds the model, (config, *, rank, world_size, device, options)")
     return (
         f'<pre class="cmd">replay step {run} --rank {_e(rank)} --step {_e(step)}\n'
-        f'replay bisect layers {run} --rank {_e(rank)} --step {_e(step)} --between {between}</pre>'
+        f'replay bisect layers {run} --rank {_e(rank)} --step {_e(step)} --between {between}{_e(factory)}</pre>'
     )
 
 
