@@ -319,3 +319,75 @@ def test_a_relaunch_that_built_other_weights_says_so_not_other_shapes(tmp_path: 
     last = other.stderr.strip().splitlines()[-1]
     assert other.returncode != 0 and "with the recorded parameter names and shapes but other values" in last, last
     assert "(names and shapes) are not" not in last
+
+
+def _step_in_thread() -> str | None:
+    from replay.record.tracebacks import program_caller
+
+    return program_caller(str, f"{__name__}:_step_in_thread")
+
+
+def _calls_the_step() -> str | None:
+    return _step_in_thread()
+
+
+def test_the_caller_offered_as_the_step_is_never_python_s_own_library() -> None:
+    """A step run by a thread pool: "record the caller as the step: replay record --step
+    concurrent.futures.thread:_WorkItem.run", which recorded the pool's work items (one part
+    each, nothing to compare). The program's own caller is offered, or none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(_step_in_thread).result() is None
+        assert pool.submit(_calls_the_step).result() == f"{__name__}:_calls_the_step"
+
+
+# vLLM-style: a runner sets the batch's block table and slots in a module-level forward context,
+# then calls the model, whose forward reads them.
+_FORWARD_CONTEXT_SET_BY_THE_CALLER = """
+    import torch, torch.nn as nn
+
+    torch.manual_seed(0)
+    D, V, BS = 16, 24, 4
+
+    class Ctx:
+        pass
+
+    CTX = Ctx()
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.kv, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+            self.register_buffer("pool", torch.zeros(8 * BS, D))
+        def forward(self, input_ids):
+            self.pool.index_copy_(0, CTX.slot, self.kv(self.emb(input_ids)))
+            slots = (CTX.block_table[:, None] * BS + torch.arange(BS)).view(-1)[: CTX.length]
+            return self.head(self.pool[slots].mean(0, keepdim=True))
+
+    class ModelRunner:
+        def __init__(self):
+            self.model = LM().eval()
+        def execute_model(self, ids, block_table, slot, length):
+            CTX.block_table, CTX.slot, CTX.length = block_table, slot, length
+            return self.model(ids)
+
+    runner, table, tok = ModelRunner(), torch.tensor([5, 2, 7]), torch.tensor([3])
+    with torch.no_grad():
+        for pos in range(8):
+            slot = (table[pos // BS] * BS + pos % BS).view(1)
+            tok = runner.execute_model(tok, table, slot, pos + 1).argmax(-1)
+"""
+
+
+def test_a_departed_catch_up_offers_the_caller_with_the_keyframe_advice(tmp_path: Path) -> None:
+    """A model that reads what its runner set up: the re-run departed in catch-up, and the only
+    advice was --keyframe-every 1 (which cannot help); the advice that does (record the runner's
+    method as the step) came only after re-recording with it. Both are offered at once."""
+    _script(tmp_path, "paged", _FORWARD_CONTEXT_SET_BY_THE_CALLER)
+    out = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", out, "--", sys.executable, "paged.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    s = _replay("step", out, "--rank", "0", "--step", "5", "--no-save", cwd=tmp_path)
+    departed = next((line for line in s.stdout.splitlines() if "departed from the recording" in line), "")
+    assert "--keyframe-every 1" in departed and "replay record --step paged:ModelRunner.execute_model" in departed, s.stdout

@@ -185,7 +185,10 @@ def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
         # A keyframe cannot restore an object recorded by class name only: no hint then.
         hint = (f"; {NO_STATE_HINT}" if r.no_keyframes else
                 "; if the program changes the model's state between steps (a beam search reordering its cache, a "
-                "reset), a keyframe every step restores it: replay record --keyframe-every 1") if (
+                "reset), a keyframe every step restores it: replay record --keyframe-every 1"
+                # The other remedy at once (not after a re-recording that could not help): state
+                # outside the model, which no keyframe holds.
+                + caller_hint(r.caller)) if (
             r.keyframe < m.departed.step < r.step and not r.unrecorded and not r.state_outside) else ""
         if m.departed.step == r.keyframe > 0 and not r.live_start:
             # The first step after the restore: what the keyframe holds is the likeliest cause.

@@ -22,6 +22,19 @@ _TORCH_DIR = "/torch/"
 _MAX_FRAMES = 64
 
 
+def _stdlib_dirs() -> tuple[str, ...]:
+    """Python's own library (a thread pool's worker, asyncio's task runner): never the program's
+    caller of its step, which a user could record instead (its site-packages are: an engine
+    installed there, as vLLM is, calls its model from there)."""
+    import sysconfig
+
+    dirs = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")}
+    return tuple(str(Path(d).resolve()) + "/" for d in dirs if d)
+
+
+_STDLIB_DIRS = _stdlib_dirs()
+
+
 def without_recorder_frames(tb: TracebackType | None) -> TracebackType | None:
     """``tb`` from its first frame outside ``replay/record/``; ``tb`` itself when every frame is
     the recorder's (an exception of the recorder's own, such as a lockstep divergence)."""
@@ -42,7 +55,7 @@ def program_caller(module_name: Callable[[str], str], step: str) -> str | None:
             return None
         code = frame.f_code
         path = code.co_filename
-        if not (path.startswith(_REPLAY_DIR) or _TORCH_DIR in path or path.startswith("<")):
+        if not (path.startswith(_REPLAY_DIR) or _TORCH_DIR in path or path.startswith("<") or _in_stdlib(path)):
             qual = getattr(code, "co_qualname", code.co_name)
             if qual == "<module>" or "<" in qual:
                 return None
@@ -51,3 +64,7 @@ def program_caller(module_name: Callable[[str], str], step: str) -> str | None:
                 return name
         frame = frame.f_back
     return None
+
+
+def _in_stdlib(path: str) -> bool:
+    return path.startswith(_STDLIB_DIRS) and "/site-packages/" not in path and "/dist-packages/" not in path
