@@ -391,3 +391,34 @@ def test_a_departed_catch_up_offers_the_caller_with_the_keyframe_advice(tmp_path
     s = _replay("step", out, "--rank", "0", "--step", "5", "--no-save", cwd=tmp_path)
     departed = next((line for line in s.stdout.splitlines() if "departed from the recording" in line), "")
     assert "--keyframe-every 1" in departed and "replay record --step paged:ModelRunner.execute_model" in departed, s.stdout
+
+
+# A step that returns Python values: the sampled token (``.item()``) and its top-3 probabilities.
+_PYTHON_VALUES_RETURNED = """
+    import torch, torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(24, 16), nn.Linear(16, 24)).eval()
+
+    def decode_step(tok: int):
+        p = model(torch.tensor([tok])).softmax(-1)[0]
+        return int(p.argmax().item()), [float(x) for x in p.topk(3).values]
+
+    tok = 3
+    with torch.no_grad():
+        for _ in range(6):
+            tok, top = decode_step(tok)
+"""
+
+
+def test_python_values_a_step_returns_beside_each_other_are_compared(tmp_path: Path) -> None:
+    """``return tok.item(), top_probs``: nothing was recorded ("the step returned no tensor the
+    recorder could record"), so no step could be compared. The numbers are outputs, compared."""
+    _script(tmp_path, "pyvals", _PYTHON_VALUES_RETURNED)
+    out = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", out, "--step", "pyvals:decode_step", "--", sys.executable, "pyvals.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    s = _replay("step", out, "--rank", "0", "--step", "3", "--no-save", "--json", cwd=tmp_path)
+    assert s.returncode == 0, s.stdout + s.stderr[-1500:]
+    vs = json.loads(s.stdout)["modes"]["eager"]["vs_recording"]
+    assert sorted(vs) == ["out0", "out1"] and all(c["verdict"] == "bitwise equal" for c in vs.values()), vs

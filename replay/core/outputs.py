@@ -37,9 +37,33 @@ def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torc
     for k, v in pairs:
         if isinstance(v, torch.Tensor):
             named[k] = v
+        elif (numbers := _plain_numbers(v)) is not None:
+            named[k] = numbers
         elif isinstance(v, (list, tuple, dict)):
             named.update(_small_container(k, v) or {})
     return named
+
+
+_MAX_NUMBERS = 4096  # a longer list of numbers (a whole history) is not a step's output
+
+
+def _plain_numbers(v: Any) -> torch.Tensor | None:
+    """A Python number, or a flat list or tuple of them, a step returned beside its tensors
+    (``return tok.item(), top_probs``): as a tensor of their exact values, so that it is
+    recorded and compared; None for anything else."""
+    if isinstance(v, (bool, int, float)):
+        items = [v]
+    elif isinstance(v, (list, tuple)) and 0 < len(v) <= _MAX_NUMBERS and all(type(x) in (bool, int, float) for x in v):
+        items = list(v)
+    else:
+        return None
+    kinds = {type(x) for x in items}
+    dtype = torch.float64 if float in kinds else torch.int64 if int in kinds else torch.bool
+    try:
+        t = torch.tensor(items, dtype=dtype)
+    except (OverflowError, RuntimeError):
+        return None  # an int beyond int64
+    return t.reshape(()) if not isinstance(v, (list, tuple)) else t
 
 
 # Tensors returned inside a container (``(logits, [h0, h1])``) are outputs too, named ``out1.0``,
