@@ -422,3 +422,42 @@ def test_python_values_a_step_returns_beside_each_other_are_compared(tmp_path: P
     assert s.returncode == 0, s.stdout + s.stderr[-1500:]
     vs = json.loads(s.stdout)["modes"]["eager"]["vs_recording"]
     assert sorted(vs) == ["out0", "out1"] and all(c["verdict"] == "bitwise equal" for c in vs.values()), vs
+
+
+# The loop in main() sets a module-level value the model's forward reads.
+_GLOBAL_SET_BY_THE_LOOP = """
+    import torch, torch.nn as nn
+
+    torch.manual_seed(0)
+    CTX = {}
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(24, 16), nn.Linear(16, 24)
+        def forward(self, ids):
+            return self.head(self.emb(ids) * CTX["scale"])
+
+    def main():
+        model, tok = LM().eval(), torch.tensor([3])
+        with torch.no_grad():
+            for pos in range(8):
+                CTX["scale"] = 1.0 + pos * 0.1
+                tok = model(tok).argmax(-1)
+
+    if __name__ == "__main__":
+        main()
+"""
+
+
+def test_the_function_that_runs_the_loop_is_not_offered_as_the_step(tmp_path: Path) -> None:
+    """The model read a global its loop set between steps: the advice was "record the caller as
+    the step: replay record --step loopy:main", which records the whole run as one step. main
+    runs the loop (the same frame called every step): the advice says what does help."""
+    _script(tmp_path, "loopy", _GLOBAL_SET_BY_THE_LOOP)
+    out = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", out, "--", sys.executable, "loopy.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    s = _replay("step", out, "--rank", "0", "--step", "4", "--no-save", cwd=tmp_path)
+    departed = next((line for line in s.stdout.splitlines() if "departed from the recording" in line), "")
+    assert "--step loopy:main" not in departed and "what the loop in loopy:main sets between steps" in departed, s.stdout

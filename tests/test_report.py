@@ -391,3 +391,28 @@ def test_next_commands_name_a_factory_where_the_recording_has_none(diverged):
     cmds = _next_commands(rep)
     assert "replay bisect layers" in cmds and "--factory MODULE:QUALNAME" in cmds, cmds
     assert "--factory" not in _next_commands(dataclasses.replace(rep, has_factory=True))
+
+
+def test_no_token_field_is_not_called_the_same_tokens(tmp_path):
+    """Ranks whose logits differ and who recorded no token field: the page said "No token
+    divergence: the ranks ... sampled the same tokens" and "steps where tokens differ 0", where
+    info (and the page's own JSON) said no token field was recorded."""
+    import torch
+
+    from replay import Recorder, RecorderConfig
+
+    out = tmp_path / "rec"
+    for rank in range(2):
+        rec = Recorder(RecorderConfig(out=out, rank=rank, world_size=2))
+        for s in range(4):
+            rec.begin_step()
+            logits = torch.arange(8.0).reshape(1, 8) + (1e-3 if rank == 1 and s >= 2 else 0.0)
+            rec.record_outputs(logits=logits)
+            rec.end_step()
+        rec.close()
+        assert rec.error is None
+    rep = build_report(out)
+    assert rep.summary["token_fields"] is False and rep.first_divergence is not None
+    page = write_report(rep, tmp_path / "r.html").read_text()
+    assert "sampled the same tokens" not in page and "No token field recorded" in page
+    assert re.search(r"steps where tokens differ</div><div class=\"v\">not recorded", page), "the fact says not recorded"

@@ -188,7 +188,7 @@ def _catch_up_line(r: StepRerun, m: ModeRun) -> str:
                 "reset), a keyframe every step restores it: replay record --keyframe-every 1"
                 # The other remedy at once (not after a re-recording that could not help): state
                 # outside the model, which no keyframe holds.
-                + caller_hint(r.caller)) if (
+                + caller_hint(r.caller, r.loop)) if (
             r.keyframe < m.departed.step < r.step and not r.unrecorded and not r.state_outside) else ""
         if m.departed.step == r.keyframe > 0 and not r.live_start:
             # The first step after the restore: what the keyframe holds is the likeliest cause.
@@ -215,7 +215,7 @@ def _error_line(r: StepRerun, m: ModeRun) -> str:
     hint = f"; {PARAMETERS_CHANGED_HINT if r.parameters_changed else NO_STATE_HINT if r.no_keyframes else KEYFRAME_EVERY_STEP_HINT}" if (
         m.error and not m.recorded_error and m.caught_up and r.keyframe < r.step and not r.unrecorded
         and not r.state_outside) else ""
-    hint += caller_hint(r.caller) if m.error and not m.recorded_error and not r.state_outside else ""
+    hint += caller_hint(r.caller, r.loop) if m.error and not m.recorded_error and not r.state_outside else ""
     return style(f"  {m.mode}: step {r.step} {what}; when recorded it {rec}{hint}", fg="red")
 
 

@@ -53,7 +53,7 @@ from replay.record.profiles import PROFILES, Profile, StepSpec
 from replay.record.graph_events import GraphEvents
 from replay.record.parts import PartStreams, Stream, allocate_part, new_stream_name
 from replay.record.recorder import Recorder
-from replay.record.tracebacks import program_caller, without_recorder_frames
+from replay.record.tracebacks import program_caller_frame, without_recorder_frames
 
 __all__ = ["Session", "allocate_part"]
 
@@ -159,6 +159,8 @@ class Session(GraphEvents):
         # not recorded (one rank's steps are one sequence), counted so that it is said.
         self._overlapped: Counter[str] = Counter()
         self._said_overlapped: Counter[str] = Counter()  # all parts' counts, for replay record's summary
+        # Streams whose caller is checked at their next call: (target info, caller's frame, step).
+        self._caller_checks: list[tuple[dict[str, Any], Any, str, int]] = []  # (..., the step's calls then)
         self._unrecorded_said: dict[str, list[str]] = {}  # step -> arguments recorded by class name only
         self._unrecorded_prints: dict[str, list[Fingerprint | None]] = {}  # their states at the step's first call
         # id(model) -> its calls that ran before its step was chosen (discovery chose it at one
@@ -635,7 +637,11 @@ class Session(GraphEvents):
         missed = self.calls_before_recording.pop(id(obj), 0) if obj is not None else 0
         info["unrecorded_calls"] = missed if spec.kind == "module_forward" else 0
         info["engine_run"] = self._engine_runs
-        info["caller"] = program_caller(module_name, spec.step)
+        info["caller"], frame = program_caller_frame(module_name, spec.step)
+        if frame is not None:
+            # Held until the step's next call (then dropped): a frame that ended in between
+            # cannot be taken for another at its address.
+            self._caller_checks.append((info, frame, spec.step, self._ran[spec.step]))
         info["sources"] = source_digests([step_source_file(spec.step)])
         if spec.kind == "module_forward" and isinstance(obj, torch.nn.Module):
             self._note_output_hooks(spec, obj)
@@ -873,6 +879,24 @@ class Session(GraphEvents):
             self._local.awaited = awaited
         return self._record_result(spec, out, rec, obj, after_call, written)
 
+    def _check_callers(self, step: str) -> None:
+        """A stream's caller, at the step's next call after it was taken: when it is the same
+        frame, that function runs the loop (a script's ``main``): recording it as the step would
+        record the whole run as one step, so it is not offered."""
+        keep = []
+        for info, frame, s, calls in self._caller_checks:
+            if s != step or self._ran[s] <= calls:  # another step, or the very call it was taken at
+                keep.append((info, frame, s, calls))
+                continue
+            name, now = program_caller_frame(module_name, step)
+            if name == info.get("caller") and now is frame:
+                info["caller"] = None
+                info["loop"] = name  # the function that runs the loop (not offered as the step)
+                rec = self.recorder
+                if rec is not None and self._streams.streams and any(st.info is info for st in self._streams.streams):
+                    rec.set_target(self._merged_info())
+        self._caller_checks = keep
+
     def _step_raised(self, e: BaseException, rec: Recorder, after_call: Callable[[], None] | None) -> None:
         if after_call is not None:
             self._safely(after_call)
@@ -884,6 +908,8 @@ class Session(GraphEvents):
         """Everything recorded after the step returned ``out``: its outputs, then the step's end."""
         if after_call is not None and not self._safely(after_call):
             return out
+        if self._caller_checks:
+            self._check_callers(spec.step)
         try:
             outs = name_outputs(out, spec.outputs or tuple(self.settings.output_names))
             if spec.step not in self._nested_said:

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Callable
 
-__all__ = ["without_recorder_frames", "program_caller"]
+__all__ = ["without_recorder_frames", "program_caller", "program_caller_frame"]
 
 _RECORD_DIR = str(Path(__file__).resolve().parent) + "/"
 _REPLAY_DIR = str(Path(__file__).resolve().parent.parent) + "/"
@@ -49,21 +49,30 @@ def program_caller(module_name: Callable[[str], str], step: str) -> str | None:
     itself, torch's or replay's (``ModelRunner.execute_model`` calling ``model(...)``): what a
     user records instead when the step reads state its caller set outside its arguments (a
     global forward context). None at the top level of a script, or for a local function."""
-    frame: FrameType | None = sys._getframe(1)
+    return program_caller_frame(module_name, step)[0]
+
+
+def program_caller_frame(module_name: Callable[[str], str], step: str) -> tuple[str | None, FrameType | None]:
+    """``program_caller``'s name and its frame: the same frame at two calls of the step is a
+    function that runs the loop (``main``), not one call's caller."""
+    return _caller(module_name, step, sys._getframe(1))
+
+
+def _caller(module_name: Callable[[str], str], step: str, frame: FrameType | None) -> tuple[str | None, FrameType | None]:
     for _ in range(_MAX_FRAMES):
         if frame is None:
-            return None
+            return None, None
         code = frame.f_code
         path = code.co_filename
         if not (path.startswith(_REPLAY_DIR) or _TORCH_DIR in path or path.startswith("<") or _in_stdlib(path)):
             qual = getattr(code, "co_qualname", code.co_name)
             if qual == "<module>" or "<" in qual:
-                return None
+                return None, None
             name = f"{module_name(str(frame.f_globals.get('__name__', '?')))}:{qual}"
             if name != step and not step.endswith(f":{qual.rsplit('.', 1)[0]}"):
-                return name
+                return name, frame
         frame = frame.f_back
-    return None
+    return None, None
 
 
 def _in_stdlib(path: str) -> bool:

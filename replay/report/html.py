@@ -165,7 +165,7 @@ def _verdict(rep: Report) -> str:
         if t is not None:
             lines.append(f"<b>First token divergence: {_at(t)}, {_ranks(t['ranks'])}</b> (<code>{_e(t['field'])}</code>).")
         else:
-            lines.append("No token divergence: the ranks differ in bits but sampled the same tokens.")
+            lines.append(_no_token_divergence(rep.summary))
     at = rep.margin_at
     if at is not None:
         per = ", ".join(f"r{r} {_fmt(m)}" for r, m in list(at["per_rank"].items())[:16])
@@ -177,6 +177,18 @@ def _verdict(rep: Report) -> str:
     if len(s.get("kernel_differences", [])):
         lines.append(f"Captured graphs hold different kernels on different ranks ({len(s['kernel_differences'])} graph keys): see below.")
     return f'<div class="verdict {cls}">' + "".join(f'<div class="line">{x}</div>' for x in lines) + "</div>"
+
+
+def _no_token_divergence(s: dict[str, Any]) -> str:
+    """What the page says of tokens when no token divergence was found: as ``info`` says it, never
+    "sampled the same tokens" where no token was recorded to compare."""
+    if s.get("output_fields") is False:
+        return "No step output recorded: only what went into the steps was compared, so the ranks may have differed earlier."
+    if s.get("token_fields") is False:
+        return "No token field recorded: the ranks differ in bits; what they sampled was not recorded as tokens."
+    if s.get("offset_at_divergence"):
+        return "No token divergence once the offset is taken into account."
+    return "No token divergence: the ranks differ in bits but sampled the same tokens."
 
 
 def _at(d: dict[str, Any]) -> str:
@@ -215,7 +227,7 @@ def _facts(rep: Report) -> str:
         ("ranks complete", f"{complete} / {len(rep.ranks)}"),
         ("steps", f"{rep.first_step}–{rep.last_step}" if rep.n_steps else "none"),
         ("steps that differ", f"{rep.divergent_steps.size:,}"),
-        ("steps where tokens differ", f"{rep.token_divergent_steps.size:,}"),
+        ("steps where tokens differ", f"{rep.token_divergent_steps.size:,}" if s.get("token_fields") is not False else "not recorded"),
         ("graph / eager steps", f"{graphs:,} / {eager:,}"),
         ("saved results", str(len(rep.results))),
     ]

@@ -220,6 +220,8 @@ class StepRerun:
     recorded_mode: str = ""
     # The program's function that called the step (recorded at its stream's first step).
     caller: str = ""
+    # The program's function that runs the loop around the step (not offered as the step).
+    loop: str = ""
     # The program's source files (the script, the step's module) changed since the recording.
     sources_changed: list[str] = field(default_factory=list)
     # The model's parameters changed in names or shapes after its first recorded step ("2 added
@@ -407,6 +409,7 @@ class StepRerun:
             "state_outside": self.state_outside or None,
             "recorded_mode": self.recorded_mode or None,
             "caller": self.caller or None,
+            "loop": self.loop or None,
             "sources_changed": self.sources_changed,
             "parameters_changed": self.parameters_changed or None,
             "problem": self.problem(),
@@ -424,14 +427,14 @@ class StepRerun:
         modes = {k: ModeRun.from_json(m) for k, m in (d.get("modes") or {}).items()}
         across = [comparison_from_json(v) for v in d.get("verdicts") or [] if "output" not in v]
         text = {k: str(d.get(k) or "") for k in ("recording", "part", "device", "state_outside", "recorded_mode", "caller",
-                                                 "parameters_changed")}
+                                                 "loop", "parameters_changed")}
         return cls(recording=text["recording"], part=text["part"], rank=int(d["rank"]),
                    step=int(d["step"]), keyframe=int(d.get("keyframe") or 0), device=text["device"],
                    factory=d.get("factory"), modes=modes, comparisons=across, notes=list(d.get("notes") or []),
                    stream=d.get("stream"), weights=WeightCheck.from_json(d["weights"]) if d.get("weights") else None,
                    unrecorded=[str(u) for u in d.get("unrecorded_arguments") or []], live_start=d.get("live_start") is True,
                    env_differences=[str(e) for e in d.get("env_differences") or []],
-                   state_outside=text["state_outside"], recorded_mode=text["recorded_mode"], caller=text["caller"],
+                   state_outside=text["state_outside"], recorded_mode=text["recorded_mode"], caller=text["caller"], loop=text["loop"],
                    sources_changed=[str(s) for s in d.get("sources_changed") or []],
                    parameters_changed=text["parameters_changed"])
 

@@ -71,11 +71,16 @@ KEYFRAME_EVERY_STEP_HINT = ("if the program changes its state between steps (a c
                             "record with --keyframe-every 1 so each step starts from its own keyframe")
 
 
-def caller_hint(caller: str | None) -> str:
+def caller_hint(caller: str | None, loop: str | None = None) -> str:
     """The other remedy, where the recording knows the program's function that called the step:
     a step that reads what its caller set up outside its arguments (a global forward context
     with the batch's block tables, as vLLM-style runners keep) reproduces when the caller is
-    the step, since then that set-up is part of it."""
+    the step, since then that set-up is part of it. A caller that runs the loop (a script's
+    ``main``) is no step: what it sets between steps must reach the step otherwise."""
+    if not caller and loop:
+        return (f"; if the step reads what the loop in {loop} sets between steps outside its arguments (a module "
+                "global, a context object), no keyframe holds it: pass it to the step as an argument, or set it in a "
+                "function the loop calls and record that function as the step (--step MODULE:QUALNAME)")
     if not caller:
         return ""
     return (f"; if the step reads what its caller sets up outside its arguments (a global forward context, "
@@ -612,7 +617,7 @@ class Replayer:
         # there, most often state the program changed between steps, which only a keyframe at
         # each step holds (none to offer when the step has its own keyframe already).
         hint = f"; {KEYFRAME_EVERY_STEP_HINT}" if view.ok and s > self.keyframe and s not in keyframes else ""
-        hint += caller_hint(self.spec.caller) if view.ok else ""
+        hint += caller_hint(self.spec.caller, self.spec.loop) if view.ok else ""
         raise CatchUpRaised(
             f"rank {self.rank} ({self.mode}): catch-up step {s} raised {err} in the re-run (when recorded it {when}); "
             f"step {step} cannot be re-run from {start}{hint}",
@@ -757,7 +762,7 @@ def rerun_step(
     first.check(kf_step, step)
     result = StepRerun(recording=settings.recording, part=part.name, rank=rank, step=step, keyframe=kf_step,
                        device=settings.device, factory=first.factory_name, modes={}, stream=first.stream, live_start=live,
-                       caller=first.spec.caller or "")
+                       caller=first.spec.caller or "", loop=first.spec.loop or "")
     if first.factory_name is not None and settings.make_target is None:
         announce(f"importing factory {first.factory_name}" + (" (named by the recording)" if settings.factory is None else " (--factory)"))
     for rp in replayers:

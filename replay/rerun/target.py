@@ -64,6 +64,7 @@ class TargetSpec:
     stream: str | None = None  # the model (stream) of the part this target is
     weights: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: {digest, shape, dtype}}
     caller: str | None = None  # the program's function that called the step (module:qualname)
+    loop: str | None = None  # the program's function that runs the loop around the step
     # Calls of the step the program made before the recorded step 0 (a step found with no flags
     # misses the first): the first keyframe holds the state they left, not the state as built.
     unrecorded_calls: int = 0
@@ -92,6 +93,7 @@ class TargetSpec:
             compile=dict(t["compile"]) if isinstance(t.get("compile"), dict) else {},
             stream=_text(t, "stream"),
             caller=_text(t, "caller"),
+            loop=_text(t, "loop"),
             unrecorded_calls=t["unrecorded_calls"] if isinstance(t.get("unrecorded_calls"), int) else 0,
             weights=_weights(t.get("weights")),
             parameters_changed=dict(t["parameters_changed"]) if isinstance(t.get("parameters_changed"), dict) else {},
