@@ -260,6 +260,9 @@ def test_a_step_that_completes_where_it_raised_when_recorded_is_not_reproduced(t
     assert first.startswith("not reproduced: rank 0 step 4"), s.stdout + s.stderr[-2000:]
     assert "it completed in the re-run, but raised Flaky" in first, first
     assert "no output of those names" not in s.stdout, s.stdout
+    # No output of it was recorded to compare: a script reading the exit code must not take it
+    # for a compared step (trial 15).
+    assert s.returncode == 7 and "no output of it was recorded to compare" in s.stderr, s.stderr[-1500:]
 
 
 def test_a_repeat_that_raised_is_not_called_bits_that_vary(tmp_path) -> None:

@@ -461,3 +461,51 @@ def test_the_function_that_runs_the_loop_is_not_offered_as_the_step(tmp_path: Pa
     s = _replay("step", out, "--rank", "0", "--step", "4", "--no-save", cwd=tmp_path)
     departed = next((line for line in s.stdout.splitlines() if "departed from the recording" in line), "")
     assert "--step loopy:main" not in departed and "what the loop in loopy:main sets between steps" in departed, s.stdout
+
+
+# A step that raised once when recorded (a fault injected by an environment variable), the
+# loop going on past it.
+_RAISED_WHEN_RECORDED = """
+    import os
+    import torch, torch.nn as nn
+
+    torch.manual_seed(0)
+    FAIL = os.environ.get("FAIL_AT")
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(24, 16), nn.Linear(16, 24)
+            self.calls = 0
+        def forward(self, ids):
+            self.calls += 1
+            if FAIL is not None and self.calls == int(FAIL):
+                raise RuntimeError("injected fault")
+            return self.head(self.emb(ids))
+
+    model, tok = LM().eval(), torch.tensor([3])
+    with torch.no_grad():
+        for _ in range(7):
+            try:
+                tok = model(tok).argmax(-1)
+            except RuntimeError:
+                pass
+"""
+
+
+def test_bisect_steps_by_relaunch_finds_a_step_that_completes_where_it_raised(tmp_path: Path) -> None:
+    """The last step raised when recorded and completes in the re-run: `step` said so, but bisect
+    steps --against-rerun with no factory said "no departure from the recording found (every
+    keyframe interval re-ran as recorded)" and exited 0."""
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "fault", _RAISED_WHEN_RECORDED)
+    out = tmp_path / "rec"
+    p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(out), "--", sys.executable, "fault.py"],
+                       cwd=tmp_path, env={**_env(), "FAIL_AT": "7"}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    b = _replay("bisect", "steps", out, "--against-rerun", "--rank", "0", "--no-save", "--json", cwd=tmp_path)
+    found = json.loads(b.stdout)  # the last call (step 5) raised when recorded: the last step scanned
+    assert (found["step"], found["field"]) == (5, "status (completed; it raised when recorded)"), b.stdout

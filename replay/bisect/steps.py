@@ -22,7 +22,7 @@ from typing import Any
 from replay.analysis.divergence import NO_OUTPUT_FIELDS, computed_fields, field_names, first_divergence, has_fields
 from replay.errors import CatchUpRaised, RerunError, UsageError
 from replay.format.reader import Part
-from replay.rerun.result import RAISED_FIELD
+from replay.rerun.result import COMPLETED_FIELD, RAISED_FIELD
 from replay.rerun.runner import Replayer
 from replay.rerun.step import uses_relaunch
 from replay.rerun.streams import stream_of, streams_of
@@ -363,6 +363,10 @@ def _relaunched_scan_one(a: _StreamBisect, lo: int, hi: int, res: StepsBisection
         iv.departed, iv.field = run.departed.step, run.departed.field
     elif _raised_anew(run):
         iv.departed, iv.field = hi, RAISED_FIELD
+    elif run.completed_where_it_raised:
+        # Raised when recorded, completed here: a departure (as a factory's scan says), though
+        # no output was recorded there to compare.
+        iv.departed, iv.field = hi, COMPLETED_FIELD
     elif run.error is None or run.vs_recording:
         problem = result.problem()
         if problem is not None and run.error is None:

@@ -264,7 +264,16 @@ class StepRerun:
 
     def exit_reason(self) -> str | None:
         """Why ``replay step`` exits non-zero for this result (None: it reproduced, and nothing raised)."""
-        return self.problem() or self.raised()
+        return self.problem() or self.raised() or self._completed_where_raised()
+
+    def _completed_where_raised(self) -> str | None:
+        """A step that raised when recorded and completed in the re-run: not reproduced, and no
+        output of it was recorded to compare (a script must not read that as a compared step)."""
+        m = next((m for m in self.modes.values() if m.completed_where_it_raised and not m.vs_recording), None)
+        if m is None:
+            return None
+        return (f"{m.mode}: step {self.step} completed in the re-run but raised {m.recorded_error} when recorded: no output "
+                "of it was recorded to compare")
 
     def headline(self) -> str:
         """The verdict in one line, for the first line of ``replay step``: reproduced only when every
