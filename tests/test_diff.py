@@ -653,3 +653,28 @@ def test_a_plain_step_argument_that_differs_is_named(tmp_path, run_cli):
     same = run_cli("diff", a, a, "--json").json()
     args = next(x for x in same["other_differences"] if x["category"] == "step arguments")
     assert args["compared"] and not args["differs"]
+
+
+def test_a_step_that_raised_in_one_run_is_the_first_difference(tmp_path, run_cli):
+    """Step 2 raised in B (a rank killed inside it): diff led with "step 2: graph first differs
+    ... recorded in A only", a field the raised step never recorded, on a run with no graphs."""
+    def run(out: Path, raise_at: int | None) -> Path:
+        rec = Recorder(RecorderConfig(out=out, rank=0, world_size=1))
+        for s in range(4):
+            rec.begin_step()
+            rec.record_inputs(**step_inputs(s, 4))
+            if s == raise_at:
+                rec.end_step(error=RuntimeError("the program ended inside this step"))
+                continue
+            logits = step_logits(s, 4)
+            rec.record_outputs(logits=logits, tokens=logits.argmax(-1))
+            rec.set_run("eager", reason="test")
+            rec.end_step()
+        rec.close()
+        return out
+
+    a, b = run(tmp_path / "a", None), run(tmp_path / "b", 2)
+    res = run_cli("diff", a, b)
+    head = res.out.splitlines()[0]
+    assert res.code == 1 and head.startswith("different: rank 0 step 2: step status (raised) first differs"), res.out
+    assert "raised in B only: RuntimeError: the program ended inside this step" in res.out, res.out

@@ -135,6 +135,26 @@ def _raised(rf: RankFile, cap: int = 5) -> tuple[dict[int, str], int]:
     return {int(x["step"]): rf.tables.string(int(x["reason"])) for x in r[:cap]}, int(r.size)
 
 
+# The field a step's status is compared as (as ``replay info`` names it).
+STATUS_FIELD = "step status (raised)"
+
+
+def _first_status_difference(a: RankFile, b: RankFile, common: np.ndarray) -> FirstDifference | None:
+    """The first common step that raised in one run and completed in the other."""
+    ta, tb = a.tables.steps, b.tables.steps
+    if not common.size or not ((ta["status"] == StepStatus.RAISED).any() or (tb["status"] == StepStatus.RAISED).any()):
+        return None
+    _, ia, ib = np.intersect1d(ta["step"].astype(np.int64), tb["step"].astype(np.int64), return_indices=True)
+    differs = np.flatnonzero((ta["status"][ia] == StepStatus.RAISED) != (tb["status"][ib] == StepStatus.RAISED))
+    if not differs.size:
+        return None
+    i = int(differs[0])
+    step = int(ta["step"][ia[i]])
+    side, rf, row = ("A", a, ta[ia[i]]) if ta["status"][ia[i]] == StepStatus.RAISED else ("B", b, tb[ib[i]])
+    return FirstDifference(step=step, field=STATUS_FIELD, digest_a=None, digest_b=None,
+                           note=f"raised in {side} only: {rf.tables.string(int(row['reason']))[:200]}")
+
+
 def step_facts(a: RankFile, b: RankFile) -> StreamFacts:
     sa = a.tables.steps["step"].astype(np.int64, copy=False)
     sb = b.tables.steps["step"].astype(np.int64, copy=False)
@@ -224,6 +244,11 @@ def compare_stream(ra: RankFile, rb: RankFile, names: Names, keep: Callable[[str
         first = _first(rd, 0, names, ra, rb, opts)
         tok_idx = np.flatnonzero(is_token[rd.gid])
         first_token = _first(rd, int(tok_idx[0]), names, ra, rb, opts) if tok_idx.size else None
+    status = _first_status_difference(ra, rb, facts.common)
+    if status is not None and (first is None or status.step <= first.step):
+        # A step that raised in one run and completed in the other records no outputs where it
+        # raised: its missing fields (the graph it ran, its logits) are not what differs first.
+        first = status
     s = StreamDiff(rank_a=ra.rank, rank_b=rb.rank, verdict=DiffVerdict.SAME, facts=facts, compared_rows=rd.compared,
                    differing_rows=rd.size, differing_steps=int(np.unique(rd.step).size), first=first, first_token=first_token,
                    same_layout=same_layout, token_fields=any(n.startswith("tokens.") for n in names.names))
