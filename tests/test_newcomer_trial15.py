@@ -509,3 +509,49 @@ def test_bisect_steps_by_relaunch_finds_a_step_that_completes_where_it_raised(tm
     b = _replay("bisect", "steps", out, "--against-rerun", "--rank", "0", "--no-save", "--json", cwd=tmp_path)
     found = json.loads(b.stdout)  # the last call (step 5) raised when recorded: the last step scanned
     assert (found["step"], found["field"]) == (5, "status (completed; it raised when recorded)"), b.stdout
+
+
+# A model whose forward reads an environment variable, and a factory that builds it.
+_ENVIRONMENT_READ_IN_FORWARD = """
+    import os
+    import torch, torch.nn as nn
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(24, 16), nn.Linear(16, 24)
+        def forward(self, ids):
+            h = self.emb(ids)
+            if os.environ.get("SCALE_H"):
+                h = h * 1.001
+            return self.head(h)
+
+    def build(config, *, rank, world_size, device, options):
+        return LM().eval()
+
+    if __name__ == "__main__":
+        model, tok = LM().eval(), torch.tensor([3])
+        with torch.no_grad():
+            for _ in range(6):
+                tok = model(tok).argmax(-1)
+"""
+
+
+def test_a_factory_re_run_names_the_environment_variable_that_differs(tmp_path: Path) -> None:
+    """Recorded with SCALE_H set, re-run with --factory without it: the re-launched program's
+    verdict named the variable, the factory's (run in replay's process) never did, and sent the
+    user to --keyframe-every 1."""
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "envy", _ENVIRONMENT_READ_IN_FORWARD)
+    out = tmp_path / "rec"
+    p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(out), "--", sys.executable, "envy.py"],
+                       cwd=tmp_path, env={**_env(), "SCALE_H": "1"}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    s = _replay("step", out, "--rank", "0", "--step", "3", "--factory", "envy:build", "--no-save", cwd=tmp_path)
+    head = s.stdout.splitlines()[0] if s.stdout else ""
+    assert head.startswith("not reproduced") and "environment differs from the recorded program's in SCALE_H (not set here)" in head, (
+        s.stdout + s.stderr[-1500:])

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -786,7 +787,21 @@ def rerun_step(
     result.notes += _numerics_vs_ranks(part, rank, step)
     result.sources_changed = _sources_changed(first)
     result.parameters_changed = describe_parameter_changes(first.spec.parameters_changed)
+    if not live:
+        # A factory's re-run runs in this process: its environment is this one (a re-launched
+        # program's is compared by the launcher, which set it).
+        result.env_differences = _environment_moved(first.rf)
     return result
+
+
+def _environment_moved(rf: RankFile) -> list[str]:
+    """The variables set otherwise here than in the recorded program (digests only: no value
+    is kept in the recording)."""
+    from replay.core.environment import env_differences
+
+    target = rf.attrs.get("target")
+    launch = target.get("launch") if isinstance(target, dict) else None
+    return env_differences(launch.get("env_digests"), os.environ) if isinstance(launch, dict) else []
 
 
 def _numerics_vs_ranks(part: Any, rank: int, step: int, limit: int = 3) -> list[str]:
