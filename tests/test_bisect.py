@@ -370,3 +370,18 @@ def test_smoke_record_info_and_bisect_a_rerun(hidden: Path, run_cli: Any) -> Non
     assert (d["how"], d["first"], d["field"]) == ("rerun", 0, "output.logits")  # HIDDEN_DOUBLE is not set here
     d = run_cli("bisect", "steps", hidden, "--against-rerun", "--exhaustive", "--set", "double=true", "--no-save", "--json")
     assert d.code == 0 and d.json()["first"] is None and len(d.json()["probes"]) == 2  # keyframes every 2 steps
+
+
+def test_a_search_that_re_ran_only_the_last_interval_says_so() -> None:
+    """"no departure from the recording found" after re-running one interval of ten: a step that
+    computed otherwise once, earlier, departs in its own interval only (each starts from its
+    keyframe), and the note blamed nondeterminism. The verdict says what was re-run."""
+    from replay.bisect.steps import StepsBisection
+    from replay.states import StepsHow
+
+    r = StepsBisection(recording="rec", part="run-000", how=StepsHow.RERUN, ranks=[1], first=None, mode="eager",
+                       steps_rerun=1, steps_total=10, exhaustive=False)
+    v = r.verdict()
+    assert "no departure found in the last keyframe interval, the only one re-run" in v and "--exhaustive" in v, v
+    r.exhaustive = True
+    assert r.verdict().endswith("no departure from the recording found (every keyframe interval re-ran as recorded)")

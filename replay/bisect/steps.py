@@ -115,9 +115,10 @@ class StepsBisection:
             return (f"rank {r} re-run {self.mode}: no departure found in the steps compared; {len(self.uncompared)} re-run "
                     f"step(s) had no recorded output to compare with ({', '.join(map(str, self.uncompared[:8]))})")
         if self.first is None:
-            scope = "every keyframe interval re-ran as recorded" if self.exhaustive else \
-                "the last keyframe interval re-ran as recorded, so no earlier one was searched"
-            return f"rank {r} re-run {self.mode}: no departure from the recording found ({scope})"
+            if self.exhaustive:
+                return f"rank {r} re-run {self.mode}: no departure from the recording found (every keyframe interval re-ran as recorded)"
+            return (f"rank {r} re-run {self.mode}: no departure found in the last keyframe interval, the only one "
+                    "re-run; earlier intervals were not searched (--exhaustive re-runs every one)")
         what = "it raised in the re-run, not as when recorded" if self.field == RAISED_FIELD else str(self.field)
         line = (f"rank {r} re-run {self.mode} first departs from the recording at {self._at(self.first, self.stream, self.stream_step, what)}, "
                 f"found with {len(self.probes)} interval re-runs ({self.steps_rerun} of {self.steps_total} steps)")
@@ -441,8 +442,10 @@ def _first_departing(ivs: list[Interval], probe: Callable[[int], Interval], done
     if exhaustive:
         return next((done[i] for i in progress(range(len(ivs))) if probe(i).departed is not None), None)
     if probe(len(ivs) - 1).departed is None:
-        res.notes.append("the last interval re-ran as recorded, so the search assumed no departure; "
-                         "a rare (nondeterministic) departure needs --exhaustive")
+        res.notes.append("the last interval re-ran as recorded, so the search assumed no departure; but each "
+                         "interval starts from its own keyframe, which restores the recorded state, so a departure in an "
+                         "earlier interval (a step that computed otherwise once, or only now and then) does not carry into "
+                         "the last one: --exhaustive re-runs every interval")
         return None
     a, b = 0, len(ivs) - 1  # invariant: interval b departs
     while a < b:
