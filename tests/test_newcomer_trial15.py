@@ -555,3 +555,24 @@ def test_a_factory_re_run_names_the_environment_variable_that_differs(tmp_path: 
     head = s.stdout.splitlines()[0] if s.stdout else ""
     assert head.startswith("not reproduced") and "environment differs from the recorded program's in SCALE_H (not set here)" in head, (
         s.stdout + s.stderr[-1500:])
+
+
+def test_a_record_interrupted_before_any_model_ran_does_not_ask_to_name_the_step(tmp_path: Path) -> None:
+    """Ctrl-C while the ranks were still starting: "no step found ... name the step with --step",
+    advice for a run that finished without a model; this one never got there."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "slow", "import pathlib, time\npathlib.Path('started').touch()\ntime.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-m", "replay", "record", "--out", str(tmp_path / "rec"), "--", sys.executable, "slow.py"],
+                         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the program is running (its start-up, the recorder's bootstrap, is done)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "name the step with --step" not in err and "no step ran before the command was interrupted or killed" in err, err

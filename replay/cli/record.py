@@ -12,7 +12,7 @@ from replay.cli.common import default_root, emit_json
 from replay.cli.info_text import render_info
 from replay.errors import ReplayError, UsageError
 from replay.format.reader import Recording
-from replay.record.discovery import read_reports, summary_lines
+from replay.record.discovery import NOTHING_RAN, read_reports, summary_lines
 from replay.record.config import RecordConfig
 from replay.record.settings import load_pyproject_settings
 from replay.textsafe import escape
@@ -165,6 +165,10 @@ def _report(path: Path, result: object, *, quiet: bool, as_json: bool) -> None:
     # wrote no report, and the summary must not say its step never ran.
     held = sum(int(r.get("steps") or 0) for r in (summary or {}).get("ranks") or [])
     steps = summary_lines(read_reports(path), recorded_steps=held)
+    if result.signal is not None or result.exit_code in (130, 137, 143):
+        # Interrupted or killed before any model ran: the step was not missing, only not reached.
+        steps = [f"replay: no step ran before the command was interrupted or killed (exit code {result.exit_code}): nothing "
+                 "was there to find yet" if line == NOTHING_RAN else line for line in steps]
     if as_json:
         emit_json({"recording": str(path), "exit_code": result.exit_code, "signal": result.signal,
                    "still_live": result.still_live, "info": summary, "steps": steps, "nothing_recorded": nothing})

@@ -32,7 +32,7 @@ from replay.record.calls import tracing
 from replay.record.hooks import patch_callable
 from replay.record.launch import module_name
 
-__all__ = ["Watcher", "write_report", "read_reports", "summary_lines", "on_outermost", "on_loop", "replaces_part", "choose_module", "step_name",
+__all__ = ["NOTHING_RAN", "Watcher", "write_report", "read_reports", "summary_lines", "on_outermost", "on_loop", "replaces_part", "choose_module", "step_name",
            "compiled_replaces", "choose_compiled", "graph_replay_step"]
 
 # A --step function of __main__ not seen after this many module calls is given up on (the
@@ -507,8 +507,13 @@ def _nothing_found(seen: Counter[str], chosen: str | None = None, direct: bool =
             return f"replay: no step found; outermost nn.Module calls seen: {most}{_torchscript_seen(seen)}"
         return (f"replay: no step found; outermost nn.Module calls seen: {most}; name the step with --step MODULE:QUALNAME"
                 + _torchscript_seen(seen))
-    return ("replay: no step found: no nn.Module forward or torch.compile'd function ran;"
-            " name the step with --step MODULE:QUALNAME")
+    return NOTHING_RAN
+
+
+# Said when no process saw any model run (``replay record`` says otherwise of a command that was
+# interrupted or killed before it got there).
+NOTHING_RAN = ("replay: no step found: no nn.Module forward or torch.compile'd function ran;"
+               " name the step with --step MODULE:QUALNAME")
 
 
 def _not_recorded_beside(chosen: dict[str, dict[str, Any]], seen: Counter[str], ran: Counter[str]) -> list[str]:
