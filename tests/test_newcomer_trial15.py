@@ -576,3 +576,39 @@ def test_a_record_interrupted_before_any_model_ran_does_not_ask_to_name_the_step
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
     assert "name the step with --step" not in err and "no step ran before the command was interrupted or killed" in err, err
+
+
+# One gloo rank whose step raises inside a collective it calls (a bad reduce op, at its third call).
+_RAISES_INSIDE_A_COLLECTIVE = """
+    import os, socket, torch, torch.nn as nn, torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(24, 16), nn.Linear(16, 24)
+            self.calls = 0
+        def forward(self, ids):
+            self.calls += 1
+            h = self.emb(ids)
+            dist.all_reduce(h, op="not an op" if self.calls == 3 else dist.ReduceOp.SUM)
+            return self.head(h)
+
+    model, tok = LM().eval(), torch.tensor([3])
+    with torch.no_grad():
+        for _ in range(4):
+            tok = model(tok).argmax(-1)
+"""
+
+
+def test_the_program_s_traceback_holds_none_of_the_collective_wrapper_s_frames(tmp_path: Path) -> None:
+    """An error raised inside all_reduce showed the recorder's collective wrapper between the
+    program's frame and torch's: only the step wrapper's one re-raising frame is left."""
+    _script(tmp_path, "coll", _RAISES_INSIDE_A_COLLECTIVE)
+    p = _replay("record", "--quiet", "--out", tmp_path / "rec", "--", sys.executable, "coll.py", cwd=tmp_path)
+    assert p.returncode != 0 and 'coll.py", line' in p.stderr, p.stderr[-2000:]
+    assert "replay/record/collectives.py" not in p.stderr and p.stderr.count("replay/record/") == 1, p.stderr[-3000:]

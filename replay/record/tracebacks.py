@@ -36,12 +36,25 @@ _STDLIB_DIRS = _stdlib_dirs()
 
 
 def without_recorder_frames(tb: TracebackType | None) -> TracebackType | None:
-    """``tb`` from its first frame outside ``replay/record/``; ``tb`` itself when every frame is
-    the recorder's (an exception of the recorder's own, such as a lockstep divergence)."""
-    first = tb
-    while first is not None and first.tb_frame.f_code.co_filename.startswith(_RECORD_DIR):
-        first = first.tb_next
-    return first if first is not None else tb
+    """``tb`` without the frames of ``replay/record/``: those before the program's (the step's
+    wrappers) and those between its frames (a collective's wrapper the program called through);
+    ``tb`` itself when every frame is the recorder's (an exception of the recorder's own, such
+    as a lockstep divergence)."""
+    kept = []
+    node = tb
+    while node is not None:
+        if not node.tb_frame.f_code.co_filename.startswith(_RECORD_DIR):
+            kept.append(node)
+        node = node.tb_next
+    if not kept:
+        return tb
+    try:
+        for a, b in zip(kept, kept[1:]):
+            if a.tb_next is not b:
+                a.tb_next = b  # writable since Python 3.7
+    except (AttributeError, TypeError, ValueError):
+        pass  # left as it is: a longer traceback, never a lost one
+    return kept[0]
 
 
 def program_caller(module_name: Callable[[str], str], step: str) -> str | None:
