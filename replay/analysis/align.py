@@ -131,17 +131,24 @@ def align_batches(a: RankFile, b: RankFile, steps_a: np.ndarray, steps_b: np.nda
     if why_a or why_b:
         return BatchAlignment(batched_differently=True, evidence=evidence,
                               note=f"rows cannot be aligned: {'A ' + why_a if why_a else 'B ' + why_b}")
+    left = [f"{w} has {n - MAX_STEPS} more steps, not read" for w, n in (("A", steps_a.size), ("B", steps_b.size)) if n > MAX_STEPS]
+    return _aligned(evidence, rows_a, rows_b, digests_only, left)
+
+
+def _aligned(evidence: str, rows_a: dict[tuple[int, int], dict[str, Any]], rows_b: dict[tuple[int, int], dict[str, Any]],
+             digests_only: set[str], left: list[str]) -> BatchAlignment:
+    """Rows of both runs compared by (request, position); or why none could be."""
     keys = sorted(set(rows_a) & set(rows_b), key=lambda k: (k[1], k[0]))
     differ, first, fields = _compare_rows(keys, rows_a, rows_b)
     only = len(set(rows_a) ^ set(rows_b))
-    unseen = (f"; {', '.join(sorted(digests_only))} recorded as digests only, whose rows cannot be compared "
+    unseen = (f"{', '.join(sorted(digests_only))} recorded as digests only, whose rows cannot be compared "
               "(outputs = \"full\" in a record profile keeps them)") if digests_only else ""
     if not fields:
         why = ("no (request, position) row was recorded in both runs" if not keys
                else "no token or output field was recorded in full with one row per request")
-        return BatchAlignment(batched_differently=True, evidence=evidence, note=f"rows cannot be aligned: {why}{unseen}")
-    left = [f"{w} has {n - MAX_STEPS} more steps, not read" for w, n in (("A", steps_a.size), ("B", steps_b.size)) if n > MAX_STEPS]
-    notes = left + ([f"{only} (request, position) rows recorded in one run only"] if only else []) + ([unseen[2:]] if unseen else [])
+        return BatchAlignment(batched_differently=True, evidence=evidence,
+                              note=f"rows cannot be aligned: {why}" + (f"; {unseen}" if unseen else ""))
+    notes = left + ([f"{only} (request, position) rows recorded in one run only"] if only else []) + ([unseen] if unseen else [])
     return BatchAlignment(batched_differently=True, evidence=evidence, aligned=True, note="; ".join(notes),
                           rows_compared=len(keys), rows_differ=differ, first=first, fields=sorted(fields))
 

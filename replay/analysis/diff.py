@@ -246,15 +246,8 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     done = _compare_pairs(jobs)
     streams = [s for s, *_ in done]
     notes += _models_apart(streams)
-    batching = _batching(streams[0], files[0])
-    if batching.batched_differently:
-        # Step N of A is not step N of B: their tokens are whole batches of other requests, and
-        # a "token divergence" between them says nothing; rows aligned by request say it instead.
-        for s in streams:
-            s.first_token = None
-    context = context_differences([(ma, mb) for _, ma, mb, *_ in done], a.recording.manifest, b.recording.manifest,
-                                  same_layout=wa == wb, numerics_per_step=next((n for *_, n, _ in done if n), None),
-                                  arguments=next((g for *_, g in done if g is not None), None))
+    batching = _batching(streams, files[0])
+    context = _context(done, a, b, same_layout=wa == wb)
     weights = next(c for c in context if c.category is Category.WEIGHTS)
     verdict = worst([s.verdict for s in streams] + [u.verdict for u in unsharded]
                     + ([DiffVerdict.DIFFERENT] if weights.differs else [])
@@ -274,6 +267,13 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     rd.headline = _headline(rd)
     rd.next = _next_command(rd, a, b)
     return rd
+
+
+def _context(done: list[_PairFacts], a: Side, b: Side, *, same_layout: bool) -> list[Any]:
+    """What else differs, from every pair's settings, the first pair's numerics steps and step arguments."""
+    return context_differences([(ma, mb) for _, ma, mb, *_ in done], a.recording.manifest, b.recording.manifest,
+                               same_layout=same_layout, numerics_per_step=next((n for *_, n, _ in done if n), None),
+                               arguments=next((g for *_, g in done if g is not None), None))
 
 
 def _collective_inputs(rd: RunDiff, files: list[tuple[RankFile, RankFile]], *, same_layout: bool) -> list[int] | None:
@@ -357,14 +357,21 @@ def _across_layouts(a: Side, b: Side, opts: DiffOptions, worlds: tuple[int, int]
     return unsharded, excluded, notes
 
 
-def _batching(s: StreamDiff, pair: tuple[RankFile, RankFile]) -> BatchAlignment:
+def _batching(streams: list[StreamDiff], pair: tuple[RankFile, RankFile]) -> BatchAlignment:
     """Another batching changes the inputs' shapes, so their digests at the first common step:
     only then are the /tensors tables read to look."""
+    s = streams[0]
     f = s.first
     if f is None or not s.facts.common.size or f.step != int(s.facts.common[0]) or not f.field.startswith("input."):
         return BatchAlignment(batched_differently=False)
     ra, rb = pair
-    return align_batches(ra, rb, ra.tables.steps["step"], rb.tables.steps["step"])
+    found = align_batches(ra, rb, ra.tables.steps["step"], rb.tables.steps["step"])
+    if found.batched_differently:
+        # Step N of A is not step N of B: their tokens are whole batches of other requests, and
+        # a "token divergence" between them says nothing; rows aligned by request say it instead.
+        for x in streams:
+            x.first_token = None
+    return found
 
 
 def _shape_notes(pair: tuple[RankFile, RankFile], excluded: set[str]) -> list[str]:

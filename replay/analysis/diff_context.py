@@ -266,25 +266,35 @@ def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
             items.append({"name": _of_model("target", model), "a": "recorded" if side == "A" else "absent",
                           "b": "recorded" if side == "B" else "absent"})
             continue
-        ta, tb = infos[0]
-        ca, cb = ta.get("config"), tb.get("config")
-        if ca is None and cb is None and n == 0:  # the part's config: its first model's
-            ca, cb = a.attrs.get("config"), b.attrs.get("config")
-        if ca or cb:  # an empty config on both sides is no config: "the same" would say nothing
-            configs = True
-            items += _named(model, _dict_diff(ca if isinstance(ca, dict) else {"config": ca},
-                                              cb if isinstance(cb, dict) else {"config": cb}))
-        # Settings kept beside the config's fields (HF's attention implementation): recorded
-        # apart, since a factory is given the config alone.
-        sa, sb = ta.get("config_settings") or {}, tb.get("config_settings") or {}
-        if sa or sb:
-            configs = True
-            items += _named(model, _dict_diff({"config": sa}, {"config": sb}))
-        items += _named(model, _how_called(ta, tb))
+        found, recorded = _model_config(a, b, infos[0], first=n == 0)
+        configs = configs or recorded
+        items += _named(model, found)
     scalars, note = _scalar_items(a, b)
     if not configs and not items and scalars is None:
         return ContextDiff(category=Category.CONFIG, compared=False, note="no target config recorded")
     return _capped(Category.CONFIG, items + (scalars or []), note)
+
+
+def _model_config(a: RankMeta, b: RankMeta, pair: tuple[dict[str, Any], dict[str, Any]], *, first: bool
+                  ) -> tuple[list[dict[str, Any]], bool]:
+    """One model's config items that differ, its settings and how it was called; and whether
+    a config was recorded for it at all."""
+    ta, tb = pair
+    items: list[dict[str, Any]] = []
+    recorded = False
+    ca, cb = ta.get("config"), tb.get("config")
+    if ca is None and cb is None and first:  # the part's config: its first model's
+        ca, cb = a.attrs.get("config"), b.attrs.get("config")
+    if ca or cb:  # an empty config on both sides is no config: "the same" would say nothing
+        recorded = True
+        items += _dict_diff(ca if isinstance(ca, dict) else {"config": ca}, cb if isinstance(cb, dict) else {"config": cb})
+    # Settings kept beside the config's fields (HF's attention implementation): recorded
+    # apart, since a factory is given the config alone.
+    sa, sb = ta.get("config_settings") or {}, tb.get("config_settings") or {}
+    if sa or sb:
+        recorded = True
+        items += _dict_diff({"config": sa}, {"config": sb})
+    return items + _how_called(ta, tb), recorded
 
 
 def _scalar_items(a: RankMeta, b: RankMeta) -> tuple[list[dict[str, Any]] | None, str]:

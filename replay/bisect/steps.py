@@ -360,21 +360,7 @@ def _relaunched_scan_one(a: _StreamBisect, lo: int, hi: int, res: StepsBisection
         return iv, e.keyframe <= lo
     run = result.modes[a.mode]
     iv = Interval(result.keyframe, hi, seconds=time.perf_counter() - t0)
-    if run.departed is not None:
-        iv.departed, iv.field = run.departed.step, run.departed.field
-    elif _raised_anew(run):
-        iv.departed, iv.field = hi, RAISED_FIELD
-    elif run.completed_where_it_raised:
-        # Raised when recorded, completed here: a departure (as a factory's scan says), though
-        # no output was recorded there to compare.
-        iv.departed, iv.field = hi, COMPLETED_FIELD
-    elif run.error is None or run.vs_recording:
-        problem = result.problem()
-        if problem is not None and run.error is None:
-            raise RerunError(f"rank {a.rank}: step {hi} could not be re-run to bisect: {problem}")
-        bad = next((k for k, c in run.vs_recording.items() if not c.equal), run.collective_departure)
-        if bad is not None:
-            iv.departed, iv.field = hi, bad
+    iv.departed, iv.field = _launch_departure(a, result, run, hi)
     res.probes.append(iv)
     res.steps_rerun += len(run.caught_up) + 1
     res.notes.append(f"re-run inside the re-launched program (no factory): {'stream ' + a.stream + ', ' if a.stream else ''}"
@@ -389,6 +375,27 @@ def _relaunched_scan_one(a: _StreamBisect, lo: int, hi: int, res: StepsBisection
     res.uncompared = sorted(set(res.uncompared) | set(run.uncompared)
                             | ({hi} if run.error is not None and not run.vs_recording else set()))
     return (iv if iv.departed is not None else None), result.keyframe <= lo
+
+
+def _launch_departure(a: _StreamBisect, result: Any, run: Any, hi: int) -> tuple[int | None, str | None]:
+    """Where one launch's re-run departed: a catch-up step, or the last step scanned (raised
+    anew, completed where it raised when recorded, or an output or collective that differs)."""
+    if run.departed is not None:
+        return run.departed.step, run.departed.field
+    if _raised_anew(run):
+        return hi, RAISED_FIELD
+    if run.completed_where_it_raised:
+        # Raised when recorded, completed here: a departure (as a factory's scan says), though
+        # no output was recorded there to compare.
+        return hi, COMPLETED_FIELD
+    if run.error is None or run.vs_recording:
+        problem = result.problem()
+        if problem is not None and run.error is None:
+            raise RerunError(f"rank {a.rank}: step {hi} could not be re-run to bisect: {problem}")
+        bad = next((k for k, c in run.vs_recording.items() if not c.equal), run.collective_departure)
+        if bad is not None:
+            return hi, bad
+    return None, None
 
 
 def _raised_anew(run: Any) -> bool:

@@ -175,6 +175,12 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
         lines = [style(f"no divergence: {read} recorded the same bits at every common step{step_count_note(s['ranks'])}", fg="green")]
     else:
         lines = _at_divergence_lines(s, d)
+    return lines + _token_lines(s, d, t)
+
+
+def _token_lines(s: dict[str, Any], d: dict[str, Any] | None, t: dict[str, Any] | None) -> list[str]:
+    """The first token divergence, or what is known of tokens without one."""
+    lines: list[str] = []
     if t is not None:
         lines.append(style(f"first token divergence  {_where(t)}: {escape(t['field'])} differs on rank(s) "
                            f"{_ranks(t['ranks'])}", fg="red", bold=True))

@@ -782,6 +782,13 @@ def rerun_step(
     if first.spec.kind is StepKind.COMPILED and "compiled" in result.modes:
         # Recorded compiled: the verdict line and the tables lead with the mode it ran in.
         result.modes = {"compiled": result.modes["compiled"], **result.modes}
+    _what_else(result, first, part, rank, step, live=live)
+    return result
+
+
+def _what_else(result: StepRerun, first: Replayer, part: Part, rank: int, step: int, *, live: bool) -> None:
+    """What the verdict says beside the comparisons: no keyframe, other ranks' numerics, the
+    program's sources, parameters or environment that changed since the recording."""
     if first.rf.keyframe(step) is None:
         result.notes.append(NO_KEYFRAME_NOTE)
     result.notes += _numerics_vs_ranks(part, rank, step)
@@ -791,7 +798,6 @@ def rerun_step(
         # A factory's re-run runs in this process: its environment is this one (a re-launched
         # program's is compared by the launcher, which set it).
         result.env_differences = _environment_moved(first.rf)
-    return result
 
 
 def _environment_moved(rf: RankFile) -> list[str]:
