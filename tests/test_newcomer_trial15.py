@@ -553,7 +553,7 @@ def test_a_factory_re_run_names_the_environment_variable_that_differs(tmp_path: 
     assert p.returncode == 0, p.stderr[-2000:]
     s = _replay("step", out, "--rank", "0", "--step", "3", "--factory", "envy:build", "--no-save", cwd=tmp_path)
     head = s.stdout.splitlines()[0] if s.stdout else ""
-    assert head.startswith("not reproduced") and "environment differs from the recorded program's in SCALE_H (not set here)" in head, (
+    assert head.startswith("not reproduced") and "environment differs from the recorded one in SCALE_H (not set here)" in head, (
         s.stdout + s.stderr[-1500:])
 
 

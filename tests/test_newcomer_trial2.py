@@ -49,8 +49,9 @@ def test_a_step_that_writes_into_an_out_buffer_records_and_compares_it(tmp_path:
 
 
 def test_ranks_that_recorded_only_inputs_are_not_called_the_same(tmp_path: Path) -> None:
-    """Two gloo ranks whose step returns a Python list: the inputs agree, nothing computed was
-    recorded. Never "no divergence"; ``bisect steps`` exits non-zero."""
+    """Two gloo ranks whose step returns a Python list of strings (decoded text; a list of
+    numbers is recorded as an output since the twenty-third session): the inputs agree, nothing
+    computed was recorded. Never "no divergence"; ``bisect steps`` exits non-zero."""
     _script(tmp_path, "twolist", """
         import os, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
 
@@ -58,7 +59,7 @@ def test_ranks_that_recorded_only_inputs_are_not_called_the_same(tmp_path: Path)
             def __init__(self):
                 super().__init__(); self.head = nn.Linear(8, 16)
             def forward(self, x):
-                return self.head(x).argmax(-1).tolist()
+                return [f"<{t}>" for t in self.head(x).argmax(-1).tolist()]
 
         def run(rank, store):
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

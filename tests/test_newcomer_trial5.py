@@ -43,33 +43,51 @@ def test_a_dynamically_quantized_model_is_the_step_not_the_quantizers_observer(t
     assert list(vs) == ["logits"] and vs["logits"]["verdict"] == "bitwise equal", vs
 
 
-def test_a_step_that_returns_python_ints_is_said_to_record_nothing_comparable(tmp_path: Path) -> None:
+_SAMPLER = """
+    import torch
+    torch.manual_seed(0)
+
+    class Sampler(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 20)
+
+        def forward(self, h):
+            return RETURNED
+
+    m = Sampler()
+    h = torch.randn(3, 8)
+    with torch.no_grad():
+        for i in range(6):
+            toks = m(h)
+            h = h + torch.tensor([float(str(t).strip("<>")) for t in toks])[:, None] * 0.01
+            print(i, toks)
+"""
+
+
+def test_a_step_that_returns_python_ints_is_recorded_and_compared(tmp_path: Path) -> None:
     """A sampler returning ``.tolist()``: nothing it returns is a tensor. The recording said
-    nothing about it, and ``replay step`` said the re-run "returned nothing"."""
-    _script(tmp_path, "listout", """
-        import torch
-        torch.manual_seed(0)
-
-        class Sampler(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lin = torch.nn.Linear(8, 20)
-
-            def forward(self, h):
-                return self.lin(h).argmax(-1).tolist()
-
-        m = Sampler()
-        h = torch.randn(3, 8)
-        with torch.no_grad():
-            for i in range(6):
-                toks = m(h)
-                h = h + torch.tensor(toks, dtype=torch.float32)[:, None] * 0.01
-                print(i, toks)
-    """)
+    nothing about it, and ``replay step`` said the re-run "returned nothing"; since the
+    twenty-third session the numbers are an output, recorded and compared."""
+    _script(tmp_path, "listout", _SAMPLER.replace("RETURNED", "self.lin(h).argmax(-1).tolist()"))
     rec = tmp_path / "rec-listout"
     p = _replay("record", "--out", rec, "--", sys.executable, "listout.py", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stderr.count("listout:Sampler returns a list with no tensor in it: its results are not recorded") == 1, p.stderr[-3000:]
+    assert "returns a list with no tensor in it" not in p.stderr, p.stderr[-3000:]
+    res = _replay("step", rec, "--step", 3, "--no-save", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    vs = json.loads(res.stdout)["modes"]["eager"]["vs_recording"]
+    assert vs and all(c["verdict"] == "bitwise equal" for c in vs.values()), vs
+
+
+def test_a_step_that_returns_python_strings_is_said_to_record_nothing_comparable(tmp_path: Path) -> None:
+    """A sampler returning its tokens as text: nothing it returns is a tensor or a number. Said
+    once when recorded; ``replay step`` says nothing could be compared (exit 7)."""
+    _script(tmp_path, "strout", _SAMPLER.replace("RETURNED", '[f"<{t}>" for t in self.lin(h).argmax(-1).tolist()]'))
+    rec = tmp_path / "rec-strout"
+    p = _replay("record", "--out", rec, "--", sys.executable, "strout.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count("strout:Sampler returns a list with no tensor in it: its results are not recorded") == 1, p.stderr[-3000:]
     res = _replay("step", rec, "--step", 3, "--no-save", cwd=tmp_path)
     assert res.returncode == 7, res.stdout[-2000:] + res.stderr[-2000:]
     said = res.stdout + res.stderr

@@ -22,6 +22,10 @@ def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torc
         # and compared as a 0-dim tensor of its exact value.
         dtype = torch.bool if isinstance(out, bool) else torch.int64 if isinstance(out, int) else torch.float64
         return {names[0] if names else "output": torch.tensor(out, dtype=dtype)}
+    numbers = _plain_numbers(out) if isinstance(out, (list, tuple)) else None
+    if numbers is not None:
+        # ``return logits.argmax(-1).tolist()``: one output of the numbers, not one per number.
+        return {names[0] if names else "output": numbers}
     pairs: list[tuple[str, Any]]
     if isinstance(out, dict):
         pairs = [(str(k), v) for k, v in out.items()]

@@ -320,7 +320,7 @@ class StepRerun:
         recorded run in its environment, its weights or an unrecorded argument."""
         out = self._program_changed()
         if self.env_differences:
-            out.append(f"; but the re-run's environment differs from the recorded program's in "
+            out.append(f"; but the re-run's environment differs from the recorded one in "
                        f"{', '.join(self.env_differences[:3])}{', ...' if len(self.env_differences) > 3 else ''}: set "
                        "them as they were if the program reads them")
         if self.weights is not None and self.weights.differ:
