@@ -11,21 +11,9 @@ __all__ = ["NESTED_OUTPUT_BYTES", "name_outputs", "nested_outputs", "tensor_vers
 
 def name_outputs(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torch.Tensor]:
     """Tensors a step returned, by name: NamedTuple/dataclass fields, dict keys, or given names."""
-    if isinstance(out, torch.Tensor):
-        if names:
-            return {names[0]: out}
-        # A lone floating output with a vocabulary-like last dimension is what a step's logits
-        # look like; naming it so gives the margin and the logits ring without configuration.
-        return {"logits" if out.is_floating_point() and out.dim() >= 2 else "output": out}
-    if isinstance(out, (bool, int, float)):
-        # A step that returns a Python number (the token it sampled, ``tok.item()``): recorded
-        # and compared as a 0-dim tensor of its exact value.
-        dtype = torch.bool if isinstance(out, bool) else torch.int64 if isinstance(out, int) else torch.float64
-        return {names[0] if names else "output": torch.tensor(out, dtype=dtype)}
-    numbers = _plain_numbers(out) if isinstance(out, (list, tuple)) else None
-    if numbers is not None:
-        # ``return logits.argmax(-1).tolist()``: one output of the numbers, not one per number.
-        return {names[0] if names else "output": numbers}
+    single = _single_output(out, names)
+    if single is not None:
+        return single
     pairs: list[tuple[str, Any]]
     if isinstance(out, dict):
         pairs = [(str(k), v) for k, v in out.items()]
@@ -68,6 +56,27 @@ def _plain_numbers(v: Any) -> torch.Tensor | None:
     except (OverflowError, RuntimeError):
         return None  # an int beyond int64
     return t.reshape(()) if not isinstance(v, (list, tuple)) else t
+
+
+def _single_output(out: Any, names: tuple[str, ...] | list[str]) -> dict[str, torch.Tensor] | None:
+    """A result that is one output: a tensor, a Python number, or a flat list of numbers; None
+    for a container of several."""
+    if isinstance(out, torch.Tensor):
+        if names:
+            return {names[0]: out}
+        # A lone floating output with a vocabulary-like last dimension is what a step's logits
+        # look like; naming it so gives the margin and the logits ring without configuration.
+        return {"logits" if out.is_floating_point() and out.dim() >= 2 else "output": out}
+    if isinstance(out, (bool, int, float)):
+        # A step that returns a Python number (the token it sampled, ``tok.item()``): recorded
+        # and compared as a 0-dim tensor of its exact value.
+        dtype = torch.bool if isinstance(out, bool) else torch.int64 if isinstance(out, int) else torch.float64
+        return {names[0] if names else "output": torch.tensor(out, dtype=dtype)}
+    numbers = _plain_numbers(out) if isinstance(out, (list, tuple)) else None
+    if numbers is not None:
+        # ``return logits.argmax(-1).tolist()``: one output of the numbers, not one per number.
+        return {names[0] if names else "output": numbers}
+    return None
 
 
 # Tensors returned inside a container (``(logits, [h0, h1])``) are outputs too, named ``out1.0``,
