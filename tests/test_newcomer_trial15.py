@@ -13,6 +13,16 @@ from tests.test_newcomer_scripts import _SPAWN_TWO_RANKS, _replay, _script
 
 pytestmark = pytest.mark.e2e
 
+
+def _record_with_env(tmp_path: Path, out: Path, script: str, **env: str):  # noqa: ANN202
+    """``replay record --quiet`` of a script, with environment variables set for it."""
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    return subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(out), "--", sys.executable, script],
+                          cwd=tmp_path, env={**_env(), **env}, capture_output=True, text=True, timeout=300)
+
 # A model whose output depends on a Python attribute read inside forward (a scale, a
 # temperature, a flag), set from the command line; it has no config object.
 _ATTRIBUTE_IN_FORWARD = """
@@ -497,14 +507,9 @@ def test_bisect_steps_by_relaunch_finds_a_step_that_completes_where_it_raised(tm
     """The last step raised when recorded and completes in the re-run: `step` said so, but bisect
     steps --against-rerun with no factory said "no departure from the recording found (every
     keyframe interval re-ran as recorded)" and exited 0."""
-    import subprocess
-
-    from tests.test_newcomer_scripts import _env
-
     _script(tmp_path, "fault", _RAISED_WHEN_RECORDED)
     out = tmp_path / "rec"
-    p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(out), "--", sys.executable, "fault.py"],
-                       cwd=tmp_path, env={**_env(), "FAIL_AT": "7"}, capture_output=True, text=True, timeout=300)
+    p = _record_with_env(tmp_path, out, "fault.py", FAIL_AT="7")
     assert p.returncode == 0, p.stderr[-2000:]
     b = _replay("bisect", "steps", out, "--against-rerun", "--rank", "0", "--no-save", "--json", cwd=tmp_path)
     found = json.loads(b.stdout)  # the last call (step 5) raised when recorded: the last step scanned
@@ -542,14 +547,9 @@ def test_a_factory_re_run_names_the_environment_variable_that_differs(tmp_path: 
     """Recorded with SCALE_H set, re-run with --factory without it: the re-launched program's
     verdict named the variable, the factory's (run in replay's process) never did, and sent the
     user to --keyframe-every 1."""
-    import subprocess
-
-    from tests.test_newcomer_scripts import _env
-
     _script(tmp_path, "envy", _ENVIRONMENT_READ_IN_FORWARD)
     out = tmp_path / "rec"
-    p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(out), "--", sys.executable, "envy.py"],
-                       cwd=tmp_path, env={**_env(), "SCALE_H": "1"}, capture_output=True, text=True, timeout=300)
+    p = _record_with_env(tmp_path, out, "envy.py", SCALE_H="1")
     assert p.returncode == 0, p.stderr[-2000:]
     s = _replay("step", out, "--rank", "0", "--step", "3", "--factory", "envy:build", "--no-save", cwd=tmp_path)
     head = s.stdout.splitlines()[0] if s.stdout else ""

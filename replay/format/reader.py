@@ -414,11 +414,15 @@ class RankFile:
         if not k.size:
             return None
         row = k[np.argmax(k["step"])]
+        return int(row["step"]), {t.string(int(r["name"])): self.read_tensor(r) for r in self._keyframe_rows(row)}
+
+    def _keyframe_rows(self, row: Any) -> np.ndarray:
+        """The /tensors rows of one keyframe (checked to lie inside the table)."""
+        t = self.full()
         first, n = int(row["first_tensor"]), int(row["n_tensors"])
         if first < 0 or n < 0 or first + n > t.tensors.size:
             raise RecordingDamaged(f"{self.path}: keyframe at step {int(row['step'])} points outside /tensors")
-        rows = t.tensors[first : first + n]
-        return int(row["step"]), {t.string(int(r["name"])): self.read_tensor(r) for r in rows}
+        return t.tensors[first : first + n]
 
     def first_keyframe_scalars(self) -> tuple[int, dict[str, bool | int | float]] | None:
         """The Python scalars of the target (``replay.core.state``) in the first keyframe:
@@ -431,11 +435,8 @@ class RankFile:
         if not k.size:
             return None
         row = k[np.argmin(k["step"])]
-        first, n = int(row["first_tensor"]), int(row["n_tensors"])
-        if first < 0 or n < 0 or first + n > t.tensors.size:
-            raise RecordingDamaged(f"{self.path}: keyframe at step {int(row['step'])} points outside /tensors")
         out: dict[str, bool | int | float] = {}
-        for r in t.tensors[first : first + n]:
+        for r in self._keyframe_rows(row):
             name = t.string(int(r["name"]))
             prefix = next((p for p in (SCALAR_PREFIX, UNCHANGED_PREFIX) if name.startswith(p)), None)
             if prefix is None or int(r["ndim"]) != 0:
