@@ -59,7 +59,7 @@ def record_run(
         if placements and tp > 1:
             target["layout"] = {"fields": {"output.hidden": {"placements": ["Shard(1)"]}}}
         if weights is not None:
-            target["weights"] = weights
+            target["weights"] = weights(r) if callable(weights) else weights  # a callable: each rank's own
         target.update(target_extra or {})
         rec = Recorder(RecorderConfig(out=out, rank=r, world_size=tp, outputs=outputs))
         rec.set_target(target)
@@ -546,10 +546,30 @@ def test_collective_outputs_kept_in_full_take_a_tolerance(tmp_path):
 
 
 def test_weights_across_layouts_are_not_called_the_same(tmp_path):
-    tp2 = record_run(tmp_path / "tp2", tp=2, weights=_weights(False))
+    """Shards (another digest on each rank of a run) cannot be compared across layouts."""
+    from replay.digest import digest, format_digest
+
+    def shards(rank: int) -> dict:
+        return {**_weights(False), WEIGHT: {"digest": format_digest(digest(torch.full((8, 8), float(rank)))), "shape": [8, 8],
+                                            "dtype": "float32"}}
+
+    tp2 = record_run(tmp_path / "tp2", tp=2, weights=shards)
     tp1 = record_run(tmp_path / "tp1", tp=1, weights=_weights(True))
     w = next(c for c in diff(str(tp2), str(tp1)).context if c.category.value == "weights")
     assert not w.compared and "cannot be compared across layouts" in w.note
+    assert "the 1 replicated in both runs have the same digests" in w.note
+
+
+def test_replicated_weights_across_layouts_are_compared_by_digest(tmp_path):
+    """A parameter with one digest on every rank of each run is replicated: its digests compare
+    across layouts (the one that differs is named; the same one is not a difference)."""
+    tp2 = record_run(tmp_path / "tp2", tp=2, weights=_weights(False))
+    tp1 = record_run(tmp_path / "tp1", tp=1, weights=_weights(True))
+    w = next(c for c in diff(str(tp2), str(tp1)).context if c.category.value == "weights")
+    assert w.compared and [i["name"] for i in w.items] == [WEIGHT] and w.items[0]["why"].startswith("digest (replicated")
+    same = record_run(tmp_path / "tp1same", tp=1, weights=_weights(False))
+    w = next(c for c in diff(str(tp2), str(same)).context if c.category.value == "weights")
+    assert not w.items and "the 2 replicated in both runs have the same digests" in w.note
 
 
 # -- shard layouts of the weights (replay.record.weights) ---------------------------------------

@@ -478,6 +478,40 @@ def test_a_failure_of_the_recorder_around_a_step_stops_recording_and_the_step_ru
     assert capfd.readouterr().err.count("recording stopped: RuntimeError: recorder bug") == 1
 
 
+def test_a_call_whose_step_could_not_begin_is_not_counted_as_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that found no step open, and whose step then could not begin (another thread began
+    one in between, or the recorder refused it), ran unrecorded: `replay record`'s "N calls
+    recorded" counted it (9 calls recorded, 8 steps in the recording, two threads decoding)."""
+    import inspect
+
+    from replay.record import session as session_mod
+    from replay.record.profiles import StepSpec
+    from replay.record.recorder import Recorder
+    from replay.record.settings import RecordSettings
+
+    s = session_mod.Session(tmp_path, RecordSettings())
+    begin = Recorder.begin_step
+    calls = {"n": 0}
+
+    def begin_once_refused(self: Recorder, **kw: object) -> int:
+        calls["n"] += 1
+        return -1 if calls["n"] == 2 else begin(self, **kw)
+
+    monkeypatch.setattr(Recorder, "begin_step", begin_once_refused)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    spec = StepSpec(step="t:f", kind="function")
+    for _ in range(4):
+        out = s._call_step(spec, f, inspect.signature(f), False, (torch.ones(2),), {})
+        assert torch.equal(out, torch.full((2,), 2.0))
+    s.close_recorder()
+    assert s.report()["recorded"] == {"t:f": 3}
+    with Recording(tmp_path) as rec:
+        assert rec["run-000"][0].n_steps == 3
+
+
 class _Linear(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -155,29 +155,79 @@ def _capped(cat: Category, items: list[dict[str, Any]], note: str = "") -> Conte
 
 def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> ContextDiff:
     merged: list[dict[str, Any]] = []
+    replicated = 0  # parameters replicated in both runs (across layouts: compared by digest)
     for model, infos in _by_model(pairs):
         if not infos:  # a model one run has and the other has not: nothing to compare it with
             side = "A" if any(model in _models(a) for a, _ in pairs) else "B"
             return ContextDiff(category=Category.WEIGHTS, compared=False, note=f"stream {model} recorded in run {side} only")
         wa = [ta.get("weights") for ta, _ in infos]
         wb = [tb.get("weights") for _, tb in infos]
-        have_a = all(isinstance(w, dict) and w for w in wa)
-        have_b = all(isinstance(w, dict) and w for w in wb)
-        if not have_a or not have_b:
-            which = "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
+        missing = _weights_missing(wa, wb)
+        if missing:
             return ContextDiff(category=Category.WEIGHTS, compared=False,
-                               note=f"weights not recorded in {which}" + (f" for stream {model}" if model else ""))
-        merged += [{**it, "name": _of_model(it["name"], model)} for it in _digest_items(pairs, wa, wb)]
+                               note=f"weights not recorded in {missing}" + (f" for stream {model}" if model else ""))
+        items = _digest_items(pairs, wa, wb)
+        if not same_layout:
+            found, equal = _replicated_items(pairs, wa, wb)
+            items = found + items
+            replicated += len(found) + equal
+        merged += [{**it, "name": _of_model(it["name"], model)} for it in items]
     if same_layout:
         # Digested once, as each run's first recorded step found them: a weight the program
         # changed later (an adapter added mid-run) is not seen here.
         return _capped(Category.WEIGHTS, merged, "as at each run's first recorded step")
     if not merged:
         # Digests of shards cannot be compared across layouts: do not call the weights the same.
+        same = f"; the {replicated} replicated in both runs have the same digests" if replicated else ""
         return ContextDiff(category=Category.WEIGHTS, compared=False,
-                           note="names, shapes and dtypes the same; digests are per shard, so the values cannot be "
-                                "compared across layouts")
-    return _capped(Category.WEIGHTS, merged, "the runs are laid out differently: only names, shapes and dtypes compared")
+                           note=f"names, shapes and dtypes the same{same}; digests of the others are per shard, so their values "
+                                "cannot be compared across layouts")
+    return _capped(Category.WEIGHTS, merged, "the runs are laid out differently: parameters replicated in both runs (one "
+                   "digest on every rank of each) compared by digest, the others by names, shapes and dtypes only")
+
+
+def _weights_missing(wa: list[Any], wb: list[Any]) -> str:
+    """Which run recorded no weights ("" when both did)."""
+    have_a = all(isinstance(w, dict) and w for w in wa)
+    have_b = all(isinstance(w, dict) and w for w in wb)
+    if have_a and have_b:
+        return ""
+    return "either run" if not have_a and not have_b else ("run A" if not have_a else "run B")
+
+
+def _replicated_items(pairs: list[tuple[RankMeta, RankMeta]], da: list[dict[str, Any]],
+                      db: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Across layouts: a parameter of one dtype, shape and digest on every rank of A, and of
+    that dtype and shape and one digest on every rank of B, is replicated in both runs, so its
+    digests compare (a shard's digest differs from rank to rank). The ones that differ, and how
+    many were found equal."""
+    of_a = {ra.rank: w for (ra, _), w in zip(pairs, da)}
+    of_b = {rb.rank: w for (_, rb), w in zip(pairs, db)}
+    items, equal = [], 0
+    for name in sorted(set.intersection(*(set(w) for w in [*of_a.values(), *of_b.values()]))):
+        va, vb = _one_value(of_a.values(), name), _one_value(of_b.values(), name)
+        if va is None or vb is None or va[:2] != vb[:2]:
+            continue
+        if va[2] == vb[2]:
+            equal += 1
+            continue
+        items.append({"name": name, "a": _short(va[2]), "b": _short(vb[2]), "ranks_a": sorted(of_a),
+                      "why": "digest (replicated: one digest on every rank of each run)"})
+    return items, equal
+
+
+def _one_value(weights: Any, name: str) -> tuple[Any, Any, Any] | None:
+    """(dtype, shape, digest) of ``name`` when every rank's is the same; None otherwise."""
+    seen = set()
+    for w in weights:
+        p = w.get(name)
+        if not isinstance(p, dict) or p.get("digest") is None:
+            return None
+        seen.add((str(p.get("dtype")), json.dumps(p.get("shape")), str(p.get("digest"))))
+    if len(seen) != 1:
+        return None
+    dtype, shape, dig = next(iter(seen))
+    return dtype, shape, dig
 
 
 def _buffers(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> ContextDiff:

@@ -80,6 +80,9 @@ class SideRun:
     seconds: float
     error: str | None = None  # the step raised in this re-run (and not as it did when recorded)
     weights: WeightCheck | None = None  # the rebuilt parameters against the digests of those that ran
+    # The model's buffers as the step began (after the catch-up from the keyframe): a module's
+    # state is no argument of it, so equal inputs do not make equal starting points.
+    state: dict[str, "ParamSig"] = field(default_factory=dict)
 
     @property
     def weights_differ(self) -> bool:
@@ -155,6 +158,7 @@ class LayersBisection:
     silent: list[str]  # tapped modules whose forward ran on neither side
     notes: list[str] = field(default_factory=list)
     param_diffs: list[str] = field(default_factory=list)  # between two runs: parameters whose bits differ
+    carried: list[str] = field(default_factory=list)  # buffers whose bits differ as the step begins (not shards)
     # Between two runs whose inputs already differ at the step: run A against run B's model on run A's data.
     equal_inputs: "LayersBisection | None" = None
 
@@ -186,6 +190,9 @@ class LayersBisection:
         own = self.maker_params()
         if own:
             line += f"; its parameters differ between the runs: {', '.join(own[:3])}{', ...' if len(own) > 3 else ''}"
+        state = self.maker_state()
+        if state:
+            line += f"; but its state already differs when the step begins: {_names(state)}"
         raised = self._raised()
         if raised is not None:
             line += f"; {raised.side.label} raised {raised.error} in the step"
@@ -273,6 +280,12 @@ class LayersBisection:
         prefix = m.module + "." if m.module else ""
         return [n for n in self.param_diffs if n.startswith(prefix)]
 
+    def maker_state(self) -> list[str]:
+        """Buffers of the module that makes the difference whose bits already differ as the step
+        begins: the module's code then only carries a difference in, it does not make it."""
+        m = self.maker
+        return _under(m.module, self.carried) if m is not None else []
+
     def problem(self) -> str | None:
         """Why the two executions could not both be compared in full; None if they were."""
         raised = self._raised()
@@ -308,6 +321,7 @@ class LayersBisection:
             "sides": [s.to_json() for s in self.sides],
             "notes": self.notes,
             "parameters_differ": self.param_diffs,
+            "state_differs": self.carried,
             "equal_inputs": self.equal_inputs.to_json() if self.equal_inputs is not None else None,
         }
 
@@ -374,13 +388,14 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
         target = rp.build(install=install)
         weights = check_weights(target)
         departed = rp.goto(step, progress=progress)
+        model = target.module()
+        state = _buffer_digests(model) if want_params and model is not None else {}
         taps.arm()
         try:
             outs = rp.run(step)
         finally:
             capture = taps.disarm()
         params: dict[str, ParamSig] = {}
-        model = target.module()
         if want_params and model is not None:
             params = _param_digests(model)
         reproduces: bool | None = rp.departure(step, outs) is None
@@ -402,7 +417,7 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
         taps.close()
     return SideRun(side=side, capture=capture, outputs=outs, reproduces=reproduces,
                    departed=str(departed) if departed else None, keyframe=kf, ran_as=ran_as or side.mode,
-                   params=params, seconds=time.perf_counter() - t0, error=error, weights=weights)
+                   params=params, seconds=time.perf_counter() - t0, error=error, weights=weights, state=state)
 
 
 def _align(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -458,6 +473,45 @@ def _param_digests(model: torch.nn.Module) -> dict[str, ParamSig]:
         flat = local.reshape(-1)[:SAMPLE].to("cpu", torch.float64) if local.is_floating_point() else torch.zeros(0, dtype=torch.float64)
         out[n] = ParamSig(digest=digest(local), shape=tuple(local.shape), sample=flat, declared_shard=declared)
     return out
+
+
+def _buffer_digests(model: torch.nn.Module) -> dict[str, ParamSig]:
+    """Signatures of the model's buffers now (a KV cache, a running scale): its state."""
+    out: dict[str, ParamSig] = {}
+    for n, b in model.named_buffers():
+        if not isinstance(b, torch.Tensor) or b.is_meta:
+            continue
+        t = b.detach()
+        flat = t.reshape(-1)[:SAMPLE].to("cpu", torch.float64) if t.is_floating_point() else torch.zeros(0, dtype=torch.float64)
+        out[n] = ParamSig(digest=digest(t), shape=tuple(t.shape), sample=flat)
+    return out
+
+
+def _carried_state(ra: SideRun, rb: SideRun) -> list[str]:
+    """Buffers whose bits differ between the two sides as the step begins. Across ranks of one
+    run whose step reduces with collectives, a buffer of a module holding a shard (a KV cache of
+    the rank's own heads) differs by design and is left out."""
+    a, b = ra.state, rb.state
+    differ = sorted(n for n in a.keys() & b.keys() if a[n].digest != b[n].digest)
+    if ra.side.part is None and rb.side.part is None and ra.side.rank != rb.side.rank and _made_collectives(ra):
+        sharded = _sharded(ra.params, rb.params)
+
+        def of_a_shard(name: str) -> bool:
+            owner = name.rpartition(".")[0]
+            return any(p.startswith(owner + ".") if owner else True for p in sharded)
+
+        differ = [n for n in differ if a[n].shape == b[n].shape and not of_a_shard(n)]
+    return differ
+
+
+def _under(module: str, names: list[str]) -> list[str]:
+    prefix = module + "." if module else ""
+    return [n for n in names if n.startswith(prefix)]
+
+
+def _names(names: list[str]) -> str:
+    kind = "buffer" if len(names) == 1 else "buffers"
+    return f"{kind} {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
 
 
 def _is_shard(x: ParamSig, y: ParamSig) -> bool:
@@ -616,11 +670,19 @@ def _bisection(part: Part, step: int, ra: SideRun, rb: SideRun, *, context: int,
     makers = [m for m in rows if m.differs and not m.rank_local and m.inputs_equal]
     maker = _maker(makers, ra)
     param_diffs = differing_params(ra.params, rb.params) if across_runs else []
+    carried = _carried_state(ra, rb)
     notes = [n for r in (ra, rb) for n in _side_notes(r, step)] + _rounding_notes(rows, makers, maker)
-    notes += _param_notes(ra, rb, param_diffs) + _row_notes(rows)
+    notes += _param_notes(ra, rb, param_diffs) + _state_notes(ra, rb, carried, maker) + _row_notes(rows)
+    origin = _origin(first, rows, ra)
+    state = _under(first.module, carried) if first is not None and first.inputs_equal else []
+    if state:
+        origin = (f"{first.name} receives bitwise equal inputs on both sides, but its state already differs when the step "  # type: ignore[union-attr]
+                  f"begins ({_names(state)}: set before this step, by an earlier step or before the recording began, "
+                  "as by a prefill): the difference is carried in with that state, not made by its code in this step")
     return LayersBisection(recording=recording, part=part.name, step=step, sides=[ra, rb], modules=rows, first=first,
-                           maker=maker, before=_before(rows, first, context), origin=_origin(first, rows, ra),
-                           outputs=_outputs(ra, rb), silent=_silent(ra, rb), notes=notes, param_diffs=param_diffs)
+                           maker=maker, before=_before(rows, first, context), origin=origin,
+                           outputs=_outputs(ra, rb), silent=_silent(ra, rb), notes=notes, param_diffs=param_diffs,
+                           carried=carried)
 
 
 def bisect_runs(
@@ -743,6 +805,15 @@ def _param_notes(ra: SideRun, rb: SideRun, param_diffs: list[str]) -> list[str]:
         return []
     return [f"{len(odd)} replicated parameter(s) differ across ranks {a.rank} and {b.rank} "
             f"(same shape, close values: not shards): {', '.join(odd[:6])}"]
+
+
+def _state_notes(ra: SideRun, rb: SideRun, carried: list[str], maker: ModuleVerdict | None) -> list[str]:
+    """Buffers that differ as the step begins and are not the maker's own (said on the first line)."""
+    rest = [n for n in carried if maker is None or n not in _under(maker.module, carried)]
+    if not rest:
+        return []
+    return [f"{len(rest)} buffer(s) already differ between {ra.side.label} and {rb.side.label} when the step begins "
+            f"(state set before it): {', '.join(rest[:6])}" + (", ..." if len(rest) > 6 else "")]
 
 
 def _row_notes(rows: list[ModuleVerdict]) -> list[str]:

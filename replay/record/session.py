@@ -1041,8 +1041,11 @@ class Session(GraphEvents):
         rec, stream = self._recorder_for(spec, obj, tensors, object_arg)
         if rec is None or not rec.enabled:
             return None, obj, {}
+        if rec.begin_step() < 0:
+            # Another thread began a step since ``records_this_thread`` (this one is left out
+            # from here on), or the recorder failed: the call runs unrecorded, and uncounted.
+            return None, obj, {}
         self._recorded[spec.step] += 1
-        rec.begin_step()
         rec.record_inputs(**tensors)
         if len(self._streams.streams) > 1 and stream is not None:
             scalars[numerics.STREAM_ARG] = stream.name

@@ -1,0 +1,138 @@
+"""Found in the twenty-third and twenty-fourth sessions' newcomer trials (engines nobody adapted),
+each a test that failed before its fix. Nothing in the scripts was adapted to replay."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_newcomer_scripts import _SPAWN_TWO_RANKS, _replay, _script
+
+pytestmark = pytest.mark.e2e
+
+# Two gloo ranks decode with a model whose blocks add a buffer; a warm-up before the loop left
+# rank 1's buffer of block 1 off by 1e-3 (state set before the recording's first step).
+_STATE_OFF_BEFORE_THE_LOOP = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.register_buffer("h", torch.zeros(16))
+        def forward(self, x):
+            return x + torch.tanh(self.lin(x)) + self.h
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(40, 16), nn.Linear(16, 40)
+            self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        def forward(self, ids):
+            x = self.emb(ids).mean(1)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    def build(config, *, rank, world_size, device, options):
+        return LM().eval()
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        model = LM().eval()
+        if rank == 1:
+            model.blocks[1].h.add_(1e-3)
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            for _ in range(4):
+                ids = torch.cat([ids, model(ids).argmax(-1, keepdim=True)], 1)
+        dist.destroy_process_group()
+
+""" + _SPAWN_TWO_RANKS
+
+
+def test_bisect_layers_says_a_modules_state_already_differed_when_the_step_began(tmp_path: Path) -> None:
+    """`bisect layers --between rank:0,rank:1` said "blocks.1 receives bitwise equal inputs on
+    both sides and returns different outputs: the difference is made inside it" where the
+    module's code does nothing rank-specific: its buffer already differed in the keyframes (set
+    before the loop). It names the buffer, and says the difference is carried in, not made."""
+    _script(tmp_path, "carried", _STATE_OFF_BEFORE_THE_LOOP)
+    out = tmp_path / "rec"
+    rec = _replay("record", "--quiet", "--out", out, "--", sys.executable, "carried.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    p = _replay("bisect", "layers", out, "--between", "rank:0,rank:1", "--factory", "carried:build", "--no-save", "--json",
+                cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    d = json.loads(p.stdout)
+    assert d["first"] == "blocks.1" and d["maker"] == "blocks.1", d
+    assert d["state_differs"] == ["blocks.1.h"], d
+    assert "its state already differs when the step begins (buffer blocks.1.h" in d["origin"], d["origin"]
+    assert "made inside it" not in d["origin"], d["origin"]
+    text = _replay("bisect", "layers", out, "--between", "rank:0,rank:1", "--factory", "carried:build", "--no-save",
+                   cwd=tmp_path)
+    assert "but its state already differs when the step begins: buffer blocks.1.h" in text.stdout.splitlines()[0], text.stdout
+
+
+# The same replicated model on 1 or 2 gloo ranks (argv: world size, and "off" to change the head's
+# weights by 1e-3: a checkpoint that differs between the two deployments).
+_REPLICATED_ON_ANY_WORLD = """
+    import socket, sys, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self, off):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.fc, self.head = nn.Embedding(40, 16), nn.Linear(16, 16), nn.Linear(16, 40)
+            if off:
+                with torch.no_grad():
+                    self.head.weight.add_(1e-3)
+        def forward(self, ids):
+            return self.head(torch.tanh(self.fc(self.emb(ids).mean(1))))
+
+    def worker(rank, port, world, off):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        model = LM(off).eval()
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            for _ in range(4):
+                ids = torch.cat([ids, model(ids).argmax(-1, keepdim=True)], 1)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        world = int(sys.argv[1])
+        mp.spawn(worker, args=(port, world, "off" in sys.argv), nprocs=world)
+"""
+
+
+def test_diff_across_world_sizes_compares_replicated_weights_by_digest(tmp_path: Path) -> None:
+    """`diff` of a 1-rank run against a 2-rank run said the weights could not be compared
+    ("digests are per shard") although every parameter is replicated, and never named the head
+    weight whose values differ. A parameter with one digest on every rank of each run is
+    compared by digest; one with the same digests is not called a difference."""
+    _script(tmp_path, "rep", _REPLICATED_ON_ANY_WORLD)
+    runs = {}
+    for name, argv in (("w1", ["1"]), ("w2", ["2"]), ("w2off", ["2", "off"])):
+        runs[name] = tmp_path / f"rec-{name}"
+        p = _replay("record", "--quiet", "--out", runs[name], "--", sys.executable, "rep.py", *argv, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+    off = _replay("diff", runs["w1"], runs["w2off"], "--json", cwd=tmp_path)
+    d = json.loads(off.stdout)
+    weights = next(c for c in d["other_differences"] if c["category"] == "weights")
+    assert [i["name"] for i in weights["items"]] == ["head.weight"], weights
+    assert weights["items"][0]["why"].startswith("digest (replicated"), weights
+    assert "weights differ: head.weight" in d["headline"], d["headline"]
+    same = _replay("diff", runs["w1"], runs["w2"], "--json", cwd=tmp_path)
+    d = json.loads(same.stdout)
+    weights = next(c for c in d["other_differences"] if c["category"] == "weights")
+    assert not weights["items"] and "the 5 replicated in both runs have the same digests" in weights["note"], weights
