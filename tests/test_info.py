@@ -359,3 +359,50 @@ def test_a_divergence_says_when_no_group_of_ranks_is_a_majority() -> None:
     real = Divergence(step=2, field="output.logits", ranks=[1], majority=[0, 2, 3], digests={0: 5, 1: 6, 2: 5, 3: 5})
     assert real.what().endswith("(majority: 0, 2, 3)") and real.to_json()["majority_strict"], real.what()
     assert not even.to_json()["majority_strict"]
+
+
+def _reduced_recording(out, *, input_of):  # noqa: ANN001, ANN202
+    """Two ranks that all_reduce a tensor each step and record the (equal) reduced result and
+    tokens; ``input_of(rank, step)`` is what each rank reduces."""
+    import torch
+
+    from replay import Recorder, RecorderConfig
+
+    for r in range(2):
+        rec = Recorder(RecorderConfig(out=out, rank=r, world_size=2, rng=False))
+        for s in range(8):
+            rec.begin_step()
+            rec.record_inputs(x=torch.arange(4) + s)
+            rec.record_collective("all_reduce", group_size=2, inputs=[input_of(r, s)], outputs=[torch.ones(4) * s])
+            rec.record_outputs(logits=torch.ones(2, 4) * s, tokens=torch.full((2,), s))
+            rec.end_step()
+        rec.close()
+    return out
+
+
+def test_a_drift_that_a_collective_hides_is_a_divergence(tmp_path, run_cli):
+    """Rank 1's logits drifted before the all_reduce at step 5 only: every rank received the same
+    sum and every field agrees, and info said "no divergence: 2 ranks recorded the same bits at
+    every common step" (so did bisect steps). The collective's input, which agrees at the other
+    steps, differs there: that is the first divergence."""
+    import torch
+
+    out = _reduced_recording(tmp_path / "rec", input_of=lambda r, s: torch.ones(4) * s + (1e-3 if (r, s) == (1, 5) else 0))
+    res = run_cli("info", out)
+    assert res.code == 0, res.err
+    assert res.out.startswith("first divergence at step 5: the input of collective.0.all_reduce differs on rank(s) 1"), res.out
+    assert "no divergence" not in res.out
+    d = run_cli("info", out, "--json").json()["first_divergence"]
+    assert (d["step"], d["field"], d["ranks"]) == (5, "collective.0.all_reduce input", [1])
+    b = run_cli("bisect", "steps", out, "--no-save", "--json").json()
+    assert b["first"] == 5 and b["field"] == "collective.0.all_reduce input", b
+
+
+def test_shards_reduced_by_a_collective_are_no_divergence(tmp_path, run_cli):
+    """Tensor-parallel partial sums differ at every step by design: no divergence, even where
+    they happen to agree once."""
+    import torch
+
+    out = _reduced_recording(tmp_path / "rec", input_of=lambda r, s: torch.ones(4) * (r if s != 3 else 0))
+    d = run_cli("info", out, "--json").json()
+    assert d["first_divergence"] is None, d["first_divergence"]

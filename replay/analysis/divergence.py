@@ -12,7 +12,9 @@ from typing import Iterable
 
 import numpy as np
 
+from replay.analysis.collective_inputs import INPUT_SUFFIX, first_input_divergence
 from replay.analysis.vote import majority_text, vote
+from replay.errors import RecordingDamaged
 from replay.format.reader import Part, RankFile
 
 __all__ = ["Divergence", "STATUS_FIELD", "first_divergence", "order_in_step", "vote"]
@@ -52,6 +54,10 @@ class Divergence:
             done = sorted(r for r, v in self.digests.items() if not v)
             return (f"rank(s) {', '.join(map(str, raised))} raised in the step, rank(s) {', '.join(map(str, done))} "
                     "completed it")
+        if self.field.endswith(INPUT_SUFFIX):
+            return (f"the input of {self.field[:-len(INPUT_SUFFIX)]} differs on rank(s) {', '.join(map(str, self.ranks))} "
+                    f"({self.majority_text()}), where it agrees at most steps; every rank received the same output, "
+                    "which hides the difference from the fields after it")
         return f"{self.field} differs on rank(s) {', '.join(map(str, self.ranks))} ({self.majority_text()})"
 
     def majority_text(self) -> str:
@@ -132,6 +138,12 @@ def first_divergence(
     found = _first_field_divergence(part, chosen, prefix, steps)
     if prefix is not None:
         return found
+    hidden = _first_hidden_divergence(part, chosen, steps)
+    # A step's own input that differs is the likelier cause; a collective's input that differs
+    # at the step where an output does comes before that output in the step.
+    if hidden is not None and (found is None or hidden.step < found.step or (
+            hidden.step == found.step and not found.field.startswith("input."))):
+        found = hidden
     raised = _first_status_divergence(part, chosen, steps)
     # A step one rank raised in and another completed is where their runs broke apart; a field
     # that differs first at the same step (an input) is its likelier cause and goes first.
@@ -139,6 +151,16 @@ def first_divergence(
             raised.step == found.step and not found.field.startswith(_CAUSES))):
         return raised
     return found
+
+
+def _first_hidden_divergence(part: Part, chosen: list[int], steps: np.ndarray | None) -> Divergence | None:
+    """A collective's input that differs across ranks where it agrees at most steps (the
+    collective hands every rank the same output: no field after it differs)."""
+    try:
+        hit = first_input_divergence(part, chosen, steps)
+    except RecordingDamaged:
+        return None  # the collectives of a damaged rank: not compared (reading it says why)
+    return _verdict(*hit) if hit is not None else None
 
 
 # Fields that go into a step: differing at the step a rank raised in, they come first.

@@ -373,6 +373,21 @@ def read_rank_file(path: Path, *, tables: tuple[str, ...] | None = None) -> Rank
     return t
 
 
+def read_table(path: Path, name: str) -> np.ndarray:
+    """One table of a sealed rank file, with ``read_rank_file``'s checks of it (a comparison that
+    needs one large table, the collectives, without the others)."""
+    with _open(path) as f:
+        limit = _stored_bytes(path)
+        _check_header(f, path)
+        ds = _dataset(f, name)
+        if ds is None:
+            raise ValueError(f"table /{name} is missing")
+        if ds.dtype != TABLES[name] or ds.ndim != 1:
+            raise ValueError(f"table /{name} has the wrong layout")
+        _check_storage(ds, name, _TABLE_FILTERS, limit)
+        return ds[()]
+
+
 class _VersionError(ValueError):
     def __init__(self, version: object) -> None:
         super().__init__(version)

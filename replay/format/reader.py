@@ -299,6 +299,19 @@ class RankFile:
                 self._full = self._load(full=True)
             return self._full
 
+    def collectives(self) -> np.ndarray:
+        """The rank's collectives table, read alone from a sealed file (it grows with the run;
+        ``tables`` leaves it out)."""
+        with self._lock:
+            if self._full is not None:
+                return self._full.collectives
+        if not self.sealed:
+            return self.full().collectives
+        try:
+            return _h5.read_table(self.h5_path, "collectives")
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, OverflowError) as e:
+            raise RecordingDamaged(f"{self.path}: cannot be read ({_describe(e)}); `replay verify` says more") from None
+
     @property
     def attrs(self) -> dict[str, Any]:
         return self.tables.attrs

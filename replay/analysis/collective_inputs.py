@@ -1,0 +1,85 @@
+"""Collective inputs that differ across ranks where they should agree.
+
+A collective hides the drift it carries: when one rank's logits drift before an ``all_reduce``,
+or a rank samples another token before a ``broadcast`` from rank 0, every rank receives the same
+bits and every field after it agrees. The recorder keeps each collective's input digest, so the
+drift is still there to find. Not every input should agree: a tensor-parallel rank reduces its
+own partial sum, and those differ at every step by design. A place in the step (its n-th
+collective, of one op) whose inputs agree across the ranks at most of the steps where all of
+them ran it carries a value every rank computes alike; a step where it differs is a divergence.
+Places whose inputs differ at most steps are shards and are never called a divergence.
+
+Only the collectives tables are read, one array per rank, vectorised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from replay.format.reader import Part
+
+__all__ = ["INPUT_SUFFIX", "first_input_divergence"]
+
+# A divergence's field: ``collective.<place>.<op>`` (the output field's name) and this suffix.
+INPUT_SUFFIX = " input"
+_PLACE_BITS = 20  # places within a step (a step makes fewer than 2**20 collectives)
+
+
+def _keyed(part: Part, rank: int, steps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(key = step << _PLACE_BITS | place, op string id, input digest) of the rank's collectives
+    with a recorded input digest, sorted by key."""
+    c = part[rank].collectives()
+    if steps is not None:
+        c = c[np.isin(c["step"], steps)]
+    if not c.size:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, np.zeros(0, np.uint64)
+    c = c[np.lexsort((c["ordinal"], c["step"]))]
+    step = c["step"].astype(np.int64)
+    first = np.searchsorted(step, step, side="left")
+    place = np.arange(step.size, dtype=np.int64) - first  # its order within the step
+    key = (step << _PLACE_BITS) | np.minimum(place, (1 << _PLACE_BITS) - 1)
+    keep = c["in_digest"] != 0  # 0: no input digest recorded
+    return key[keep], c["op"][keep].astype(np.int64), c["in_digest"][keep]
+
+
+def _op_ids(part: Part, rank: int, ops: np.ndarray, names: dict[str, int]) -> np.ndarray:
+    """The rank's op string ids as ids shared by all ranks (by name)."""
+    u, inv = np.unique(ops, return_inverse=True)
+    lut = np.array([names.setdefault(part[rank].tables.string(int(i)), len(names)) for i in u], dtype=np.int64)
+    return lut[inv] if u.size else np.zeros(0, np.int64)
+
+
+def first_input_divergence(part: Part, chosen: list[int], steps: np.ndarray | None = None) -> tuple[int, str, dict[int, int]] | None:
+    """(step, field, {rank: input digest}) of the first collective whose input differs across
+    ``chosen`` ranks at a place whose inputs agree at most steps; None when there is none."""
+    if len(chosen) < 2:
+        return None
+    rows = {r: _keyed(part, r, steps) for r in chosen}
+    common = rows[chosen[0]][0]
+    for r in chosen[1:]:
+        common = np.intersect1d(common, rows[r][0], assume_unique=True)
+    if not common.size:
+        return None
+    at = {r: np.searchsorted(rows[r][0], common) for r in chosen}
+    digests = np.stack([rows[r][2][at[r]] for r in chosen])
+    agree = np.all(digests == digests[0], axis=0)
+    if agree.all():
+        return None
+    names: dict[str, int] = {}
+    ops = np.stack([_op_ids(part, r, rows[r][1][at[r]], names) for r in chosen])
+    same_op = np.all(ops == ops[0], axis=0)
+    place = common & ((1 << _PLACE_BITS) - 1)
+    # A site: a place in the step and its op. Replicated: its inputs agree at most of its steps.
+    site = place * (len(names) + 1) + ops[0]
+    sites, which = np.unique(site[same_op], return_inverse=True)
+    total = np.bincount(which, minlength=sites.size)
+    agreed = np.bincount(which, weights=agree[same_op], minlength=sites.size)
+    replicated = sites[2 * agreed > total]
+    hits = np.flatnonzero(~agree & same_op & np.isin(site, replicated))
+    if not hits.size:
+        return None
+    i = int(hits[0])  # the first in (step, place) order
+    op = next(n for n, k in names.items() if k == int(ops[0][i]))
+    field = f"collective.{int(place[i])}.{op}{INPUT_SUFFIX}"
+    return int(common[i] >> _PLACE_BITS), field, {r: int(digests[k, i]) for k, r in enumerate(chosen)}
