@@ -41,7 +41,9 @@ def test_info_text_names_the_divergence_and_next_command(tmp_path, run_cli):
     assert res.code == 0
     assert "first divergence        step 4: output.logits differs on rank(s) 1" in res.out
     assert "first token divergence  step 4: tokens.tokens" in res.out
-    assert "next: replay step --rank 1 --step 4\n" in res.out + "\n"
+    # The recording is named: followed literally, the command re-runs this recording's step
+    # (without it, the newest under recordings/, another one for a recording made with --out).
+    assert f"next: replay step {rec} --rank 1 --step 4\n" in res.out + "\n"
 
 
 def test_no_divergence(tmp_path, run_cli):

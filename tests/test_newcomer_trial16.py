@@ -136,3 +136,47 @@ def test_diff_across_world_sizes_compares_replicated_weights_by_digest(tmp_path:
     d = json.loads(same.stdout)
     weights = next(c for c in d["other_differences"] if c["category"] == "weights")
     assert not weights["items"] and "the 5 replicated in both runs have the same digests" in weights["note"], weights
+
+
+# A KV cache kept as a plain Python list on the module, grown with torch.cat: no keyframe holds it.
+_LIST_CACHE = """
+    import torch, torch.nn as nn
+
+    class AttnLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.qkv, self.head = nn.Embedding(32, 16), nn.Linear(16, 48), nn.Linear(16, 32)
+            self.cache = [None, None]
+        def forward(self, ids):
+            x = self.emb(ids)
+            q, k, v = self.qkv(x).chunk(3, -1)
+            K, V = self.cache
+            K = k if K is None else torch.cat([K, k], 0)
+            V = v if V is None else torch.cat([V, v], 0)
+            self.cache = [K, V]
+            return self.head(x + torch.softmax(q @ K.T / 4.0, -1) @ V)
+
+    torch.manual_seed(0)
+    m = AttnLM()
+    tok = torch.tensor([1])
+    with torch.no_grad():
+        for _ in range(7):
+            tok = m(tok).argmax(-1)
+"""
+
+
+def test_a_step_at_its_own_keyframe_that_lacks_state_is_rerun_from_step_zero(tmp_path: Path) -> None:
+    """`replay step` of a keyframe's own step (4, with --keyframe-every 4) said "not reproduced"
+    for a deterministic program whose cache no keyframe holds, while step 5 fell back to step 0
+    and reproduced, and bisect steps said every step re-ran as recorded. The keyframe's own
+    step falls back to step 0 too, and says the keyframe does not hold the state."""
+    _script(tmp_path, "listcache", _LIST_CACHE)
+    out = tmp_path / "rec"
+    rec = _replay("record", "--quiet", "--out", out, "--keyframe-every", "4", "--", sys.executable, "listcache.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    p = _replay("step", out, "--step", "4", "--no-save", "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    d = json.loads(p.stdout)
+    assert d["headline"].startswith("reproduced: rank 0 step 4 re-ran bit for bit"), d["headline"]
+    assert any("re-run from its own keyframe (step 4) the step did not reproduce" in n and "does not hold all the state" in n
+               for n in d["notes"]), d["notes"]

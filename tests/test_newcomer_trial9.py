@@ -317,7 +317,7 @@ def test_info_names_the_part_in_its_next_command_and_a_stopped_recorder(tmp_path
     _script(tmp_path, "forked", _FORKED_WORKERS)
     out, _ = _record(tmp_path, "forked")
     text = _replay("info", out, "--part", "run-001", cwd=tmp_path).stdout
-    assert "next: replay step --part run-001 --rank 0 --step 4" in text, text
+    assert f"next: replay step {out} --part run-001 --rank 0 --step 4" in text, text
     bad = _replay("info", f"{out}:run-001", cwd=tmp_path)
     assert bad.returncode != 0 and "give --part run-001" in bad.stderr, bad.stderr
     _script(tmp_path, "slow", """

@@ -3,6 +3,7 @@ same summary when the command ends): one verdict line first, then one line per f
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from replay import api
@@ -33,6 +34,9 @@ def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     # No --mode: `replay step` picks the modes this recording and this machine can run. With
     # several parts, the part shown is named: another may be the command's default.
     part = f" --part {escape(s['part'])}" if len(s["parts"]) > 1 else ""
+    # The recording itself: without it the command takes the newest under recordings/, which is
+    # not this one for a recording made with --out (or once another is made).
+    part = f" {escape(shlex.quote(str(s['recording'])))}{part}" if s.get("recording") else part
     if target is not None:
         lines.append(f"next: replay step{part} --rank {target['ranks'][0]} --step {target['step']}")
     elif len(s["ranks"]) == 1 and s["ranks"][0].get("steps") and s.get("output_fields") is not False:

@@ -877,7 +877,8 @@ def _run_mode(rp: Replayer, step: int, kf_step: int, repeat: int, result: StepRe
     if rp.restored_on_the_way:
         ks = rp.restored_on_the_way
         shown = ", ".join(map(str, ks[:6])) + (f", ... ({len(ks)} in all)" if len(ks) > 6 else "")
-        note = f"restored the keyframes at steps {shown} as catch-up reached them, as `replay step` starts each of those steps"
+        note = (f"restored the keyframes at steps {shown} as catch-up reached them (the state they hold; the program's "
+                "own state outside them ran on from the steps before)")
         if note not in result.notes:
             result.notes.append(note)
     _note_scalars(rp.target, rp.keyframe, result)

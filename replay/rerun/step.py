@@ -74,7 +74,7 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
                         device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
                         keyframe_at=0 if objects else settings.keyframe_at, take_at=take_at or None)
     result = relaunch_step(spec, target.get("launch") or {}, world=part.world_size, announce=announce)
-    if spec.keyframe_at is None and _departed_at_own_keyframe(result):
+    if spec.keyframe_at is None and (_departed_at_own_keyframe(result) or _unreproduced_at_its_keyframe(result)):
         result = _from_step_zero(spec, result, target.get("launch") or {}, part.world_size, announce)
     result.unrecorded = unrecorded_arguments(rf, result.keyframe, step)
     result.notes += not_compared(rf, step)
@@ -97,18 +97,31 @@ def _departed_at_own_keyframe(result: StepRerun) -> bool:
         m.departed is not None and m.departed.step == result.keyframe for m in result.modes.values())
 
 
+def _unreproduced_at_its_keyframe(result: StepRerun) -> bool:
+    """The step is a keyframe's own step, re-run from that keyframe, and did not reproduce: with
+    no catch-up step before it, the keyframe's missing state shows only in the step itself."""
+    return result.keyframe > 0 and result.keyframe == result.step and not result.live_start and any(
+        m.error is None and m.recorded_error is None and not m.reproduces() for m in result.modes.values())
+
+
 def _from_step_zero(spec: RelaunchSpec, first: StepRerun, launch: dict[str, Any], world: int,
                     announce: Callable[[str], None]) -> StepRerun:
     """The step again, caught up from step 0 in the re-launched program (whose own state outside
     the keyframes then runs on as it did), restoring each keyframe as catch-up reaches it, as
     ``bisect steps --against-rerun`` does: the two then agree."""
+    own = first.keyframe == first.step
     announce(f"the keyframe at step {first.keyframe} departed at its own step: re-running from step 0")
     again = relaunch_step(replace(spec, keyframe_at=0), launch, world=world, announce=announce)
     note = (f"from the keyframe at step {first.keyframe} the re-run departed at that step itself, so the step was re-run "
             "from step 0, the program's own state running on through the steps before it")
-    if _departed_by(again, first.keyframe):
+    if own:
+        note = (f"re-run from its own keyframe (step {first.keyframe}) the step did not reproduce, so it was re-run from "
+                "step 0, the program's own state running on through the steps before it")
+    if _departed_by(again, first.keyframe - (1 if own else 0)):
         # From step 0 too: the keyframe is not what made it depart.
         again.notes.append(note + f"; it departs from step 0 as well, by step {first.keyframe}")
+    elif own and not all(m.reproduces() for m in again.modes.values()):
+        again.notes.append(note + "; it does not reproduce from step 0 either: the keyframe is not what makes it differ")
     else:
         again.notes.append(note + ": the keyframe does not hold all the state the step reads (name the rest with replay "
                            "record --state, unless it lies outside the step's object: a module global)")
