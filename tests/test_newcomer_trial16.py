@@ -180,3 +180,54 @@ def test_a_step_at_its_own_keyframe_that_lacks_state_is_rerun_from_step_zero(tmp
     assert d["headline"].startswith("reproduced: rank 0 step 4 re-ran bit for bit"), d["headline"]
     assert any("re-run from its own keyframe (step 4) the step did not reproduce" in n and "does not hold all the state" in n
                for n in d["notes"]), d["notes"]
+
+
+# A batch that shrinks as requests end; the step takes a dict batch with request ids and
+# positions. argv "short": request 0 ends after 2 tokens instead of 4 (no request's tokens change).
+_SHRINKING_BATCH = """
+    import sys, torch, torch.nn as nn
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.l1, self.head = nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 32)
+        def forward(self, batch):
+            h = torch.tanh(self.l1(self.emb(batch["ids"]) + batch["input_pos"].unsqueeze(-1).float() * 0.1))
+            logits = self.head(h)
+            return {"logits": logits, "tokens": logits.argmax(-1)}
+
+    torch.manual_seed(0)
+    m = LM()
+    reqs = [0, 1, 2]
+    lengths = {0: 2 if "short" in sys.argv else 4, 1: 5, 2: 6}
+    ids, pos = torch.tensor([1, 2, 3]), torch.zeros(3, dtype=torch.long)
+    done = {r: 0 for r in reqs}
+    with torch.no_grad():
+        while reqs:
+            o = m({"ids": ids, "input_pos": pos, "request_ids": torch.tensor(reqs)})
+            keep = []
+            for j, r in enumerate(reqs):
+                done[r] += 1
+                if done[r] < lengths[r]:
+                    keep.append(j)
+            reqs = [reqs[j] for j in keep]
+            ids, pos = o["tokens"][keep], pos[keep] + 1
+"""
+
+
+def test_diff_aligns_rows_by_request_when_the_batches_first_differ_later(tmp_path: Path) -> None:
+    """One request ended two steps earlier in B: the batches first differ at step 1, and diff
+    said "first token divergence step 1" between batches of other requests (it aligned rows by
+    request only when they differed at the first step, and missed request ids nested in a dict
+    batch). Rows are aligned by request and position: none differs."""
+    _script(tmp_path, "shrink", _SHRINKING_BATCH)
+    runs = []
+    for argv in ([], ["short"]):
+        out = tmp_path / f"rec{len(runs)}"
+        p = _replay("record", "--quiet", "--out", out, "--", sys.executable, "shrink.py", *argv, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs.append(out)
+    d = json.loads(_replay("diff", *runs, "--json", cwd=tmp_path).stdout)
+    assert d["first_token_divergence"] is None, d["first_token_divergence"]
+    assert d["batching"] and d["batching"]["aligned"] and d["batching"]["rows_differ"] == 0, d["batching"]
+    assert "by request and position, 0 of" in d["headline"], d["headline"]

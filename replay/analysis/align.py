@@ -60,7 +60,12 @@ def _input_shapes(rf: RankFile, step: int) -> dict[str, tuple[int, ...]]:
 
 
 def _pick(names: set[str], choices: tuple[str, ...]) -> str | None:
-    return next((n for n in choices if n in names), None)
+    """The input named one of ``choices``, at the top level or as the last part of a nested name
+    (``batch.request_ids``: a field of a dict or data object the step takes)."""
+    found = next((n for n in choices if n in names), None)
+    if found is not None:
+        return found
+    return next((n for c in choices for n in sorted(names) if n.rpartition(".")[2] == c), None)
 
 
 def _row_keys(rf: RankFile, step: int, req: str, pos: str) -> list[tuple[int, int]] | Missing:
@@ -106,12 +111,14 @@ def _token_rows(rf: RankFile, steps: np.ndarray, req: str, pos: str, digests_onl
     return out, ""
 
 
-def align_batches(a: RankFile, b: RankFile, steps_a: np.ndarray, steps_b: np.ndarray) -> BatchAlignment:
-    """Compare ``a`` and ``b`` by request and position when their batching differs."""
+def align_batches(a: RankFile, b: RankFile, steps_a: np.ndarray, steps_b: np.ndarray, at: int | None = None) -> BatchAlignment:
+    """Compare ``a`` and ``b`` by request and position when their batching differs (as their
+    inputs' batch dimensions at step ``at`` show: by default the first common step; a batch that
+    shrinks as requests end first differs later)."""
     common = np.intersect1d(steps_a, steps_b)
     if common.size == 0 or not steps_a.size or not steps_b.size:
         return BatchAlignment(batched_differently=False, note="no common step to compare batching at")
-    s0 = int(common[0])
+    s0 = at if at is not None and at in common else int(common[0])
     ia, ib = _input_shapes(a, s0), _input_shapes(b, s0)
     evidence = next((f"input.{name} has shape {ia[name]} in A and {ib[name]} in B at step {s0}"
                      for name in sorted(set(ia) & set(ib)) if ia[name][:1] != ib[name][:1]), "")

@@ -358,14 +358,15 @@ def _across_layouts(a: Side, b: Side, opts: DiffOptions, worlds: tuple[int, int]
 
 
 def _batching(streams: list[StreamDiff], pair: tuple[RankFile, RankFile]) -> BatchAlignment:
-    """Another batching changes the inputs' shapes, so their digests at the first common step:
-    only then are the /tensors tables read to look."""
+    """Another batching changes the inputs' shapes, so their digests at the first step that
+    differs (a batch that shrinks as requests end: a later one): only then are the /tensors
+    tables read to look."""
     s = streams[0]
     f = s.first
-    if f is None or not s.facts.common.size or f.step != int(s.facts.common[0]) or not f.field.startswith("input."):
+    if f is None or not s.facts.common.size or not f.field.startswith("input."):
         return BatchAlignment(batched_differently=False)
     ra, rb = pair
-    found = align_batches(ra, rb, ra.tables.steps["step"], rb.tables.steps["step"])
+    found = align_batches(ra, rb, ra.tables.steps["step"], rb.tables.steps["step"], at=f.step)
     if found.batched_differently:
         # Step N of A is not step N of B: their tokens are whole batches of other requests, and
         # a "token divergence" between them says nothing; rows aligned by request say it instead.
