@@ -74,7 +74,7 @@ def run_step(part: Part, rank: int, step: int, settings: RerunOptions, *,
                         device=settings.device, repeat=settings.repeat, options=settings.options, stream=stream,
                         keyframe_at=0 if objects else settings.keyframe_at, take_at=take_at or None)
     result = relaunch_step(spec, target.get("launch") or {}, world=part.world_size, announce=announce)
-    if spec.keyframe_at is None and (_departed_at_own_keyframe(result) or _unreproduced_at_its_keyframe(result)):
+    if spec.keyframe_at is None and _keyframe_lacks_state(result):
         result = _from_step_zero(spec, result, target.get("launch") or {}, part.world_size, announce)
     result.unrecorded = unrecorded_arguments(rf, result.keyframe, step)
     result.notes += not_compared(rf, step)
@@ -95,6 +95,11 @@ def _departed_at_own_keyframe(result: StepRerun) -> bool:
     not hold all the state the step reads (a module global, an object the loop keeps)."""
     return result.keyframe > 0 and not result.live_start and any(
         m.departed is not None and m.departed.step == result.keyframe for m in result.modes.values())
+
+
+def _keyframe_lacks_state(result: StepRerun) -> bool:
+    """The re-run from the step's keyframe left the recording at that keyframe's step."""
+    return _departed_at_own_keyframe(result) or _unreproduced_at_its_keyframe(result)
 
 
 def _unreproduced_at_its_keyframe(result: StepRerun) -> bool:
