@@ -263,6 +263,18 @@ def test_tolerance_and_logit_agreement(tmp_path, run_cli):
     assert res.code == 0, res.out
 
 
+def test_within_tolerance_fields_are_not_the_headline_when_only_the_weights_differ(tmp_path, run_cli):
+    """The outputs are the same within the tolerance asked for and the weights differ: the runs
+    are different because of the weights, and the headline says so (it said "output.logits first
+    differs; 5 of 5 steps differ" over a table of "the same within tolerance")."""
+    a = record_run(tmp_path / "a", weights=_weights(False))
+    b = record_run(tmp_path / "b", scale_logits=1.0 + 1e-6, weights=_weights(True))
+    res = run_cli("diff", a, b, "--rtol", "1e-4")
+    assert res.code == 1, res.out
+    assert res.out.startswith(f"different: weights differ ({WEIGHT}); every step's fields are the same within tolerance "
+                              "(rtol=0.0001): 5 field(s) differ in bits"), res.out
+
+
 def test_tolerance_cannot_be_applied_to_digests(tmp_path):
     a = make_recording(tmp_path, ranks=1, steps=3, name="a")
     b = make_recording(tmp_path, ranks=1, steps=3, name="b", diverge_at=0, diverge_rank=0)

@@ -404,7 +404,10 @@ def _headline(rd: RunDiff) -> str:
         n = sum(s.differing_rows for s in rd.streams)
         return f"the same within tolerance ({rd.tolerance}): {n} field(s) differ in bits, every one within tolerance"
     if v is DiffVerdict.DIFFERENT:
-        return _different_headline(rd) if rd.first is not None else _different_elsewhere(rd)
+        # A first difference in bits that every stream found within tolerance is not why the
+        # runs differ (the weights are): the headline says what is.
+        fields_differ = any(s.verdict is DiffVerdict.DIFFERENT for s in rd.streams)
+        return _different_headline(rd) if rd.first is not None and fields_differ else _different_elsewhere(rd)
     reasons = ([f"{s.name}: {r}" for s in rd.streams for r in s.reasons] + [f"{u.field}: {u.note}" for u in rd.unsharded if u.note]
                + [n for n in rd.notes if n.endswith("not compared")])
     return f"not shown to be the same: {reasons[0] if reasons else 'nothing was compared'}"
@@ -469,7 +472,10 @@ def _different_elsewhere(rd: RunDiff) -> str:
     weights = _differing_weights(rd)
     if weights is not None:
         names = ", ".join(str(i["name"]) for i in weights.items[:3])
-        return f"different: weights differ ({names}{', ...' if weights.count > 3 else ''}); every step's fields have the same bits"
+        n = sum(s.differing_rows for s in rd.streams)
+        fields = (f"every step's fields are the same within tolerance ({rd.tolerance}): {n} field(s) differ in bits" if n
+                  else "every step's fields have the same bits")
+        return f"different: weights differ ({names}{', ...' if weights.count > 3 else ''}); {fields}"
     s = next(x for x in rd.streams if x.verdict is DiffVerdict.DIFFERENT)
     return f"different: {s.name}: {'; '.join(s.reasons) or 'fields differ'}"
 
