@@ -687,6 +687,26 @@ def test_a_plain_step_argument_that_differs_is_named(tmp_path, run_cli):
     assert args["compared"] and not args["differs"]
 
 
+def test_a_step_argument_of_another_rank_pair_is_named_across_world_sizes(tmp_path, run_cli):
+    """Two ranks against one: the pair A rank 1 / B rank 0 differs in the step's rank argument,
+    and diff said "step arguments the same" (it looked at the first pair only)."""
+    def run(out: Path, world: int) -> Path:
+        for r in range(world):
+            rec = Recorder(RecorderConfig(out=out, rank=r, world_size=world))
+            for s in range(3):
+                rec.begin_step()
+                rec.record_inputs(**step_inputs(s, 4))
+                rec.record_args(rank=r)
+                logits = step_logits(s, 4)
+                rec.record_outputs(logits=logits, tokens=logits.argmax(-1))
+                rec.end_step()
+            rec.close()
+        return out
+
+    res = run_cli("diff", run(tmp_path / "a", 2), run(tmp_path / "b", 1))
+    assert "step arguments  1 differ: rank (from step 0, 3 steps): A 1, B 0 [A r1 / B r0]" in res.out, res.out
+
+
 def test_a_step_that_raised_in_one_run_is_the_first_difference(tmp_path, run_cli):
     """Step 2 raised in B (a rank killed inside it): diff led with "step 2: graph first differs
     ... recorded in A only", a field the raised step never recorded, on a run with no graphs."""

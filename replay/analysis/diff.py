@@ -273,7 +273,18 @@ def _context(done: list[_PairFacts], a: Side, b: Side, *, same_layout: bool) -> 
     """What else differs, from every pair's settings, the first pair's numerics steps and step arguments."""
     return context_differences([(ma, mb) for _, ma, mb, *_ in done], a.recording.manifest, b.recording.manifest,
                                same_layout=same_layout, numerics_per_step=next((n for *_, n, _ in done if n), None),
-                               arguments=next((g for *_, g in done if g is not None), None))
+                               arguments=_pair_arguments(done))
+
+
+def _pair_arguments(done: list[_PairFacts]) -> list[dict[str, Any]] | None:
+    """The step arguments that differ, from the first rank pair where any does (across world
+    sizes a pair of other ranks can differ in a rank argument where the first pair does not),
+    each named with its pair when there are several; None when no pair recorded any."""
+    found = [(s, g) for s, *_, g in done if g is not None]
+    if not found:
+        return None
+    s, g = next(((s, g) for s, g in found if g), found[0])
+    return [{**it, "rank_a": s.rank_a, "rank_b": s.rank_b} for it in g] if len(done) > 1 else g
 
 
 def _collective_inputs(rd: RunDiff, files: list[tuple[RankFile, RankFile]], *, same_layout: bool) -> list[int] | None:
