@@ -231,3 +231,15 @@ def test_diff_aligns_rows_by_request_when_the_batches_first_differ_later(tmp_pat
     assert d["first_token_divergence"] is None, d["first_token_divergence"]
     assert d["batching"] and d["batching"]["aligned"] and d["batching"]["rows_differ"] == 0, d["batching"]
     assert "by request and position, 0 of" in d["headline"], d["headline"]
+
+
+@pytest.mark.smoke
+def test_the_caller_advice_also_names_the_loop_remedy() -> None:
+    """A global set by the loop in main(), read in forward, the step called through a thin
+    run_step(m, ids): the advice was only "record the caller as the step", which re-recorded
+    the same miss; the loop remedy came only after that second recording. Both come at once."""
+    from replay.rerun.runner import caller_hint
+
+    hint = caller_hint("gen:run_step")
+    assert "record the caller as the step: replay record --step gen:run_step" in hint, hint
+    assert "if the loop that calls gen:run_step sets it between steps instead" in hint and "as an argument" in hint, hint

@@ -84,8 +84,12 @@ def caller_hint(caller: str | None, loop: str | None = None) -> str:
                 "function the loop calls and record that function as the step (--step MODULE:QUALNAME)")
     if not caller:
         return ""
+    # Both remedies at once: which one applies depends on where the set-up happens, which the
+    # recording cannot tell (a caller that only calls the step leaves it to the loop around it).
     return (f"; if the step reads what its caller sets up outside its arguments (a global forward context, "
-            f"block tables, slot mappings), record the caller as the step: replay record --step {caller} -- ...")
+            f"block tables, slot mappings), record the caller as the step: replay record --step {caller} -- ...; "
+            f"if the loop that calls {caller} sets it between steps instead, no keyframe holds it: pass it to the step "
+            "as an argument")
 
 
 def check_device(device: str) -> None:
