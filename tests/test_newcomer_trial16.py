@@ -243,3 +243,33 @@ def test_the_caller_advice_also_names_the_loop_remedy() -> None:
     hint = caller_hint("gen:run_step")
     assert "record the caller as the step: replay record --step gen:run_step" in hint, hint
     assert "if the loop that calls gen:run_step sets it between steps instead" in hint and "as an argument" in hint, hint
+
+
+_HOOK_ON_A_COMPILED_FORWARD = """
+    import torch, torch.nn as nn
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        def forward(self, ids):
+            return self.head(torch.relu(self.emb(ids)))
+
+    torch.manual_seed(0)
+    m = LM()
+    m.register_forward_hook(lambda mod, inp, out: out / 0.5)  # a temperature, applied by a hook
+    m.forward = torch.compile(m.forward, backend="eager")
+    ids = torch.tensor([1, 2])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = m(ids).argmax(-1)
+"""
+
+
+def test_hooks_after_a_compiled_forward_are_named(tmp_path: Path) -> None:
+    """A forward hook (a temperature) on a module whose forward is torch.compile'd runs after
+    what is recorded, as on a plain forward; only the plain forward was said to have hooks."""
+    _script(tmp_path, "hooked", _HOOK_ON_A_COMPILED_FORWARD)
+    p = _replay("record", "--quiet", "--out", tmp_path / "rec", "--", sys.executable, "hooked.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "has forward hooks of the program's (<lambda>)" in p.stderr, p.stderr

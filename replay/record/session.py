@@ -643,7 +643,9 @@ class Session(GraphEvents):
             # cannot be taken for another at its address.
             self._caller_checks.append((info, frame, spec.step, self._ran[spec.step]))
         info["sources"] = source_digests([step_source_file(spec.step)])
-        if spec.kind == "module_forward" and isinstance(obj, torch.nn.Module):
+        if spec.kind in ("module_forward", "compiled") and isinstance(obj, torch.nn.Module):
+            # (a compiled forward too: ``m.forward = torch.compile(m.forward)`` is what is
+            # recorded, and the module's hooks still run after it)
             self._note_output_hooks(spec, obj)
         info["state_from"] = "attribute" if spec.state else None
         # An engine object that holds one model (``Engine.step`` with ``self.model``): that
