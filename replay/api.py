@@ -167,6 +167,7 @@ class VerifyResult:
 
     recording: str
     checks: list[RankCheck]
+    notes: list[str] = field(default_factory=list)  # what the rank files' checks do not cover
 
     @property
     def intact(self) -> bool:
@@ -191,14 +192,17 @@ class VerifyResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"recording": self.recording, "intact": self.intact, "state": str(self.state.value),
-                "ranks": [c.to_json() for c in self.checks]}
+                "ranks": [c.to_json() for c in self.checks], "notes": self.notes}
 
 
 def verify(recording: Recording, *, payload: bool = True) -> VerifyResult:
     """Check every rank file of ``recording``; ``payload=False`` checks structure only."""
     from replay.analysis.verify import verify_recording
 
-    return VerifyResult(recording=str(recording.path), checks=verify_recording(recording, payload=payload))
+    notes = [] if recording.manifests else [
+        "no manifest.json: the command, the versions and the host facts that info and diff show are not in the "
+        "recording (removed, or never written); only the rank files were checked"]
+    return VerifyResult(recording=str(recording.path), checks=verify_recording(recording, payload=payload), notes=notes)
 
 
 # -- report ---------------------------------------------------------------------------------

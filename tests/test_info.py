@@ -408,3 +408,14 @@ def test_shards_reduced_by_a_collective_are_no_divergence(tmp_path, run_cli):
     out = _reduced_recording(tmp_path / "rec", input_of=lambda r, s: torch.ones(4) * (r if s != 3 else 0))
     d = run_cli("info", out, "--json").json()
     assert d["first_divergence"] is None, d["first_divergence"]
+
+
+def test_verify_says_when_the_manifest_is_missing(tmp_path, run_cli):
+    """A recording handed over without its manifest.json (and signature): verify said "intact"
+    and nothing else; it says the rank files are intact and what the missing manifest held."""
+    rec = make_recording(tmp_path, ranks=1, steps=3)
+    res = run_cli("verify", rec, "--json")
+    assert res.code == 0 and res.json()["notes"] == [], res.out
+    (rec / "manifest.json").unlink()
+    res = run_cli("verify", rec)
+    assert res.code == 0 and "note: no manifest.json: the command, the versions" in res.out, res.out

@@ -33,6 +33,7 @@ def verify(run: Path | None, root: str, quick: bool, as_json: bool) -> int:
 def render_verify(result: api.VerifyResult) -> str:
     """The verdict first (intact, incomplete or damaged, and how much was checked), then each rank file."""
     lines = [style(_headline(result), fg=_COLOUR[result.state], bold=True)]
+    lines += [style(f"note: {escape(n)}", fg="yellow") for n in result.notes]
     for c in result.checks:
         head = f"{escape(c.part)} rank {c.rank}: {c.steps} steps, {c.tensors_checked} tensors checked"
         if c.intact:
