@@ -2,8 +2,10 @@
 
 The recording is synthesised straight into rank tables (the same `write_rank_file` the sealer
 uses), with realistic per-step fields (5 inputs, a graph, 2 collectives, 2 outputs, 2 token
-fields), and one rank departing at a late step. Timed: opening the recording and finding the first
-divergence through the library, and the whole `replay info --json` command in a fresh process.
+fields), their collectives' rows (each rank's own inputs, as tensor-parallel shards' are: read and
+compared for a drift a collective hides, never a divergence), and one rank departing at a late
+step. Timed: opening the recording and finding the first divergence through the library, and the
+whole `replay info --json` command in a fresh process.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from replay.format.h5 import write_rank_file
 from replay.format.manifest import write_manifest
-from replay.format.schema import FIELD_DTYPE, STEP_DTYPE
+from replay.format.schema import COLLECTIVE_DTYPE, FIELD_DTYPE, STEP_DTYPE
 from replay.format.tables import RankTables
 from replay.format import h5 as _h5
 
@@ -38,7 +40,8 @@ def synth(out: Path, ranks: int, steps: int, diverge_rank: int, diverge_at: int)
     write_manifest(out, {"command": ["synthetic"], "world_size": ranks})
     part = out / "run-000"
     part.mkdir(parents=True)
-    strings = list(FIELDS)
+    ops = ["all_gather_into_tensor", "all_reduce"]
+    strings = list(FIELDS) + ops
     for r in range(ranks):
         d = base.copy()
         if r == diverge_rank:
@@ -56,9 +59,17 @@ def synth(out: Path, ranks: int, steps: int, diverge_rank: int, diverge_at: int)
         st["reason"] = -1
         st["args"] = -1
         st["margin"] = rng.random(steps).astype(np.float32)
-        empty = {name: np.zeros(0, dtype=dt) for name, dt in _h5.TABLES.items() if name not in ("steps", "fields")}
+        coll = np.zeros(steps * len(ops), dtype=COLLECTIVE_DTYPE)
+        coll["step"] = np.repeat(np.arange(steps), len(ops))
+        coll["ordinal"] = np.arange(coll.size)
+        coll["op"] = np.tile(np.arange(len(FIELDS), len(FIELDS) + len(ops)), steps)
+        coll["in_digest"] = rng.integers(1, 2**63, size=coll.size, dtype=np.uint64)  # a shard's own: differs by rank
+        coll["out_digest"] = base[:, [FIELDS.index("collective.0.all_gather_into_tensor"), FIELDS.index("collective.1.all_reduce")]].reshape(-1)
+        coll["out_tensor"] = -1
+        coll["compare"] = 1
+        empty = {name: np.zeros(0, dtype=dt) for name, dt in _h5.TABLES.items() if name not in ("steps", "fields", "collectives")}
         t = RankTables(attrs={"rank": r, "world_size": ranks, "part": "run-000", "complete": True}, strings=strings,
-                       steps=st, fields=fields, **empty)
+                       steps=st, fields=fields, collectives=coll, **empty)
         (part / f"rank-{r:05d}.payload").touch()
         write_rank_file(t, part / f"rank-{r:05d}.h5", f"rank-{r:05d}.payload")
 

@@ -215,6 +215,7 @@ class RankFile:
         self.live = (not self.sealed) and journal_is_live(self.journal_path)
         self._summary: RankTables | None = None
         self._full: RankTables | None = None
+        self._collectives: np.ndarray | None = None  # read alone by ``collectives()`` (a sealed file)
         self._journal_problem: str | None = None
         # False: the caller reads every stored tensor itself and says which are cut off (verify).
         self.check_payload_size = True
@@ -307,10 +308,12 @@ class RankFile:
                 return self._full.collectives
         if not self.sealed:
             return self.full().collectives
-        try:
-            return _h5.read_table(self.h5_path, "collectives")
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, OverflowError) as e:
-            raise RecordingDamaged(f"{self.path}: cannot be read ({_describe(e)}); `replay verify` says more") from None
+        if self._collectives is None:
+            try:
+                self._collectives = _h5.read_table(self.h5_path, "collectives")
+            except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError, OverflowError) as e:
+                raise RecordingDamaged(f"{self.path}: cannot be read ({_describe(e)}); `replay verify` says more") from None
+        return self._collectives
 
     @property
     def attrs(self) -> dict[str, Any]:
