@@ -12,6 +12,6 @@ S="$L/diag.txt"
 t() { local name=$1; shift; local s=$(date +%s); timeout -k 5 "$@" > "$L/$name.txt" 2>&1; echo "rc=$? $name $(( $(date +%s) - s ))s" >> "$S"; }
 t host_phases_eager 80 python3 benchmarks/diag/host_phases.py --device cuda --preset small --no-graphs --steps 300
 [ "${FINE:-1}" = 0 ] || t host_phases_eager_fine 80 python3 benchmarks/diag/host_phases.py --device cuda --preset small --no-graphs --fine --steps 300
-t pyprofile_eager 80 python3 benchmarks/diag/step_pyprofile.py --device cuda --preset small --steps 200 --top 50
+[ "${PROFILE:-1}" = 0 ] || t pyprofile_eager 80 python3 benchmarks/diag/step_pyprofile.py --device cuda --preset small --steps 200 --top 50
 cat "$S"; tail -3 "$L/host_phases_eager.txt"; tail -40 "$L/host_phases_eager_fine.txt"; head -56 "$L/pyprofile_eager.txt"
 [ "${SUITE:-1}" = 0 ] || DIAG=0 BLIM=0 LIM=${LIM:-280} bash benchmarks/gpu/session22-suite.sh
