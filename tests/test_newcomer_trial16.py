@@ -273,3 +273,20 @@ def test_hooks_after_a_compiled_forward_are_named(tmp_path: Path) -> None:
     p = _replay("record", "--quiet", "--out", tmp_path / "rec", "--", sys.executable, "hooked.py", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "has forward hooks of the program's (<lambda>)" in p.stderr, p.stderr
+
+
+def test_step_of_an_intact_rank_goes_on_when_another_ranks_file_is_damaged(tmp_path: Path) -> None:
+    """Rank 1's file truncated in transit: info left rank 1 out and offered `replay step --rank 0`,
+    which then stopped with rank 1's error (it compares the re-run with every rank's recorded
+    logits). Rank 0's step is re-run and compared with its own recording; rank 1 is named as
+    not compared."""
+    _script(tmp_path, "carried", _STATE_OFF_BEFORE_THE_LOOP)
+    out = tmp_path / "rec"
+    rec = _replay("record", "--quiet", "--out", out, "--", sys.executable, "carried.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    h5 = out / "run-000" / "rank-00001.h5"
+    h5.write_bytes(h5.read_bytes()[: h5.stat().st_size // 2])
+    p = _replay("step", out, "--rank", "0", "--step", "2", "--factory", "carried:build", "--no-save", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    assert p.stdout.startswith("reproduced: rank 0 step 2"), p.stdout
+    assert "rank 1's recorded logits not compared" in p.stdout and "cannot be read" in p.stdout, p.stdout

@@ -386,8 +386,8 @@ def _ranks_with(part: Part, step: int, fieldname: str, value: int) -> list[int]:
         try:
             if _recorded_fields(rf, step).get(fieldname) == value:
                 out.append(r)
-        except OutOfRange:
-            continue
+        except (OutOfRange, RecordingDamaged):
+            continue  # a rank without the step, or whose file cannot be read: not one with these bits
     return out
 
 
@@ -395,7 +395,10 @@ def _ranks_with_ring_logits(part: Part, step: int, value: int) -> list[int]:
     """Ranks whose logits ring kept this step with exactly these bits (digests only, no payload)."""
     out = []
     for r, rf in part.items():
-        t = rf.full().tensors
+        try:
+            t = rf.full().tensors
+        except RecordingDamaged:
+            continue  # a rank whose file cannot be read
         rows = t[(t["kind"] == TensorKind.LOGITS) & (t["step"] == step)]
         if rows.size and int(rows["digest"][-1]) == value:
             out.append(r)
@@ -1014,7 +1017,11 @@ def _compare_across(result: StepRerun, part: Part, rank: int, step: int, modes: 
     for r, other in part.items():
         if r == rank:
             continue
-        lg = _ring_logits(other, step)  # where the other rank's ring kept this step
+        try:
+            lg = _ring_logits(other, step)  # where the other rank's ring kept this step
+        except RecordingDamaged as e:
+            result.notes.append(f"rank {r}'s recorded logits not compared: {e}")
+            continue
         if lg is not None and lg.shape == head.outputs["logits"].shape:
             # Named for the field: the logits may agree where the step's other outputs (its
             # sampled tokens) do not, as the verdict table's "same bits as ranks" says.
