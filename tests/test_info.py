@@ -363,9 +363,9 @@ def test_a_divergence_says_when_no_group_of_ranks_is_a_majority() -> None:
     assert not even.to_json()["majority_strict"]
 
 
-def _reduced_recording(out, *, input_of):  # noqa: ANN001, ANN202
+def _reduced_recording(out, *, input_of, args_of=None):  # noqa: ANN001, ANN202
     """Two ranks that all_reduce a tensor each step and record the (equal) reduced result and
-    tokens; ``input_of(rank, step)`` is what each rank reduces."""
+    tokens; ``input_of(rank, step)`` is what each rank reduces, ``args_of(rank)`` its arguments."""
     import torch
 
     from replay import Recorder, RecorderConfig
@@ -375,6 +375,8 @@ def _reduced_recording(out, *, input_of):  # noqa: ANN001, ANN202
         for s in range(8):
             rec.begin_step()
             rec.record_inputs(x=torch.arange(4) + s)
+            if args_of is not None:
+                rec.record_args(**args_of(r))
             rec.record_collective("all_reduce", group_size=2, inputs=[input_of(r, s)], outputs=[torch.ones(4) * s])
             rec.record_outputs(logits=torch.ones(2, 4) * s, tokens=torch.full((2,), s))
             rec.end_step()
@@ -419,3 +421,19 @@ def test_verify_says_when_the_manifest_is_missing(tmp_path, run_cli):
     (rec / "manifest.json").unlink()
     res = run_cli("verify", rec)
     assert res.code == 0 and "note: no manifest.json: the command, the versions" in res.out, res.out
+
+
+def test_a_rank_argument_is_not_named_as_a_difference_at_the_divergence(tmp_path, run_cli):
+    """The step takes the rank's own number (`decode_step(model, tok, step, rank)`): info said
+    "rank 1 called step 5 with other arguments than rank 0: rank 1 (rank 0: 0)", a difference by
+    design; an argument that really differs (a temperature) is still named."""
+    import torch
+
+    drift = lambda r, s: torch.ones(4) * s + (1e-3 if (r, s) == (1, 5) else 0)  # noqa: E731
+    out = _reduced_recording(tmp_path / "rec", input_of=drift, args_of=lambda r: {"rank": r})
+    res = run_cli("info", out)
+    assert "with other arguments" not in res.out, res.out
+    out = _reduced_recording(tmp_path / "rec2", input_of=drift, args_of=lambda r: {"rank": r, "temp": 0.5 + r})
+    res = run_cli("info", out)
+    assert "rank 1 called step 5 with other arguments than rank 0" in res.out and "temp 1.5 (rank 0: 0.5)" in res.out, res.out
+    assert "rank 1 (rank 0: 0)" not in res.out, res.out

@@ -252,11 +252,17 @@ def arguments_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | Non
     majority = next((r for r in div.majority if r in part), None)
     for rank in div.ranks if majority is not None else []:
         if rank in part:
-            changes = arguments_at(part[majority], part[rank], div.step)
+            # An argument holding each rank's own number (``rank``, ``local_rank``) differs by design.
+            changes = [c for c in arguments_at(part[majority], part[rank], div.step)
+                       if not (_is_int(c["a"]) and _is_int(c["b"]) and (c["a"], c["b"]) == (majority, rank))]
             if changes:
                 return {"rank": rank, "majority_rank": majority, "step": div.step,
                         "changes": [{"name": c["name"], "majority": c["a"], "rank": c["b"], "since": c["since"]} for c in changes[:4]]}
     return None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def offset_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None:
