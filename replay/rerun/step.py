@@ -115,22 +115,38 @@ def _from_step_zero(spec: RelaunchSpec, first: StepRerun, launch: dict[str, Any]
     the keyframes then runs on as it did), restoring each keyframe as catch-up reaches it, as
     ``bisect steps --against-rerun`` does: the two then agree."""
     own = first.keyframe == first.step
-    announce(f"the keyframe at step {first.keyframe} departed at its own step: re-running from step 0")
+    announce(f"step {first.step} did not reproduce from its own keyframe: re-running from step 0" if own else
+             f"the keyframe at step {first.keyframe} departed at its own step: re-running from step 0")
     again = relaunch_step(replace(spec, keyframe_at=0), launch, world=world, announce=announce)
     note = (f"from the keyframe at step {first.keyframe} the re-run departed at that step itself, so the step was re-run "
             "from step 0, the program's own state running on through the steps before it")
     if own:
-        note = (f"re-run from its own keyframe (step {first.keyframe}) the step did not reproduce, so it was re-run from "
-                "step 0, the program's own state running on through the steps before it")
-    if _departed_by(again, first.keyframe - (1 if own else 0)):
+        return _own_keyframe_or_step_zero(first, again)
+    if _departed_by(again, first.keyframe):
         # From step 0 too: the keyframe is not what made it depart.
         again.notes.append(note + f"; it departs from step 0 as well, by step {first.keyframe}")
-    elif own and not all(m.reproduces() for m in again.modes.values()):
-        again.notes.append(note + "; it does not reproduce from step 0 either: the keyframe is not what makes it differ")
     else:
         again.notes.append(note + ": the keyframe does not hold all the state the step reads (name the rest with replay "
                            "record --state, unless it lies outside the step's object: a module global)")
     return again
+
+
+def _own_keyframe_or_step_zero(first: StepRerun, again: StepRerun) -> StepRerun:
+    """A keyframe's own step, re-run from that keyframe (``first``) and from step 0 (``again``):
+    the re-run from step 0 where it reproduces (the keyframe lacks state), else the first, whose
+    verdict and advice are about the step itself, with what step 0 gave."""
+    kf = first.keyframe
+    if not _departed_by(again, kf - 1) and all(m.reproduces() for m in again.modes.values()):
+        again.notes.append(f"re-run from its own keyframe (step {kf}) the step did not reproduce, so it was re-run from "
+                           "step 0, the program's own state running on through the steps before it: the keyframe does "
+                           "not hold all the state the step reads (name the rest with replay record --state, unless it "
+                           "lies outside the step's object: a module global)")
+        return again
+    dep = next((m.departed for m in again.modes.values() if m.departed is not None), None)
+    how = f"it departs from the recording by step {dep.step}" if dep is not None else "it does not reproduce either"
+    first.notes.append(f"re-run from step 0 as well (the program's own state running on through the steps before it), "
+                       f"{how}: the keyframe at step {kf} is not what makes the step differ")
+    return first
 
 
 def _departed_by(result: StepRerun, step: int) -> bool:
