@@ -275,10 +275,7 @@ class LayersBisection:
     def maker_params(self) -> list[str]:
         """Parameters of the module that makes the difference whose bits differ between the two runs."""
         m = self.maker or self._swapped_maker()
-        if m is None or not self.param_diffs:
-            return []
-        prefix = m.module + "." if m.module else ""
-        return [n for n in self.param_diffs if n.startswith(prefix)]
+        return _under(m.module, self.param_diffs) if m is not None else []
 
     def maker_state(self) -> list[str]:
         """Buffers of the module that makes the difference whose bits already differ as the step
@@ -463,28 +460,23 @@ def _param_digests(model: torch.nn.Module) -> dict[str, ParamSig]:
     A model sharded with DTensor says which parameters are shards: those placed ``Shard``; its
     other parameters are replicated by construction. Plain tensors say nothing: ``_sharded``
     tells a shard by shape and values."""
-    named = list(model.named_parameters())
-    out: dict[str, ParamSig] = {}
-    for n, p in named:
-        placements = getattr(p, "placements", None)
-        declared = None if placements is None else any(pl.is_shard() for pl in placements)
-        t = p.detach()
-        local = t.to_local() if callable(getattr(t, "to_local", None)) else t
-        flat = local.reshape(-1)[:SAMPLE].to("cpu", torch.float64) if local.is_floating_point() else torch.zeros(0, dtype=torch.float64)
-        out[n] = ParamSig(digest=digest(local), shape=tuple(local.shape), sample=flat, declared_shard=declared)
-    return out
+    return {n: _signature(p) for n, p in model.named_parameters()}
 
 
 def _buffer_digests(model: torch.nn.Module) -> dict[str, ParamSig]:
     """Signatures of the model's buffers now (a KV cache, a running scale): its state."""
-    out: dict[str, ParamSig] = {}
-    for n, b in model.named_buffers():
-        if not isinstance(b, torch.Tensor) or b.is_meta:
-            continue
-        t = b.detach()
-        flat = t.reshape(-1)[:SAMPLE].to("cpu", torch.float64) if t.is_floating_point() else torch.zeros(0, dtype=torch.float64)
-        out[n] = ParamSig(digest=digest(t), shape=tuple(t.shape), sample=flat)
-    return out
+    return {n: _signature(b) for n, b in model.named_buffers() if isinstance(b, torch.Tensor) and not b.is_meta}
+
+
+def _signature(t: torch.Tensor) -> ParamSig:
+    """A tensor's bits, shape and leading values (this rank's shard of a DTensor, which says
+    whether it is one)."""
+    placements = getattr(t, "placements", None)
+    declared = None if placements is None else any(pl.is_shard() for pl in placements)
+    t = t.detach()
+    local = t.to_local() if callable(getattr(t, "to_local", None)) else t
+    flat = local.reshape(-1)[:SAMPLE].to("cpu", torch.float64) if local.is_floating_point() else torch.zeros(0, dtype=torch.float64)
+    return ParamSig(digest=digest(local), shape=tuple(local.shape), sample=flat, declared_shard=declared)
 
 
 def _carried_state(ra: SideRun, rb: SideRun) -> list[str]:
@@ -809,7 +801,8 @@ def _param_notes(ra: SideRun, rb: SideRun, param_diffs: list[str]) -> list[str]:
 
 def _state_notes(ra: SideRun, rb: SideRun, carried: list[str], maker: ModuleVerdict | None) -> list[str]:
     """Buffers that differ as the step begins and are not the maker's own (said on the first line)."""
-    rest = [n for n in carried if maker is None or n not in _under(maker.module, carried)]
+    mine = set(_under(maker.module, carried)) if maker is not None else set()
+    rest = [n for n in carried if n not in mine]
     if not rest:
         return []
     return [f"{len(rest)} buffer(s) already differ between {ra.side.label} and {rb.side.label} when the step begins "

@@ -352,12 +352,8 @@ def read_rank_file(path: Path, *, tables: tuple[str, ...] | None = None) -> Rank
             # A table left out is still opened and its checksums checked (its object header on
             # opening, its chunks by reading them): every command that opens a rank file then
             # finds the damage a re-run's full read finds, not only the one that reads it all.
-            ds = _dataset(f, name)
-            if ds is None:
-                raise ValueError(f"table /{name} is missing")
-            if ds.dtype != dtype or ds.ndim != 1:
-                raise ValueError(f"table /{name} has the wrong layout")
-            budget -= _check_storage(ds, name, _TABLE_FILTERS, limit)
+            ds, stored = _table(f, name, limit)
+            budget -= stored
             if budget < 0:
                 raise ValueError(f"the tables of {path.name} claim more bytes than the file holds")
             if tables is not None and name not in tables:
@@ -379,13 +375,17 @@ def read_table(path: Path, name: str) -> np.ndarray:
     with _open(path) as f:
         limit = _stored_bytes(path)
         _check_header(f, path)
-        ds = _dataset(f, name)
-        if ds is None:
-            raise ValueError(f"table /{name} is missing")
-        if ds.dtype != TABLES[name] or ds.ndim != 1:
-            raise ValueError(f"table /{name} has the wrong layout")
-        _check_storage(ds, name, _TABLE_FILTERS, limit)
-        return ds[()]
+        return _table(f, name, limit)[0][()]
+
+
+def _table(f: h5py.File, name: str, limit: int) -> tuple[h5py.Dataset, int]:
+    """Table ``name`` checked for presence, layout and storage; with the bytes it stores."""
+    ds = _dataset(f, name)
+    if ds is None:
+        raise ValueError(f"table /{name} is missing")
+    if ds.dtype != TABLES[name] or ds.ndim != 1:
+        raise ValueError(f"table /{name} has the wrong layout")
+    return ds, _check_storage(ds, name, _TABLE_FILTERS, limit)
 
 
 class _VersionError(ValueError):
