@@ -14,9 +14,12 @@ always, the others only on the recorded program's own object (a re-launched prog
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Callable
 
 import torch
+
+from replay.core.host_generators import host_generator_state, is_host_generator, set_host_generator_state
 
 __all__ = ["SCALAR_PREFIX", "UNCHANGED_PREFIX", "GENERATOR_PREFIX", "module_state", "named_state", "held_module",
            "held_module_state", "capture_generators",
@@ -24,7 +27,9 @@ __all__ = ["SCALAR_PREFIX", "UNCHANGED_PREFIX", "GENERATOR_PREFIX", "module_stat
 
 SCALAR_PREFIX = "__py__."
 UNCHANGED_PREFIX = "__pyfixed__."  # a scalar that had not changed since the first keyframe
-GENERATOR_PREFIX = "__gen__."  # the state of a torch.Generator the target holds (uint8, as get_state)
+# The state of a generator the target holds: a torch.Generator (uint8, as get_state), or a host
+# one (numpy's, random's: uint8 JSON bytes, replay.core.host_generators).
+GENERATOR_PREFIX = "__gen__."
 _MAX_GENERATORS = 64
 _MAX_SCALARS = 256  # a target object with more scalar attributes than this is not a step's state
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -184,12 +189,17 @@ def restore_scalars(obj: Any, scalars: dict[str, bool | int | float]) -> list[st
     return failed
 
 
-def _generators(obj: Any) -> dict[str, torch.Generator]:
-    """The ``torch.Generator``s the target holds, by dotted path: its own attributes, those of
-    its submodules (an ``nn.Module``), and those of the plain objects it holds one level down
-    (a sampler's generator). A program that samples with its own generator draws from these,
-    not from the default one the step's RNG state restores."""
-    found: dict[str, torch.Generator] = {}
+# Held objects that are code, not state: never looked into for generators.
+_CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType, functools.partial, type)
+
+
+def _generators(obj: Any) -> dict[str, Any]:
+    """The generators the target holds, by dotted path: ``torch.Generator``s and the host's
+    (``numpy.random.Generator``, ``RandomState``, ``random.Random``); its own attributes, those of
+    its submodules (an ``nn.Module``), and those of the plain objects it holds one level down (a
+    sampler's, a callable sampler's too). A program that samples with its own generator draws
+    from these, not from the process-wide sources the step's RNG record restores."""
+    found: dict[str, Any] = {}
     seen: set[int] = set()
 
     def look(prefix: str, o: Any, depth: int) -> None:
@@ -200,12 +210,11 @@ def _generators(obj: Any) -> dict[str, torch.Generator]:
         for name, v in items:
             if name.startswith("__") or len(found) >= _MAX_GENERATORS:
                 continue
-            if isinstance(v, torch.Generator):
+            if isinstance(v, torch.Generator) or is_host_generator(v):
                 if id(v) not in seen:
                     seen.add(id(v))
                     found[f"{prefix}{name}"] = v
-            elif depth == 0 and not isinstance(v, (torch.nn.Module, torch.Tensor, type)) and hasattr(v, "__dict__") \
-                    and not callable(v):
+            elif depth == 0 and not isinstance(v, (torch.nn.Module, torch.Tensor, *_CODE)) and hasattr(v, "__dict__"):
                 look(f"{prefix}{name}.", v, depth + 1)
 
     if isinstance(obj, torch.nn.Module):
@@ -223,7 +232,7 @@ def capture_generators(obj: Any) -> dict[str, torch.Tensor]:
     try:
         for path, g in _generators(obj).items():
             try:
-                out[GENERATOR_PREFIX + path] = g.get_state()
+                out[GENERATOR_PREFIX + path] = g.get_state() if isinstance(g, torch.Generator) else host_generator_state(g)
             except Exception:  # noqa: BLE001
                 continue
     except Exception:  # noqa: BLE001
@@ -252,7 +261,10 @@ def restore_generators(obj: Any, states: dict[str, torch.Tensor]) -> list[str]:
         try:
             if g is None:
                 raise KeyError(path)
-            g.set_state(st.to("cpu", torch.uint8))
+            if isinstance(g, torch.Generator):
+                g.set_state(st.to("cpu", torch.uint8))
+            else:
+                set_host_generator_state(g, st)
         except Exception:  # noqa: BLE001 - said by the caller, never a traceback
             failed.append(path)
     return failed
