@@ -17,14 +17,20 @@ from typing import Mapping
 __all__ = ["env_digests", "env_differences", "recorded_env_differences"]
 
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH|COOKIE|SESSION|PRIVATE", re.IGNORECASE)
+# replay's own variables (and its test suite's), not all of REPLAY_: a program's own REPLAY_BUG is
+# the program's setting, and a difference in it is named.
+_OWN = (r"REPLAY_(RECORD|RERUN|RECORDINGS$|TRUSTED_RECORDINGS$|KEY_FILE$|PERMISSIONS$|DEBUG$|LOG_LEVEL$|PROGRESS$|"
+        r"KEEP_GRAPH_DOT$|DRAIN_|KILL_|FAULT_|FUZZ_|EVIL_)")
 # Set by a shell, a terminal or replay itself, or per launch: they differ between two shells of
 # the same user without changing what a program computes.
-_NOISE = re.compile(r"^(REPLAY_|PYTHONPATH$|PWD$|OLDPWD$|SHLVL$|_$|TERM|SSH_|DISPLAY$|TMUX|LS_COLORS$|PS[1-4]$|"
+_NOISE = re.compile(r"^(" + _OWN + r"|PYTHONPATH$|PWD$|OLDPWD$|SHLVL$|_$|TERM|SSH_|DISPLAY$|TMUX|LS_COLORS$|PS[1-4]$|"
                     r"PROMPT_COMMAND$|HIST|COLUMNS$|LINES$|XDG_|DBUS_|WINDOWID$|COLORTERM$|MAIL|PYTEST_|COV_|"
                     r"RANK$|LOCAL_RANK$|WORLD_SIZE$|LOCAL_WORLD_SIZE$|MASTER_ADDR$|MASTER_PORT$|GROUP_RANK$|GROUP_WORLD_SIZE$|"
                     r"TORCH_NCCL_ASYNC_ERROR_HANDLING$|ROLE_|TORCHELASTIC_|OMP_NUM_THREADS$|VSCODE_|GIT_|LESS|PAGER$|EDITOR$|PYENV_|HOSTNAME$|CONDA_PROMPT|"
                     # caches torch sets in its own process (torch.compile): where, not what, it computes
-                    r"TORCHINDUCTOR_CACHE_DIR$|TRITON_CACHE_DIR$)")
+                    r"TORCHINDUCTOR_CACHE_DIR$|TRITON_CACHE_DIR$|TRITON_PTXAS_PATH$|TRITON_LIBDEVICE_PATH$|TORCH_WARM_POOL$|"
+                    # torch's own, set inside the process (inductor's, once it compiles): not the user's to set
+                    r"_TORCH)")
 _MAX = 512  # variables kept: a larger environment keeps its first ones by name
 
 
