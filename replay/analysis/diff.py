@@ -270,9 +270,9 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
 
 
 def _context(done: list[_PairFacts], a: Side, b: Side, *, same_layout: bool) -> list[Any]:
-    """What else differs, from every pair's settings, the first pair's numerics steps and step arguments."""
+    """What else differs, from every pair's settings and numerics steps, and the step arguments."""
     return context_differences([(ma, mb) for _, ma, mb, *_ in done], a.recording.manifest, b.recording.manifest,
-                               same_layout=same_layout, numerics_per_step=next((n for *_, n, _ in done if n), None),
+                               same_layout=same_layout, numerics_per_step=[n for *_, n, _ in done],
                                arguments=_pair_arguments(done))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -151,6 +151,51 @@ def _of_model(name: str, model: str | None) -> str:
 
 def _capped(cat: Category, items: list[dict[str, Any]], note: str = "") -> ContextDiff:
     return ContextDiff(category=cat, items=items[:_CAP], count=len(items), note=note)
+
+
+def _whole(cat: Category, items: list[dict[str, Any]], note: str = "") -> ContextDiff:
+    """Every item of one rank pair, uncapped: ``_over_pairs`` merges the pairs, then caps."""
+    return ContextDiff(category=cat, items=items, count=len(items), note=note)
+
+
+def _over_pairs(pairs: list[tuple[RankMeta, RankMeta]], compare: Callable[[RankMeta, RankMeta], ContextDiff]) -> ContextDiff:
+    """One category compared on every rank pair: a setting left unsynchronised on one rank is
+    the case this tool is for, and the first pair alone would call it the same. An item that
+    differs alike on every pair is listed once, as with one rank; one that differs on some
+    pairs only is named with them (``ranks_a``, or ``rank_a``/``rank_b`` for pairs of other ranks)."""
+    diffs = [compare(a, b) for a, b in pairs]
+    done = [(a.rank, b.rank, d) for (a, b), d in zip(pairs, diffs) if d.compared]
+    if not done:
+        return diffs[0]
+    items = [x for it, on in _pairs_of_items(done) for x in _on_ranks(it, on, len(pairs))]
+    # The note of the first pair where something differs (where the per-step contexts first differ).
+    note = next((d.note for *_, d in done if d.items and d.note), done[0][2].note)
+    skipped = [(a.rank, d.note) for (a, _), d in zip(pairs, diffs) if not d.compared]
+    if skipped:
+        note += ("; " if note else "") + f"not compared on rank(s) {', '.join(str(r) for r, _ in skipped)}: {skipped[0][1]}"
+    return _capped(done[0][2].category, items, note)
+
+
+def _pairs_of_items(done: list[tuple[int, int, ContextDiff]]) -> list[tuple[dict[str, Any], list[tuple[int, int]]]]:
+    """Each item that differs, in the order first seen, with the rank pairs it differs on."""
+    where: dict[tuple[str, int], tuple[dict[str, Any], list[tuple[int, int]]]] = {}
+    for ra, rb, d in done:
+        seen: dict[str, int] = {}  # an item twice in one pair stays twice
+        for it in d.items:
+            key = json.dumps(it, sort_keys=True, default=str)
+            seen[key] = seen.get(key, 0) + 1
+            where.setdefault((key, seen[key]), (it, []))[1].append((ra, rb))
+    return list(where.values())
+
+
+def _on_ranks(item: dict[str, Any], on: list[tuple[int, int]], n_pairs: int) -> list[dict[str, Any]]:
+    """``item`` as it differs on the rank pairs ``on``: as it is when on every pair, else named
+    with the ranks (the weights' ``ranks_a`` when each pair is of one rank, else one item per pair)."""
+    if len(on) == n_pairs:
+        return [item]
+    if all(ra == rb for ra, rb in on):
+        return [{**item, "ranks_a": [ra for ra, _ in on]}]
+    return [{**item, "rank_a": ra, "rank_b": rb} for ra, rb in on]
 
 
 def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> ContextDiff:
@@ -322,7 +367,7 @@ def _config(a: RankMeta, b: RankMeta) -> ContextDiff:
     scalars, note = _scalar_items(a, b)
     if not configs and not items and scalars is None:
         return ContextDiff(category=Category.CONFIG, compared=False, note="no target config recorded")
-    return _capped(Category.CONFIG, items + (scalars or []), note)
+    return _whole(Category.CONFIG, items + (scalars or []), note)
 
 
 def _model_config(a: RankMeta, b: RankMeta, pair: tuple[dict[str, Any], dict[str, Any]], *, first: bool
@@ -392,7 +437,7 @@ def _numerics(a: RankMeta, b: RankMeta, per_step: dict[str, Any] | None) -> Cont
         note = "no per-step numerics context recorded"
     else:
         note = f"per-step numerics context recorded in run {'A' if na is not None else 'B'} only"
-    return _capped(Category.NUMERICS, items, note)
+    return _whole(Category.NUMERICS, items, note)
 
 
 def _context_changes(na: dict[str, Any], nb: dict[str, Any], per_step: dict[str, Any] | None) -> tuple[list[dict[str, Any]], str]:
@@ -628,7 +673,7 @@ def _versions(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[str, 
     items = _dict_diff(a.attrs.get("versions") or {}, b.attrs.get("versions") or {})
     items += _dict_diff({"manifest": {k: ma.get(k) for k in ("versions", "replay_version") if k in ma}},
                         {"manifest": {k: mb.get(k) for k in ("versions", "replay_version") if k in mb}})
-    return _capped(Category.VERSIONS, items)
+    return _whole(Category.VERSIONS, items)
 
 
 def _environment(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[str, Any]) -> ContextDiff:
@@ -649,27 +694,29 @@ def _environment(a: RankMeta, b: RankMeta, ma: Mapping[str, Any], mb: Mapping[st
               for n, va, vb in recorded_env_differences(la.get("env_digests"), lb.get("env_digests"))]
     # What the recorder kept (digests or full tensors) decides what can be compared, not what ran.
     items += _dict_diff({"recorder": a.attrs.get("recorder") or {}}, {"recorder": b.attrs.get("recorder") or {}})
-    return _capped(Category.ENVIRONMENT, [i for i in items if not i["name"].startswith(("recorder.out", "recorder.rank", "recorder.part", "recorder.world_size"))])
+    return _whole(Category.ENVIRONMENT, [i for i in items if not i["name"].startswith(("recorder.out", "recorder.rank", "recorder.part", "recorder.world_size"))])
 
 
 def context_differences(
     pairs: list[tuple[RankMeta, RankMeta]], manifest_a: Mapping[str, Any], manifest_b: Mapping[str, Any], *, same_layout: bool,
-    numerics_per_step: dict[str, Any] | None = None, arguments: list[dict[str, Any]] | None = None,
+    numerics_per_step: Sequence[dict[str, Any] | None] | None = None, arguments: list[dict[str, Any]] | None = None,
 ) -> list[ContextDiff]:
-    """Every category, most likely cause first. ``pairs`` are the rank files compared.
+    """Every category, most likely cause first. ``pairs`` are the rank files compared, each
+    category over every pair (metadata only); ``numerics_per_step``, per pair, the first step
+    whose numerics contexts differ (``first_numerics_difference``).
 
     Settings (config, numerics) come before buffers: a buffer is often state the run computed
     before its first recorded step (a cache the prefill filled), which a setting that differs
     explains, not the other way round."""
-    a0, b0 = pairs[0]
+    per_step = {(a.rank, b.rank): n for (a, b), n in zip(pairs, numerics_per_step or [])}
     return [
         _weights(pairs, same_layout),
-        _config(a0, b0),
+        _over_pairs(pairs, _config),
         _arguments(arguments),
-        _numerics(a0, b0, numerics_per_step),
+        _over_pairs(pairs, lambda a, b: _numerics(a, b, per_step.get((a.rank, b.rank)))),
         _buffers(pairs, same_layout),
         _tuner(pairs),
         _kernels(pairs),
-        _versions(a0, b0, manifest_a, manifest_b),
-        _environment(a0, b0, manifest_a, manifest_b),
+        _over_pairs(pairs, lambda a, b: _versions(a, b, manifest_a, manifest_b)),
+        _over_pairs(pairs, lambda a, b: _environment(a, b, manifest_a, manifest_b)),
     ]
