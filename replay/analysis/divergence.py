@@ -17,7 +17,7 @@ from replay.analysis.vote import majority_text, vote
 from replay.errors import RecordingDamaged
 from replay.format.reader import Part, RankFile
 
-__all__ = ["Divergence", "STATUS_FIELD", "first_divergence", "order_in_step", "vote"]
+__all__ = ["Divergence", "STATUS_FIELD", "first_divergence", "order_in_step", "rank_only_fields", "vote"]
 
 _ABSENT = np.uint64(0)
 
@@ -187,11 +187,42 @@ def _first_status_divergence(part: Part, chosen: list[int], steps: np.ndarray | 
     return None
 
 
+def _role_ids(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> set[int]:
+    """Fields that some ranks record from their first step on and the others never do: the
+    ranks run different code by design (pipeline stages: one returns hidden states, the next
+    logits), not the same code that came apart. A field one rank adds later, or one a rank
+    lacks at some steps only, is not one of them: it is compared (its absence differs)."""
+    if any(rows[r][0].size == 0 for r in rows):
+        return set()
+    held = {r: set(np.unique(rows[r][1]).tolist()) for r in rows}
+    everyone = set.intersection(*held.values())
+    role = set()
+    for f in set.union(*held.values()) - everyone:
+        holders = [r for r in rows if f in held[r]]
+        if all(f in rows[r][1][rows[r][0] == rows[r][0][0]] for r in holders):
+            role.add(f)
+    return role
+
+
+def rank_only_fields(part: Part, ranks: Iterable[int] | None = None) -> dict[str, list[int]]:
+    """``{field: the ranks that record it}`` for the fields ``_role_ids`` leaves out of the
+    comparison across ranks (they are not compared, and a verdict says so)."""
+    chosen = sorted(ranks) if ranks is not None else list(part)
+    names: dict[str, int] = {}
+    rows = {r: _field_ids(part[r], names, None) for r in chosen}
+    ids = {i: n for n, i in names.items()}
+    return {ids[f]: [r for r in chosen if (rows[r][1] == f).any()] for f in sorted(_role_ids(rows), key=lambda f: ids[f])}
+
+
 def _first_field_divergence(part: Part, chosen: list[int], prefix: str | None,
                             steps: np.ndarray | None) -> Divergence | None:
     names: dict[str, int] = {}
     rows = {r: _field_ids(part[r], names, prefix, steps) for r in chosen}
     ids = {i: n for n, i in names.items()}
+    role = _role_ids(rows)
+    if role:
+        drop = np.array(sorted(role), dtype=np.int64)
+        rows = {r: tuple(a[~np.isin(rows[r][1], drop)] for a in rows[r]) for r in chosen}  # type: ignore[misc]
     # Fast path: ranks in lockstep record the same fields in the same order, so their rows line
     # up one to one and a column-wise comparison finds the first difference in O(ranks x rows).
     n = min(len(rows[r][0]) for r in chosen)

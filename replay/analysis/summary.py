@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from replay.analysis.divergence import NO_OUTPUT_FIELDS, Divergence, computed_fields, field_names, first_divergence, has_fields
+from replay.analysis.divergence import (NO_OUTPUT_FIELDS, Divergence, computed_fields, field_names, first_divergence, has_fields,
+                                        rank_only_fields)
 from replay.errors import FormatVersionError, RecordingDamaged
 from replay.format.reader import Part, RankFile, Recording
 from replay.format.schema import RunMode, StepStatus
@@ -284,7 +285,9 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     part, unreadable = readable(part)
     ranks = [summarize_rank(rf) for rf in part.values()]
     div, tok = part_divergence(part)
-    names = field_names(part) if div is None or tok is None else set()
+    only = _rank_only(part)
+    # Fields only some ranks record are not compared: the verdicts below speak of the others.
+    names = field_names(part) - set(only) if div is None or tok is None else set()
     out: dict[str, Any] = {
         "part": part.name,
         "world_size": world,
@@ -299,6 +302,8 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         # computed, and where they first differ may be after the steps' results first did.
         "output_fields": tok is not None or computed_fields(names),
     }
+    if only:
+        out["rank_only_fields"] = only
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
     if div is not None:
@@ -378,6 +383,34 @@ def unrecorded_fields(part: Part) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+_RANK_ONLY_SHOWN = 6
+
+
+def _rank_only(part: Part) -> dict[str, list[int]]:
+    """``rank_only_fields`` of a part, looked for only where the ranks' field names differ (one
+    scan of each rank's field names tells; most recordings have none)."""
+    if len(part) < 2:
+        return {}
+    per_rank = [field_names({r: rf}) for r, rf in part.items()]  # type: ignore[arg-type]
+    if all(n == per_rank[0] for n in per_rank[1:]):
+        return {}
+    only = rank_only_fields(part)
+    return dict(list(only.items())[:64])
+
+
+def rank_only_note(summary: dict[str, Any]) -> str:
+    """What was left out of the comparison across ranks: the fields only some ranks record from
+    their first step on (ranks running different code, as pipeline stages do); "" when none."""
+    only = summary.get("rank_only_fields") or {}
+    if not only:
+        return ""
+    shown = ", ".join(f"{name} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} only)"
+                      for name, rs in list(only.items())[:_RANK_ONLY_SHOWN])
+    more = f" and {len(only) - _RANK_ONLY_SHOWN} more" if len(only) > _RANK_ONLY_SHOWN else ""
+    return (f"not compared across ranks: {shown}{more}: only some ranks record them, from their first step on "
+            f"(ranks running different code, as pipeline stages do)")
+
+
 def verdict_line(summary: dict[str, Any]) -> str:
     """The one-line verdict of a part summary, the first line of ``replay info`` and ``replay
     report``: where the ranks first disagree (and their tokens), or that they never do, or that
@@ -391,9 +424,14 @@ def verdict_line(summary: dict[str, Any]) -> str:
         if any(not int(r.get("steps") or 0) for r in ranks):
             # A rank with no step shares none with the others: nothing was compared.
             return f"nothing compared{left_out}: a rank recorded no step, so the ranks share no step to compare"
+        only = rank_only_note(summary)
         if summary.get("output_fields") is False:
+            if only:
+                return (f"nothing compared{left_out}: no output or token field is recorded by every rank, and what they "
+                        f"all record went into the steps (it agrees); {only}")
             return f"nothing compared{left_out}: {NO_OUTPUT_FIELDS}"
-        return f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step{step_count_note(ranks)}"
+        return (f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step"
+                + (" in the fields they all record" if only else "") + step_count_note(ranks) + (f"; {only}" if only else ""))
     text = f"first divergence at {_at(d)}{left_out}: {divergence_what(d)}"
     offset = summary.get("offset_at_divergence")
     if offset:

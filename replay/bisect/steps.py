@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from dataclasses import field as _field
 from typing import Any
 
-from replay.analysis.divergence import NO_OUTPUT_FIELDS, computed_fields, field_names, first_divergence, has_fields
+from replay.analysis.divergence import NO_OUTPUT_FIELDS, computed_fields, field_names, first_divergence, has_fields, rank_only_fields
+from replay.analysis.summary import rank_only_note
 from replay.errors import CatchUpRaised, RerunError, UsageError
 from replay.format.reader import Part
 from replay.rerun.result import COMPLETED_FIELD, RAISED_FIELD
@@ -81,6 +82,8 @@ class StepsBisection:
     unrecorded: list[str] = _field(default_factory=list)
     # Parameters whose rebuilt (or live) values are not the digests of the weights that ran.
     weights_differ: list[str] = _field(default_factory=list)
+    # how == "ranks": fields only some ranks record from their first step on (not compared).
+    rank_only: dict[str, list[int]] = _field(default_factory=dict)
 
     def problem(self) -> str | None:
         """Why this bisection compared nothing the steps computed (a non-zero exit), or None."""
@@ -93,13 +96,18 @@ class StepsBisection:
         inside = ([f"stream {stream}, its step {own}"] if stream is not None else []) + ([detail] if detail else [])
         return f"step {step}" + (f" ({'; '.join(inside)})" if inside else "")
 
+    def _agreement(self, who: str) -> str:
+        """The verdict when the ranks never disagree: over which fields, or that none was compared."""
+        only = rank_only_note({"rank_only_fields": self.rank_only})
+        if not self.output_fields:
+            return f"{who}: nothing compared: " + (f"no output or token field is recorded by every rank; {only}" if only else NO_OUTPUT_FIELDS)
+        return f"{who} agree at every common step" + (f" in the fields they all record; {only}" if only else "")
+
     def verdict(self) -> str:
         if self.how == StepsHow.RANKS:
             who = (f"stream {self.only_stream}: " if self.only_stream else "") + "ranks " + ", ".join(map(str, self.ranks))
-            if self.first is None and not self.output_fields:
-                return f"{who}: nothing compared: {NO_OUTPUT_FIELDS}"
             if self.first is None:
-                return f"{who} agree at every common step"
+                return self._agreement(who)
             odd = f"{self.field}: rank{'s' if len(self.odd) > 1 else ''} {', '.join(map(str, self.odd))} against " \
                   f"{', '.join(map(str, self.majority))}"
             line = f"{who} first disagree at {self._at(self.first, self.stream, self.stream_step, odd)}"
@@ -162,6 +170,7 @@ class StepsBisection:
             "token_stream_step": self.token_stream_step,
             "output_fields": self.output_fields,
             "token_fields": self.token_fields,
+            "rank_only_fields": self.rank_only,
         }
 
 
@@ -182,8 +191,11 @@ def bisect_steps(part: Part, *, ranks: list[int] | None = None, recording: str =
     d = first_divergence(part, ranks=chosen, steps=mine)
     t = first_divergence(part, ranks=chosen, prefix="tokens.", steps=mine)
     res = StepsBisection(recording=recording, part=part.name, how=StepsHow.RANKS, ranks=chosen, first=None, only_stream=stream)
-    names = field_names(part) if d is None or t is None else set()
+    only = rank_only_fields(part, chosen) if d is None else {}
+    names = field_names(part) - set(only) if d is None or t is None else set()
     res.output_fields = d is not None or computed_fields(names)
+    if only:
+        res.rank_only = only
     res.token_fields = t is not None or has_fields(names, "tokens.")
     if d is not None:
         res.first, res.field, res.odd, res.majority = d.step, d.field, d.ranks, d.majority

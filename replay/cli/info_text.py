@@ -9,7 +9,7 @@ from typing import Any
 from replay import api
 from replay.analysis.divergence import NO_OUTPUT_FIELDS, OUTPUT_REMEDY
 from replay.analysis.offset import offset_text
-from replay.analysis.summary import divergence_what, step_count_note, verdict_line
+from replay.analysis.summary import divergence_what, rank_only_note, step_count_note, verdict_line
 from replay.cli.render import fmt_margin, style, table
 from replay.textsafe import a_or_an, escape
 
@@ -173,10 +173,13 @@ def _divergence_lines(s: dict[str, Any]) -> list[str]:
     elif d is None and any(not int(r.get("steps") or 0) for r in s["ranks"]):
         lines = ["nothing compared: a rank recorded no step, so the ranks share no step to compare"]
     elif d is None and s.get("output_fields") is False:
-        lines = [f"nothing compared: {NO_OUTPUT_FIELDS}"]
+        lines = [escape(verdict_line(s)) if rank_only_note(s) else f"nothing compared: {NO_OUTPUT_FIELDS}"]
     elif d is None:
         read = "every rank that can be read" if s["unreadable_ranks"] else "every rank"
-        lines = [style(f"no divergence: {read} recorded the same bits at every common step{step_count_note(s['ranks'])}", fg="green")]
+        only = rank_only_note(s)
+        lines = [style(f"no divergence: {read} recorded the same bits at every common step"
+                       f"{' in the fields they all record' if only else ''}{step_count_note(s['ranks'])}", fg="green")]
+        lines += [escape(only)] if only else []
     else:
         lines = _at_divergence_lines(s, d)
     return lines + _token_lines(s, d, t)

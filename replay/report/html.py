@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from replay.analysis.divergence import NO_OUTPUT_FIELDS, STATUS_FIELD
-from replay.analysis.summary import divergence_what
+from replay.analysis.summary import divergence_what, rank_only_note, verdict_line
 from replay.errors import ReplayError
 from replay.report import plots
 from replay.report.data import Report, check_report_path
@@ -150,10 +150,12 @@ def _verdict(rep: Report) -> str:
                      "<code>replay step</code> to check it.")
     elif d is None and rep.summary.get("output_fields") is False:
         cls = "warn"
-        lines.append(f"<b>Nothing compared</b>: {_e(NO_OUTPUT_FIELDS)}.")
+        lines.append(f"<b>Nothing compared</b>: {_e(verdict_line(rep.summary) if rank_only_note(rep.summary) else NO_OUTPUT_FIELDS)}.")
     elif d is None:
         cls = "good"
-        lines.append("<b>No divergence</b>: every rank recorded the same bits at every common step.")
+        only = rank_only_note(rep.summary)
+        lines.append("<b>No divergence</b>: every rank recorded the same bits at every common step"
+                     + (f" in the fields they all record; {_e(only)}." if only else "."))
     else:
         cls = "bad" if t is not None else "warn"
         if d.get("field") == STATUS_FIELD:

@@ -1,0 +1,107 @@
+"""Found in the twenty-fifth session's second newcomer trial (multi-rank engines nobody adapted),
+each a test that failed before its fix. Nothing in the scripts was adapted to replay."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_newcomer_scripts import _SPAWN_TWO_RANKS, _replay, _script
+
+pytestmark = pytest.mark.e2e
+
+# Two pipeline stages: rank 0 embeds and runs the first layer, sends its hidden state; rank 1 runs
+# the second and the head, samples and sends the token back. Rank 0 returns {hidden, tokens},
+# rank 1 {logits, tokens}: no rank computes what the other does. Nothing differs.
+_PIPELINE = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class Stage(nn.Module):
+        def __init__(self, rank):
+            super().__init__()
+            torch.manual_seed(0)
+            emb, l0, l1, head = nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 32)
+            self.rank = rank
+            if rank == 0:
+                self.emb, self.lin = emb, l0
+            else:
+                self.lin, self.head = l1, head
+        def forward(self, x):
+            if self.rank == 0:
+                h = torch.tanh(self.lin(self.emb(x).mean(0, keepdim=True)))
+                dist.send(h, 1)
+                tok = torch.zeros(1, dtype=torch.long); dist.recv(tok, 1)
+                return {"hidden": h, "tokens": tok}
+            h = torch.empty(1, 16); dist.recv(h, 0)
+            logits = self.head(torch.tanh(self.lin(h))); tok = logits.argmax(-1)
+            dist.send(tok, 0)
+            return {"logits": logits, "tokens": tok}
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        st = Stage(rank)
+        ids = torch.tensor([4, 9, 1])
+        with torch.no_grad():
+            for s in range(6):
+                ids = torch.cat([ids, st(ids)["tokens"]])
+        dist.destroy_process_group()
+""" + _SPAWN_TWO_RANKS
+
+
+def test_pipeline_stages_that_record_different_outputs_are_not_a_divergence_at_step_0(tmp_path: Path) -> None:
+    _script(tmp_path, "pp", _PIPELINE)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--", sys.executable, "pp.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    # Before: "first divergence at step 0: output.hidden differs on rank(s) 1", a field rank 1
+    # never had, and "next: replay step ... --rank 1 --step 0".
+    p = _replay("info", rec, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    first = p.stdout.splitlines()[0]
+    assert first.startswith("no divergence: 2 ranks recorded the same bits at every common step in the fields they all record"), first
+    assert "output.hidden (rank 0 only), output.logits (rank 1 only)" in first, first
+    out = json.loads(_replay("info", rec, "--json", cwd=tmp_path).stdout)
+    assert out["first_divergence"] is None
+    assert out["rank_only_fields"] == {"output.hidden": [0], "output.logits": [1]}
+    p = _replay("bisect", "steps", rec, "--no-save", cwd=tmp_path)
+    assert p.stdout.startswith("ranks 0, 1 agree at every common step in the fields they all record; not compared"), p.stdout
+
+
+# Two replicated ranks; from step 3 on rank 1 also returns a field rank 0 never does (it took
+# another branch; the first call is not recorded, so that is recorded step 2): a divergence, not ranks of different roles.
+_EXTRA_FIELD_LATER = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__(); torch.manual_seed(0); self.lin = nn.Linear(8, 8)
+        def forward(self, x, step: int):
+            y = self.lin(x)
+            if dist.get_rank() == 1 and step >= 3:
+                return {"logits": y, "debug": y * 2}
+            return {"logits": y}
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        m = M(); x = torch.ones(1, 8)
+        with torch.no_grad():
+            for s in range(5):
+                m(x, s)
+        dist.destroy_process_group()
+""" + _SPAWN_TWO_RANKS
+
+
+def test_a_field_one_rank_adds_later_is_still_a_divergence(tmp_path: Path) -> None:
+    _script(tmp_path, "extra", _EXTRA_FIELD_LATER)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--", sys.executable, "extra.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    first = _replay("info", rec, cwd=tmp_path).stdout.splitlines()[0]
+    assert first.startswith("first divergence at step 2: output.debug"), first
