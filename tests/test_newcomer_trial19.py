@@ -105,3 +105,103 @@ def test_a_field_one_rank_adds_later_is_still_a_divergence(tmp_path: Path) -> No
     assert p.returncode == 0, p.stderr[-2000:]
     first = _replay("info", rec, cwd=tmp_path).stdout.splitlines()[0]
     assert first.startswith("first divergence at step 2: output.debug"), first
+
+
+# Every rank samples its own token and rank 0's is broadcast; from call 6 on, rank 1 samples the
+# second-best token (a mistake that persists), but receives rank 0's: every field agrees.
+_SAMPLES_OTHERWISE_FROM_THEN_ON = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class Dec(nn.Module):
+        def __init__(self):
+            super().__init__(); torch.manual_seed(0)
+            self.emb = nn.Embedding(48, 16); self.head = nn.Linear(16, 48)
+            self.register_buffer("pos", torch.zeros((), dtype=torch.long))
+        def forward(self, tok):
+            logits = self.head(torch.tanh(self.emb(tok)))
+            mine = logits.argmax(-1)
+            if dist.get_rank() == 1 and int(self.pos) >= 6:
+                mine = logits.topk(2, -1).indices[:, 1]
+            tokv = mine.clone()
+            dist.broadcast(tokv, src=0)
+            self.pos += 1
+            return {"logits": logits, "tokens": tokv}
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        m = Dec(); tok = torch.tensor([3])
+        with torch.no_grad():
+            for s in range(12):
+                tok = m(tok)["tokens"]
+        dist.destroy_process_group()
+""" + _SPAWN_TWO_RANKS
+
+
+def test_a_token_sampled_otherwise_before_a_broadcast_from_then_on_is_a_divergence(tmp_path: Path) -> None:
+    _script(tmp_path, "bcast", _SAMPLES_OTHERWISE_FROM_THEN_ON)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--", sys.executable, "bcast.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    # Before: "no divergence: 2 ranks recorded the same bits at every common step" (the input
+    # differed at 6 of 11 recorded steps: "agrees at most steps" did not hold).
+    first = _replay("info", rec, cwd=tmp_path).stdout.splitlines()[0]
+    assert first.startswith("first divergence at step 5: the input of collective.0.broadcast differs on rank(s) 1"), first
+
+
+# A vocab-parallel LM head: each rank holds the head's rows of its half of the vocabulary, and the
+# step's own code all_gathers the shards' logits after the head. Nothing differs across ranks.
+_VOCAB_PARALLEL = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class VPLM(nn.Module):
+        def __init__(self, rank, world):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.emb = nn.Embedding(64, 16); self.mix = nn.Linear(16, 16)
+            full_head = torch.randn(64, 16, generator=g)
+            with torch.no_grad():
+                self.emb.weight.copy_(torch.randn(64, 16, generator=g)); self.mix.weight.copy_(torch.randn(16, 16, generator=g) * 0.3)
+                self.mix.bias.zero_()
+            self.rank, self.world, shard = rank, world, 64 // world
+            self.head = nn.Linear(16, shard, bias=False)
+            with torch.no_grad():
+                self.head.weight.copy_(full_head[rank * shard:(rank + 1) * shard])
+        def forward(self, ids):
+            h = torch.tanh(self.mix(self.emb(ids).mean(0, keepdim=True)))
+            local = self.head(h)
+            parts = [torch.empty_like(local) for _ in range(self.world)]
+            dist.all_gather(parts, local.contiguous())
+            logits = torch.cat(parts, -1)
+            return {"logits": logits, "tokens": logits.argmax(-1)}
+
+    def build(config, *, rank, world_size, device, options):
+        return VPLM(rank, world_size)
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        m = VPLM(rank, 2); ids = torch.tensor([5, 9, 2])
+        with torch.no_grad():
+            for s in range(6):
+                ids = torch.cat([ids, m(ids)["tokens"]])
+        dist.destroy_process_group()
+""" + _SPAWN_TWO_RANKS
+
+
+def test_bisect_layers_does_not_name_a_vocab_shard_head_whose_logits_are_gathered_in_the_step(tmp_path: Path) -> None:
+    _script(tmp_path, "vp", _VOCAB_PARALLEL)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--", sys.executable, "vp.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert _replay("info", rec, cwd=tmp_path).stdout.startswith("no divergence")
+    # Before: "first module that differs: head ...; head receives bitwise equal inputs on both
+    # sides and returns different outputs: the difference is made inside it" (the all_gather
+    # runs in the step's own code, outside every tapped module, so no shard was told apart).
+    p = _replay("bisect", "layers", rec, "--step", 3, "--between", "rank:0,rank:1", "--factory", "vp:build", "--json", "--no-save", cwd=tmp_path)
+    out = json.loads(p.stdout)
+    head = next(m for m in out["modules"] if m["module"] == "head")
+    assert head["rank_local"] is True, head
+    assert out.get("maker") in (None, ""), out.get("maker")

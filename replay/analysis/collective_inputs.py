@@ -7,7 +7,10 @@ drift is still there to find. Not every input should agree: a tensor-parallel ra
 own partial sum, and those differ at every step by design. A place in the step (its n-th
 collective, of one op) whose inputs agree across the ranks at most of the steps where all of
 them ran it carries a value every rank computes alike; a step where it differs is a divergence.
-Places whose inputs differ at most steps are shards and are never called a divergence.
+So is one whose inputs agreed at every step before (``AGREED_BEFORE`` steps at least) and then
+differ: a mistake that persists once made (a rank that samples otherwise from step 5 on) differs
+at most steps of a long enough run. Places whose inputs differ from the first steps on are
+shards and are never called a divergence.
 
 Only the collectives tables are read, one array per rank, vectorised.
 """
@@ -23,6 +26,10 @@ __all__ = ["INPUT_SUFFIX", "first_input_divergence"]
 # A divergence's field: ``collective.<place>.<op>`` (the output field's name) and this suffix.
 INPUT_SUFFIX = " input"
 _PLACE_BITS = 20  # places within a step (a step makes fewer than 2**20 collectives)
+# Steps a place's inputs agreed at, every one before the first that differs, for that first to be
+# a divergence however many steps differ after it (one agreeing step could be chance: a shard of
+# zeros at a prefill).
+AGREED_BEFORE = 2
 
 
 def _keyed(part: Part, rank: int, steps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -75,7 +82,7 @@ def first_input_divergence(part: Part, chosen: list[int], steps: np.ndarray | No
     sites, which = np.unique(site[same_op], return_inverse=True)
     total = np.bincount(which, minlength=sites.size)
     agreed = np.bincount(which, weights=agree[same_op], minlength=sites.size)
-    replicated = sites[2 * agreed > total]
+    replicated = np.union1d(sites[2 * agreed > total], _agreed_before(sites, which, agree[same_op]))
     hits = np.flatnonzero(~agree & same_op & np.isin(site, replicated))
     if not hits.size:
         return None
@@ -83,3 +90,14 @@ def first_input_divergence(part: Part, chosen: list[int], steps: np.ndarray | No
     op = next(n for n, k in names.items() if k == int(ops[0][i]))
     field = f"collective.{int(place[i])}.{op}{INPUT_SUFFIX}"
     return int(common[i] >> _PLACE_BITS), field, {r: int(digests[k, i]) for k, r in enumerate(chosen)}
+
+
+def _agreed_before(sites: np.ndarray, which: np.ndarray, agree: np.ndarray) -> np.ndarray:
+    """The sites whose inputs agreed at their first ``AGREED_BEFORE`` steps or more, every one
+    before the first that differs (``which``: each row's site, rows in step order)."""
+    out = []
+    for k in np.unique(which[~agree]):
+        first_bad = int(np.argmax(~agree[which == k]))
+        if first_bad >= AGREED_BEFORE:
+            out.append(sites[k])
+    return np.array(out, dtype=sites.dtype)

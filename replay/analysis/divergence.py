@@ -56,7 +56,8 @@ class Divergence:
                     "completed it")
         if self.field.endswith(INPUT_SUFFIX):
             return (f"the input of {self.field[:-len(INPUT_SUFFIX)]} differs on rank(s) {', '.join(map(str, self.ranks))} "
-                    f"({self.majority_text()}), where it agrees at most steps; every rank received the same output, "
+                    f"({self.majority_text()}), where it agrees at most steps or agreed at every step before; every rank "
+                    "received the same output, "
                     "which hides the difference from the fields after it")
         return f"{self.field} differs on rank(s) {', '.join(map(str, self.ranks))} ({self.majority_text()})"
 

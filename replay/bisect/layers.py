@@ -519,7 +519,7 @@ def _is_shard(x: ParamSig, y: ParamSig) -> bool:
 
 
 def _made_collectives(run: SideRun) -> bool:
-    return any(f.coll_exit > 0 for e in run.capture.events for f in e.frames.values())
+    return run.capture.collectives > 0 or any(f.coll_exit > 0 for e in run.capture.events for f in e.frames.values())
 
 
 def _sig(p: "ParamSig | int") -> ParamSig:

@@ -85,6 +85,9 @@ class TapCapture:
     called: set[str]  # modules whose forward ran (eagerly or inside a replayed graph)
     graphs_replayed: int = 0
     notes: list[str] = field(default_factory=list)
+    # Collectives the step made, inside a tapped module or not (an all_gather of the logits'
+    # shards in the step's own code, after the head): what tells a shard's result apart.
+    collectives: int = 0
 
     @property
     def fired(self) -> set[str]:
@@ -309,7 +312,8 @@ class Taps:
             e.output = e.output.cpu()
             e.inputs = [t.cpu() for t in e.inputs]
         return TapCapture(events=self._events, tapped=list(self.tapped), called=set(self._called),
-                          graphs_replayed=self._replays, notes=list(dict.fromkeys(self._notes)))
+                          graphs_replayed=self._replays, notes=list(dict.fromkeys(self._notes)),
+                          collectives=self._collectives())
 
     def _collectives(self) -> int:
         return self._count() if self._count is not None else self._own_count
