@@ -92,7 +92,12 @@ def _step_one(chosen: Part, rank: int, step_index: int, settings: RerunOptions, 
         progress = lambda it, label="": it  # noqa: E731
     with program_output_to_stderr():
         result = run_step(chosen, rank, step_index, settings, announce=announce, progress=progress)
-    return result.to_json(), render_step(result), result.exit_reason()
+    data = result.to_json()
+    for name, m in result.modes.items():
+        mode = data.get("modes", {}).get(name)
+        if isinstance(mode, dict):
+            mode.setdefault("repeats_equal_by_output", _repeats_by_output(m))
+    return data, render_step(result), result.exit_reason()
 
 
 def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, modes: list[str] | None, devices: str | None,
@@ -222,15 +227,30 @@ def _error_line(r: StepRerun, m: ModeRun) -> str:
 def _verdict_table(r: StepRerun) -> list[str]:
     rows = []
     for m in r.modes.values():
+        repeats = _repeats_by_output(m)
         for name, c in m.vs_recording.items():
             ranks = m.matches_ranks.get(name, [])
             verdict = style(c.verdict_text, fg="green" if c.equal else "red")
-            rep = "-" if m.repeats_equal is None else ("same bits" if m.repeats_equal else style("bits vary", fg="red"))
+            same = (repeats or {}).get(name)
+            rep = ("-" if repeats is None else "same bits" if same else
+                   style("bits vary" if same is False else "some vary", fg="red"))  # None: which output is not known
             rows.append([m.mode, escape(name), verdict, ",".join(map(str, ranks)) or "none", rep, escape(m.graph) or "-"])
     if not rows:
         return []
     return [f"step {r.step} against the recording:",
             table(["mode", "output", f"vs rank {r.rank} recorded", "same bits as ranks", "repeats", "ran as"], rows)]
+
+
+def _repeats_by_output(m: ModeRun) -> dict[str, bool | None] | None:
+    """Per output, whether each of the mode's repeats gave the bits of its first run; None when
+    the repeats were not compared. Without the repeats' digests (a re-run read back from JSON that
+    lacks them), an output of a mode whose repeats varied is None: which one varied is not known."""
+    if m.repeats_equal is None:
+        return None
+    if m.repeats_equal:
+        return dict.fromkeys([*m.digests, *m.vs_recording], True)
+    return {k: all(d.get(k) == m.digests[k] for d in m.repeat_digests) if m.repeat_digests and k in m.digests else None
+            for k in [*m.digests, *m.vs_recording]}
 
 
 def _steps(steps: list[int]) -> str:

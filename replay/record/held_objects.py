@@ -6,8 +6,12 @@ reproduced by a re-run. For a frozen model passed beside the step's own (a specu
 target) that warning is false; a fingerprint taken at the step's first call and again at the end
 says which objects did not change, and the summary says nothing of those. The fingerprint is
 cheap and conservative: tensors by identity and version counter (an in-place write bumps it),
-plain attributes by value, other attributes by identity, containers by length and the identities
-of what they hold. Anything it cannot read counts as changed.
+plain attributes by value, other attributes by identity, containers (attributes, or the argument
+itself: a paged cache's block table passed as a dict of lists) by identity, length and what they
+hold, read the same way. Anything it cannot read, or too much to read, counts as changed.
+
+It is taken once per step name at the step's first call and read once more when the process
+ends, never at every step; ``_MAX_VALUES`` bounds each reading.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ __all__ = ["Fingerprint"]
 _SCALARS = (int, float, bool, str, bytes, type(None))
 _MAX_ITEMS = 4096  # a container larger than this counts as changed (not walked)
 _MAX_OBJECTS = 2048  # modules and objects walked per argument
+_MAX_VALUES = 32 * _MAX_ITEMS  # values read per argument, those inside nested containers included
 
 
 class _Walk:
@@ -32,8 +37,12 @@ class _Walk:
         # Everything named by its id() stays alive with the fingerprint, so that no later object
         # can take a freed one's id (a state tensor replaced each step, at a reused address).
         self.held: list[Any] = []
+        self.budget = _MAX_VALUES
 
     def value(self, v: Any) -> Any:
+        self.budget -= 1
+        if self.budget < 0:
+            raise ValueError("too many values to read")
         if isinstance(v, torch.Tensor):
             self.held.append(v)
             return ("t", id(v), v._version, tuple(v.shape), v.dtype)
@@ -52,6 +61,9 @@ class _Walk:
 
     def state(self, obj: Any) -> tuple:
         out: list[Any] = []
+        if isinstance(obj, (list, tuple, dict)):
+            # A container passed as the argument has no attributes of its own: what it holds is its state.
+            out.append(("", self.value(obj)))
         self.todo.append(obj)
         while self.todo:
             o = self.todo.pop()

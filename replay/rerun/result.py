@@ -123,6 +123,7 @@ class ModeRun:
             "recorded_error": self.recorded_error,
             "digests": {k: f"{v:016x}" for k, v in self.digests.items()},
             "repeats_equal": self.repeats_equal,
+            "repeat_digests": [{k: f"{v:016x}" for k, v in d.items()} for d in self.repeat_digests],
             "departed": {"step": self.departed.step, "field": self.departed.field} if self.departed else None,
             "uncompared": self.uncompared,
             "caught_up": self.caught_up,
@@ -168,7 +169,9 @@ class ModeRun:
         ctx = d.get("numerics") or {}
         return cls(
             mode=str(d["mode"]), outputs={}, digests={k: int(v, 16) for k, v in (d.get("digests") or {}).items()},
-            repeats_equal=d.get("repeats_equal"), departed=StepDeparture(int(dep["step"]), str(dep["field"])) if dep else None,
+            repeats_equal=d.get("repeats_equal"),
+            repeat_digests=[{k: int(v, 16) for k, v in r.items()} for r in d.get("repeat_digests") or [] if isinstance(r, dict)],
+            departed=StepDeparture(int(dep["step"]), str(dep["field"])) if dep else None,
             uncompared=list(d.get("uncompared") or []), caught_up=list(d.get("caught_up") or []),
             collective_mismatches=list(d.get("collective_mismatches") or []),
             collective_departure=d.get("collective_departure") or None,
