@@ -108,6 +108,10 @@ class InfoResult:
     command: Any  # from the manifest, as written (data from disk: any JSON type)
     parts: list[PartInfo]
     summary: dict[str, Any]
+    # How the recorded command ended (the manifest's): its exit code, and the signal that ended
+    # it; None where the manifest does not say (a recording still going, or no manifest).
+    command_exit_code: int | None = None
+    command_signal: int | None = None
 
     @property
     def part(self) -> str:
@@ -133,8 +137,8 @@ class InfoResult:
     def to_json(self) -> dict[str, Any]:
         from replay.analysis.summary import verdict_line
 
-        data = {"recording": self.recording, "command": self.command, "parts": [p.to_json() for p in self.parts],
-                **self.summary}
+        data = {"recording": self.recording, "command": self.command, "command_exit_code": self.command_exit_code,
+                "command_signal": self.command_signal, "parts": [p.to_json() for p in self.parts], **self.summary}
         return {**data, "verdict": verdict_line(data)}  # the first line of ``replay info``
 
 
@@ -154,8 +158,13 @@ def info(recording: Recording, part: str | None = None) -> InfoResult:
             continue
         parts.append(PartInfo(name=name, world_size=p.world_size, diverged=s["first_divergence"] is not None,
                               token_diverged=s["first_token_divergence"] is not None))
-    return InfoResult(recording=str(recording.path), command=recording.manifest.get("command"), parts=parts,
-                      summary=summary)
+    m = recording.manifest
+    return InfoResult(recording=str(recording.path), command=m.get("command"), parts=parts, summary=summary,
+                      command_exit_code=_int_or_none(m.get("exit_code")), command_signal=_int_or_none(m.get("signal")))
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 # -- verify ---------------------------------------------------------------------------------

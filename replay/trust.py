@@ -533,6 +533,11 @@ def admit_part(part: Any, *, factory: str | None = None, trust: bool = False, re
         except RecordingDamaged:
             continue  # cannot be re-run anyway; the re-run says why
         names = rerun_imports(target, factory)
+        # Several models in one loop: a re-run of another stream's step imports that stream's step.
+        streams = target.get("streams") if isinstance(target, dict) else None
+        for info in (streams.values() if isinstance(streams, dict) else ()):
+            if isinstance(info, dict):
+                names += [n for n in rerun_imports({**target, **info}, factory) if n not in names]
         admit(rf, names, user_names=[factory] if factory else [], trust=trust)
         for n in names:
             shown[f"{escape(n)} (from {escape(locate(_module_of(n)))})"] = None

@@ -104,3 +104,70 @@ def test_repeats_of_a_model_drawing_from_its_own_numpy_generator_give_the_same_b
     assert p.stdout.startswith("reproduced:"), p.stdout
     assert "nondeterministic" not in p.stdout and "bits vary" not in p.stdout, p.stdout
     assert "rng" in p.stdout, p.stdout
+
+
+_EXITS_MID_LOOP = """
+    import sys, torch, torch.nn as nn
+    torch.manual_seed(0)
+    m = nn.Linear(8, 8)
+    x = torch.ones(1, 8)
+    with torch.no_grad():
+        for i in range(8):
+            if i == 5:
+                sys.exit(3)
+            x = torch.tanh(m(x))
+"""
+
+
+def test_info_says_the_recorded_command_exited_with_a_non_zero_code(tmp_path: Path) -> None:
+    _script(tmp_path, "ex", _EXITS_MID_LOOP)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--", sys.executable, "ex.py", cwd=tmp_path)
+    assert p.returncode == 3, p.stderr[-2000:]  # replay record passes the program's own exit code on
+    # Before: info showed 4 complete steps and nothing of the exit (the manifest had it).
+    p = _replay("info", rec, cwd=tmp_path)
+    assert "ex.py   (exited with code 3)" in p.stdout, p.stdout
+    out = json.loads(_replay("info", rec, "--json", cwd=tmp_path).stdout)
+    assert out["command_exit_code"] == 3 and out["command_signal"] is None
+
+
+# A beam search reorders the model's cache between steps (index_select on the beams kept).
+_BEAM_SEARCH = """
+    import torch, torch.nn as nn
+    torch.manual_seed(0)
+    V, D, B, T = 32, 16, 4, 32
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D); self.l1 = nn.Linear(D, D); self.out = nn.Linear(D, V)
+            self.register_buffer("cache", torch.zeros(B, T, D))
+            self.register_buffer("pos", torch.zeros((), dtype=torch.long))
+        def forward(self, ids):
+            n = ids.shape[1]; p = int(self.pos)
+            h = self.emb(ids)
+            self.cache[:, p:p+n] = h
+            self.pos += n
+            ctx = self.cache[:, :p+n].mean(1)
+            return torch.log_softmax(self.out(torch.tanh(self.l1(h[:, -1] + ctx))), -1)
+    m = Tiny().eval()
+    ids = torch.tensor([[1, 2, 3]]).repeat(B, 1)
+    scores = torch.tensor([0.0] + [-1e9] * (B - 1))
+    with torch.no_grad():
+        for step in range(8):
+            cand = (scores[:, None] + m(ids)).view(-1)
+            top, idx = cand.topk(B)
+            m.cache.copy_(m.cache.index_select(0, idx // V))
+            scores = top; ids = (idx % V)[:, None]
+"""
+
+
+def test_bisect_steps_against_a_rerun_gives_the_keyframe_remedy_replay_step_gives(tmp_path: Path) -> None:
+    _script(tmp_path, "beam", _BEAM_SEARCH)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--", sys.executable, "beam.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    # Before: "first departs from the recording at step 1 (output.logits)" and no remedy, where
+    # `replay step` says a keyframe every step restores state the program changes between steps.
+    p = _replay("bisect", "steps", rec, "--against-rerun", "--rank", 0, "--no-save", cwd=tmp_path)
+    assert "first departs from the recording at step 1" in p.stdout, p.stdout
+    assert "a keyframe every step restores it: replay record --keyframe-every 1" in p.stdout, p.stdout

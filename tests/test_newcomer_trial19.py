@@ -205,3 +205,73 @@ def test_bisect_layers_does_not_name_a_vocab_shard_head_whose_logits_are_gathere
     head = next(m for m in out["modules"] if m["module"] == "head")
     assert head["rank_local"] is True, head
     assert out.get("maker") in (None, ""), out.get("maker")
+
+
+# A draft model and a target model in one loop, recorded as two streams; the factory builds one
+# module holding both (as an engine holds them).
+_DRAFT_AND_TARGET = """
+    import torch, torch.nn as nn
+    class Draft(nn.Module):
+        def __init__(self):
+            super().__init__(); torch.manual_seed(1); self.lin = nn.Linear(8, 8)
+        def forward(self, x): return self.lin(x)
+    class Target(nn.Module):
+        def __init__(self):
+            super().__init__(); torch.manual_seed(2); self.a = nn.Linear(8, 8); self.b = nn.Linear(8, 8)
+        def forward(self, x): return self.b(torch.tanh(self.a(x)))
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__(); self.draft = Draft(); self.target = Target()
+    def build(config, *, rank, world_size, device, options):
+        return Both()
+    if __name__ == "__main__":
+        m = Both(); x = torch.ones(1, 8)
+        with torch.no_grad():
+            for i in range(4):
+                x = torch.tanh(m.target(m.draft(x)))
+"""
+
+
+def test_bisect_layers_of_the_second_stream_s_step_rebuilds_that_stream_s_model(tmp_path: Path) -> None:
+    _script(tmp_path, "spec", _DRAFT_AND_TARGET)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--step", "spec:Draft", "--step", "spec:Target", "--", sys.executable, "spec.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    info = json.loads(_replay("info", rec, "--json", cwd=tmp_path).stdout)
+    assert len(info["streams"]) == 2, info["streams"]
+    # Step 3 is the target's (steps alternate draft, target). Before: "factory spec:build built
+    # Both, not an instance of spec:Draft (nor an object holding one)": the first stream's model
+    # was rebuilt whatever the step, and a submodule was not looked for.
+    p = _replay("bisect", "layers", rec, "--step", 3, "--between", "recorded,rerun", "--factory", "spec:build", "--json", "--no-save", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert {m["module"] for m in out["modules"]} == {"a", "b"}, out["modules"]
+
+
+# Data parallel: each rank serves its own prompt; their inputs differ at every step by design.
+_DATA_PARALLEL = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        emb, head = nn.Embedding(32, 8), nn.Linear(8, 32)
+        ids = torch.tensor([[1, 2]]) if rank == 0 else torch.tensor([[7, 5]])
+        with torch.no_grad():
+            for s in range(4):
+                ids = torch.cat([ids, head(emb(ids).mean(1)).argmax(-1, keepdim=True)], 1)
+        dist.destroy_process_group()
+""" + _SPAWN_TWO_RANKS
+
+
+def test_inputs_that_differ_from_the_first_step_say_the_ranks_may_serve_different_requests(tmp_path: Path) -> None:
+    _script(tmp_path, "dp", _DATA_PARALLEL)
+    rec = tmp_path / "rec"
+    p = _replay("record", "--quiet", "--out", rec, "--step", "torch.nn.modules.linear:Linear", "--", sys.executable, "dp.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = _replay("info", rec, cwd=tmp_path).stdout
+    assert "first divergence at step 0: input." in out.splitlines()[0], out
+    # Before: only "they differed before it (in the program's set-up, ...)".
+    assert "or the ranks serve different requests by design (data parallel)" in out, out

@@ -369,8 +369,9 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
     if side.model_from is not None:  # another run's model (target, config, weights) on this part's data
         mp, mr = side.model_from
         spec = TargetSpec.from_rank_file(mp[mr], stream_of(mp[mr], step))
+    # step=: several models in one loop (draft and target): the model that holds this step is rebuilt.
     rp = Replayer(part, side.rank, mode=side.mode, device=device, factory=factory, options=side.options,
-                  use_recorded_tuner=side.use_recorded_tuner, spec=spec)
+                  use_recorded_tuner=side.use_recorded_tuner, spec=spec, step=step if spec is None else None)
     kf, _ = rp.keyframe_for(step)
     rp.check(kf, step)
     rc = rp.collectives

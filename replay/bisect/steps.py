@@ -384,6 +384,8 @@ def _relaunched_scan_one(a: _StreamBisect, lo: int, hi: int, res: StepsBisection
     if iv.departed is not None:
         res.unrecorded = list(result.unrecorded)  # as ``replay step`` says it: not evidence against the program alone
         res.weights_differ = list(result.weights.differ) if result.weights is not None else []
+        if not result.state_outside and not result.no_keyframes:
+            _note_between_steps(res, iv)
     res.uncompared = sorted(set(res.uncompared) | set(run.uncompared)
                             | ({hi} if run.error is not None and not run.vs_recording else set()))
     return (iv if iv.departed is not None else None), result.keyframe <= lo
@@ -451,7 +453,17 @@ def _bisect_stream(a: _StreamBisect, res: StepsBisection, announce: Callable[[st
         rp.close()
     if hit is not None:
         _note_unchecked(res, ivs, hit)
+        _note_between_steps(res, hit)
     return hit
+
+
+def _note_between_steps(res: StepsBisection, hit: Interval) -> None:
+    """A departure after the interval's keyframe, with the recorded inputs fed: the same remedy
+    ``replay step`` gives, when the program changes the model's state between steps."""
+    if hit.departed is not None and hit.first < hit.departed and not res.unrecorded and not res.weights_differ:
+        res.notes.append(f"the re-run departed at step {hit.departed}, after the keyframe at step {hit.first} restored the "
+                         "recorded state: if the program changes the model's state between steps (a beam search reordering "
+                         "its cache, a reset), a keyframe every step restores it: replay record --keyframe-every 1")
 
 
 def _first_departing(ivs: list[Interval], probe: Callable[[int], Interval], done: dict[int, Interval], *, exhaustive: bool,

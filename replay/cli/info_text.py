@@ -51,7 +51,7 @@ def _header(s: dict[str, Any]) -> list[str]:
         # The manifest is data from disk: render whatever is there, never fail on its type.
         c = s["command"]
         cmd = " ".join(map(str, c)) if isinstance(c, list) else str(c)
-        lines.append(f"command     {escape(cmd)}")
+        lines.append(f"command     {escape(cmd)}{_ended(s)}")
     if len(s["parts"]) > 1:
         marks = [f"{escape(p['name'])}{' (diverged)' if p['diverged'] else ''}{' (cannot be read)' if p.get('problem') else ''}"
                  for p in s["parts"]]
@@ -65,6 +65,17 @@ def _header(s: dict[str, Any]) -> list[str]:
                           for c in steps)
         lines.append(f"step        {shown}")
     return lines
+
+
+def _ended(s: dict[str, Any]) -> str:
+    """How the recorded command ended, where not with exit code 0: a program that stopped
+    mid-loop (sys.exit(3), a signal) recorded fewer steps than it meant to."""
+    sig, code = s.get("command_signal"), s.get("command_exit_code")
+    if isinstance(sig, int) and sig > 0:
+        return f"   (ended by signal {sig})"
+    if isinstance(code, int) and code != 0:
+        return f"   (exited with code {code})"
+    return ""
 
 
 _KIND = {"module_forward": "an nn.Module's forward", "compiled": "torch.compile'd", "function": "a function",
@@ -218,7 +229,9 @@ def _at_divergence_lines(s: dict[str, Any], d: dict[str, Any]) -> list[str]:
     elif d["step"] == 0 and str(d["field"]).startswith("input."):
         lines.append(style("  the ranks' inputs differ at the first recorded step: they differed before it (in the program's "
                            "set-up, or in a call of the step that was not recorded: with no flags, a module's first call, the "
-                           "prefill, is not)", fg="yellow"))
+                           "prefill, is not); or the ranks serve different requests by design (data parallel), which "
+                           "info compares as replicas: check each rank against its own recording with replay step, or "
+                           "against another run with replay diff", fg="yellow"))
     lines += _numerics_lines(s.get("numerics_at_divergence"))
     return lines + _numerics_lines(s.get("arguments_at_divergence"), what="arguments")
 

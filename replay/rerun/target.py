@@ -466,6 +466,7 @@ def _instance_of(obj: Any, cls: Any, spec: TargetSpec, fac_name: str | None) -> 
         return obj
     held = [getattr(obj, spec.modules, None)] if spec.modules else []
     held += [v for v in vars(obj).values()] if hasattr(obj, "__dict__") else []
+    held += list(obj.children()) if isinstance(obj, torch.nn.Module) else []  # submodules live in _modules
     for v in held:
         if isinstance(v, want):
             return v
