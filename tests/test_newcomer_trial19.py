@@ -110,7 +110,7 @@ def test_a_field_one_rank_adds_later_is_still_a_divergence(tmp_path: Path) -> No
 # Every rank samples its own token and rank 0's is broadcast; from call 6 on, rank 1 samples the
 # second-best token (a mistake that persists), but receives rank 0's: every field agrees.
 _SAMPLES_OTHERWISE_FROM_THEN_ON = """
-    import socket, torch, torch.nn as nn
+    import os, socket, torch, torch.nn as nn
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -122,7 +122,7 @@ _SAMPLES_OTHERWISE_FROM_THEN_ON = """
         def forward(self, tok):
             logits = self.head(torch.tanh(self.emb(tok)))
             mine = logits.argmax(-1)
-            if dist.get_rank() == 1 and int(self.pos) >= 6:
+            if dist.get_rank() == 1 and int(self.pos) >= 6 and os.environ.get("SAMPLE_BUG", "1") == "1":
                 mine = logits.topk(2, -1).indices[:, 1]
             tokv = mine.clone()
             dist.broadcast(tokv, src=0)
@@ -275,3 +275,26 @@ def test_inputs_that_differ_from_the_first_step_say_the_ranks_may_serve_differen
     assert "first divergence at step 0: input." in out.splitlines()[0], out
     # Before: only "they differed before it (in the program's set-up, ...)".
     assert "or the ranks serve different requests by design (data parallel)" in out, out
+
+
+def test_diff_of_runs_whose_only_change_is_a_collective_input_says_different(tmp_path: Path) -> None:
+    _script(tmp_path, "bcast", _SAMPLES_OTHERWISE_FROM_THEN_ON)
+    ctl, bug = tmp_path / "ctl", tmp_path / "bug"
+    for out, flag in ((ctl, "0"), (bug, "1")):
+        p = _replay_env({"SAMPLE_BUG": flag}, "record", "--quiet", "--out", out, "--", sys.executable, "bcast.py", cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-2000:]
+    # Before: "the same: every field of every step has the same bits", exit 0.
+    p = _replay("diff", ctl, bug, cwd=tmp_path)
+    assert p.returncode != 0, p.stdout
+    assert p.stdout.startswith("different: rank 1 step 5: the input of collective.0.broadcast differs"), p.stdout
+    p = _replay("diff", ctl, ctl, cwd=tmp_path)
+    assert p.stdout.startswith("the same:") and p.returncode == 0, p.stdout
+
+
+def _replay_env(extra: dict[str, str], *args: object, cwd: Path):  # noqa: ANN202
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    return subprocess.run([sys.executable, "-m", "replay", *map(str, args)], cwd=cwd, env={**_env(), **extra},
+                          capture_output=True, text=True, timeout=300)

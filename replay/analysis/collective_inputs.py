@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from replay.format.reader import Part
+from replay.format.reader import Part, RankFile
 
-__all__ = ["INPUT_SUFFIX", "first_input_divergence"]
+__all__ = ["INPUT_SUFFIX", "first_input_divergence", "first_input_difference"]
 
 # A divergence's field: ``collective.<place>.<op>`` (the output field's name) and this suffix.
 INPUT_SUFFIX = " input"
@@ -35,7 +35,11 @@ AGREED_BEFORE = 2
 def _keyed(part: Part, rank: int, steps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(key = step << _PLACE_BITS | place, op string id, input digest) of the rank's collectives
     with a recorded input digest, sorted by key."""
-    c = part[rank].collectives()
+    return _keyed_file(part[rank], steps)
+
+
+def _keyed_file(rf: RankFile, steps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    c = rf.collectives()
     if steps is not None:
         c = c[np.isin(c["step"], steps)]
     if not c.size:
@@ -52,8 +56,46 @@ def _keyed(part: Part, rank: int, steps: np.ndarray | None) -> tuple[np.ndarray,
 
 def _op_ids(part: Part, rank: int, ops: np.ndarray, names: dict[str, int]) -> np.ndarray:
     """The rank's op string ids as ids shared by all ranks (by name)."""
+    return _op_ids_of(part[rank], ops, names)
+
+
+def first_input_difference(files: list[tuple[RankFile, RankFile]]) -> tuple[int, int, str] | None:
+    """Between two runs of one layout, rank against rank: (rank of A, step, field) of the first
+    collective input that differs at a place (n-th collective of the step, one op) whose inputs
+    agree between the runs at most steps, or at every step before; None when there is none.
+    The collective hands every rank the same output: no field after it shows the change."""
+    best: tuple[int, int, str] | None = None
+    for ra, rb in files:
+        ka, oa, da = _keyed_file(ra, None)
+        kb, ob, db = _keyed_file(rb, None)
+        common, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
+        if not common.size:
+            continue
+        agree = da[ia] == db[ib]
+        if agree.all():
+            continue
+        names: dict[str, int] = {}
+        op_a = _op_ids_of(ra, oa[ia], names)
+        same_op = op_a == _op_ids_of(rb, ob[ib], names)
+        place = common & ((1 << _PLACE_BITS) - 1)
+        site = place * (len(names) + 1) + op_a
+        sites, which = np.unique(site[same_op], return_inverse=True)
+        total = np.bincount(which, minlength=sites.size)
+        agreed = np.bincount(which, weights=agree[same_op], minlength=sites.size)
+        kept = np.union1d(sites[2 * agreed > total], _agreed_before(sites, which, agree[same_op]))
+        hits = np.flatnonzero(~agree & same_op & np.isin(site, kept))
+        if hits.size:
+            i = int(hits[0])
+            op = next(n for n, k in names.items() if k == int(op_a[i]))
+            found = (ra.rank, int(common[i] >> _PLACE_BITS), f"collective.{int(place[i])}.{op}{INPUT_SUFFIX}")
+            if best is None or found[1] < best[1]:
+                best = found
+    return best
+
+
+def _op_ids_of(rf: RankFile, ops: np.ndarray, names: dict[str, int]) -> np.ndarray:
     u, inv = np.unique(ops, return_inverse=True)
-    lut = np.array([names.setdefault(part[rank].tables.string(int(i)), len(names)) for i in u], dtype=np.int64)
+    lut = np.array([names.setdefault(rf.tables.string(int(i)), len(names)) for i in u], dtype=np.int64)
     return lut[inv] if u.size else np.zeros(0, np.int64)
 
 

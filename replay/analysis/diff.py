@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from replay.analysis.collective_inputs import INPUT_SUFFIX, first_input_difference
 from replay.analysis.align import BatchAlignment, align_batches
 from replay.analysis.diff_context import (Category, RankMeta, arguments_difference, context_differences,
                                           first_numerics_difference, rank_meta)
@@ -37,6 +38,7 @@ from replay.analysis.diff_streams import Names, compare_stream, used_ids, within
 from replay.analysis.divergence import computed_fields
 from replay.analysis.streams import step_streams, stream_position
 from replay.analysis.unshard import Layout, LayoutKind, Missing, field_layout, field_shape, whole_tensor
+from replay.errors import RecordingDamaged
 from replay.format.reader import RankFile
 
 __all__ = ["DiffOptions", "DiffVerdict", "FirstDifference", "StreamDiff", "UnshardedField", "RunDiff", "RecordingDiff",
@@ -260,9 +262,13 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
         for s in streams:
             if s.verdict in (DiffVerdict.SAME, DiffVerdict.WITHIN_TOLERANCE):
                 s.verdict = DiffVerdict.INCOMPLETE
+    hidden = _hidden_input(verdict, files, streams) if wa == wb else None
+    if hidden is not None:
+        verdict = DiffVerdict.DIFFERENT
     rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
                  layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
-                 batching=batching if batching.batched_differently else None, context=context, notes=notes)
+                 batching=batching if batching.batched_differently else None, context=context, notes=notes,
+                 hidden_input=hidden)
     rd.collective_inputs = _collective_inputs(rd, files, same_layout=wa == wb)
     rd.headline = _headline(rd)
     rd.next = _next_command(rd, a, b)
@@ -285,6 +291,30 @@ def _pair_arguments(done: list[_PairFacts]) -> list[dict[str, Any]] | None:
         return None
     s, g = next(((s, g) for s, g in found if g), found[0])
     return [{**it, "rank_a": s.rank_a, "rank_b": s.rank_b} for it in g] if len(done) > 1 else g
+
+
+def _hidden_input(verdict: DiffVerdict, files: list[tuple[RankFile, RankFile]], streams: list[StreamDiff]) -> dict[str, Any] | None:
+    """Runs whose every field agrees (in bits or within tolerance) where a collective's input
+    differs between them: a rank that sampled another token before a broadcast from rank 0, or
+    whose logits drifted before an all_reduce, hands every rank the same output, so no field
+    shows it. Its stream's row says so (not "the same" under a "different" headline)."""
+    if verdict not in (DiffVerdict.SAME, DiffVerdict.WITHIN_TOLERANCE):
+        return None
+    try:
+        found = first_input_difference(files)
+    except RecordingDamaged:
+        return None  # a damaged collectives table: not compared (reading the steps says why)
+    if found is None:
+        return None
+    rank, step, field_name = found
+    what = (f"step {step}: the input of {field_name[:-len(INPUT_SUFFIX)]} differs, where it agrees between the runs at most "
+            "steps or agreed at every step before; every rank received the same output, which hides the change from the "
+            "fields after it")
+    for st in streams:
+        if st.rank_a == rank:
+            st.verdict = DiffVerdict.DIFFERENT
+            st.reasons.append(what)
+    return {"rank": rank, "step": step, "field": field_name, "what": what}
 
 
 def _collective_inputs(rd: RunDiff, files: list[tuple[RankFile, RankFile]], *, same_layout: bool) -> list[int] | None:
@@ -476,7 +506,11 @@ def _batching_clause(bt: BatchAlignment) -> str:
 
 
 def _different_elsewhere(rd: RunDiff) -> str:
-    """Different, with no stream row that differs: an unsharded field, the weights, or a stream's reasons."""
+    """Different, with no stream row that differs: an unsharded field, the weights, a collective's
+    input hidden by its output, or a stream's reasons."""
+    if rd.hidden_input is not None:
+        h = rd.hidden_input
+        return f"different: rank {h['rank']} {h['what']}; every field of every step has the same bits"
     bad = [u for u in rd.unsharded if u.verdict is DiffVerdict.DIFFERENT]
     if bad:
         return f"different: {bad[0].field} (compared unsharded) first differs at step {bad[0].first_step}"

@@ -220,6 +220,9 @@ class RunDiff:
     # The first difference is a collective's output, the same on every rank: the ranks whose
     # input to it differs between the runs (the ranks whose own computation changed).
     collective_inputs: list[int] | None = None
+    # Every field agrees, but a collective's input differs between the runs (hidden by its
+    # output): {"rank", "step", "field", "what"}.
+    hidden_input: dict[str, Any] | None = None
 
     @property
     def exit_code(self) -> int:
@@ -256,6 +259,7 @@ class RunDiff:
             "notes": self.notes,
             "next": self.next or None,
             "first_collective_input_ranks": self.collective_inputs,
+            "hidden_collective_input": self.hidden_input,
         }
 
 
