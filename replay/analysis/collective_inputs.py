@@ -79,11 +79,7 @@ def first_input_difference(files: list[tuple[RankFile, RankFile]]) -> tuple[int,
         same_op = op_a == _op_ids_of(rb, ob[ib], names)
         place = common & ((1 << _PLACE_BITS) - 1)
         site = place * (len(names) + 1) + op_a
-        sites, which = np.unique(site[same_op], return_inverse=True)
-        total = np.bincount(which, minlength=sites.size)
-        agreed = np.bincount(which, weights=agree[same_op], minlength=sites.size)
-        kept = np.union1d(sites[2 * agreed > total], _agreed_before(sites, which, agree[same_op]))
-        hits = np.flatnonzero(~agree & same_op & np.isin(site, kept))
+        hits = np.flatnonzero(~agree & same_op & np.isin(site, _agreeing_sites(site[same_op], agree[same_op])))
         if hits.size:
             i = int(hits[0])
             op = next(n for n, k in names.items() if k == int(op_a[i]))
@@ -119,19 +115,25 @@ def first_input_divergence(part: Part, chosen: list[int], steps: np.ndarray | No
     ops = np.stack([_op_ids(part, r, rows[r][1][at[r]], names) for r in chosen])
     same_op = np.all(ops == ops[0], axis=0)
     place = common & ((1 << _PLACE_BITS) - 1)
-    # A site: a place in the step and its op. Replicated: its inputs agree at most of its steps.
+    # A site: a place in the step and its op (``_agreeing_sites``: those whose inputs should agree).
     site = place * (len(names) + 1) + ops[0]
-    sites, which = np.unique(site[same_op], return_inverse=True)
-    total = np.bincount(which, minlength=sites.size)
-    agreed = np.bincount(which, weights=agree[same_op], minlength=sites.size)
-    replicated = np.union1d(sites[2 * agreed > total], _agreed_before(sites, which, agree[same_op]))
-    hits = np.flatnonzero(~agree & same_op & np.isin(site, replicated))
+    hits = np.flatnonzero(~agree & same_op & np.isin(site, _agreeing_sites(site[same_op], agree[same_op])))
     if not hits.size:
         return None
     i = int(hits[0])  # the first in (step, place) order
     op = next(n for n, k in names.items() if k == int(ops[0][i]))
     field = f"collective.{int(place[i])}.{op}{INPUT_SUFFIX}"
     return int(common[i] >> _PLACE_BITS), field, {r: int(digests[k, i]) for k, r in enumerate(chosen)}
+
+
+def _agreeing_sites(site: np.ndarray, agree: np.ndarray) -> np.ndarray:
+    """The sites (place and op) whose inputs should agree: they agree at most of their steps, or
+    agreed at every step before the first that differs (``site``, ``agree``: one row a step, in
+    step order)."""
+    sites, which = np.unique(site, return_inverse=True)
+    total = np.bincount(which, minlength=sites.size)
+    agreed = np.bincount(which, weights=agree, minlength=sites.size)
+    return np.union1d(sites[2 * agreed > total], _agreed_before(sites, which, agree))
 
 
 def _agreed_before(sites: np.ndarray, which: np.ndarray, agree: np.ndarray) -> np.ndarray:
