@@ -99,3 +99,16 @@ def test_a_journal_that_cannot_be_sealed_is_kept_and_named(killed: Path) -> None
     h5.mkdir()  # something in the way of the sealed file
     (r,) = seal_part(killed)
     assert r.error and journal.exists()  # one bad rank never loses its journal
+
+
+def test_an_empty_journal_beside_a_sealed_rank_file_is_never_sealed_over_it(killed: Path) -> None:
+    journal, _, h5 = rank_paths(killed, 0)
+    seal_part(killed)
+    assert h5.exists() and not journal.exists()
+    # What a second writer that failed to start leaves (its payload existed): an empty journal.
+    # Before: sealing it replaced the rank's 3 steps with 0.
+    journal.touch()
+    (r,) = seal_part(killed)
+    assert r.error and "sealed already" in r.error and journal.exists()
+    with Recording(killed.parent) as rec:
+        assert rec["run-000"][0].n_steps == 3

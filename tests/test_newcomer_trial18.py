@@ -171,3 +171,50 @@ def test_bisect_steps_against_a_rerun_gives_the_keyframe_remedy_replay_step_give
     p = _replay("bisect", "steps", rec, "--against-rerun", "--rank", 0, "--no-save", cwd=tmp_path)
     assert "first departs from the recording at step 1" in p.stdout, p.stdout
     assert "a keyframe every step restores it: replay record --keyframe-every 1" in p.stdout, p.stdout
+
+
+# The recorder used in-process by a script whose loop is at its top level (no __main__ guard);
+# the step it names is a class of that script.
+_SCRIPT_WITH_ITS_OWN_RECORDER = """
+    import os, torch, torch.nn as nn
+    from pathlib import Path
+    from replay import Recorder, RecorderConfig
+    torch.manual_seed(0)
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__(); self.emb = nn.Embedding(16, 8); self.head = nn.Linear(8, 16)
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+    m = LM().eval()
+    Path("ran-" + str(os.getpid())).touch()
+    rec = Recorder(RecorderConfig(out="rec", rank=0, world_size=1))
+    rec.set_target({"step": "inproc:LM"})
+    ids = torch.tensor([[1, 2]])
+    with torch.no_grad():
+        for s in range(4):
+            with rec.step():
+                rec.record_inputs(ids=ids)
+                logits = m(ids)
+                rec.record_outputs(logits=logits)
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    rec.close()
+"""
+
+
+def test_a_re_run_never_imports_a_script_whose_top_level_runs_its_program(tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "inproc", _SCRIPT_WITH_ITS_OWN_RECORDER)
+    p = subprocess.run([sys.executable, "inproc.py"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    before = sorted(x.name for x in (tmp_path / "rec" / "run-000").iterdir())
+    # Before: importing inproc:LM ran the script's whole loop inside replay (a second "ran-"
+    # marker), whose recorder left an empty journal in the recording, which `replay seal` then
+    # sealed over the rank's steps.
+    p = _replay("step", "rec", "--rank", 0, "--step", 2, "--trust", cwd=tmp_path)
+    assert p.returncode == 6, p.stdout + p.stderr
+    assert "importing inproc" in p.stderr and "would run its program: its top level runs a with block" in p.stderr, p.stderr
+    assert len(list(tmp_path.glob("ran-*"))) == 1
+    assert sorted(x.name for x in (tmp_path / "rec" / "run-000").iterdir()) == before

@@ -98,6 +98,14 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False, sign_after: flo
         if fd is None:
             return None
     try:
+        if h5.exists() and _holds_no_step(journal):
+            # A rank file sealed already, and beside it a journal with no step: another writer's
+            # that failed to start (its payload existed). Sealing it would replace the rank's
+            # steps with none: it is left as it is, and said. (A journal with steps beside its
+            # rank file is a sealer's killed between the two: sealed again, the same steps.)
+            return SealResult(rank=rank, path=journal, steps=0, complete=False, problem=None, lost_bytes=0,
+                              error=f"{h5.name} is sealed already: the journal beside it ({journal.stat().st_size} bytes, "
+                                    "another writer's) was not sealed over it")
         try:
             written = os.stat(journal).st_mtime
         except OSError:
@@ -107,6 +115,15 @@ def seal_rank(part_dir: Path, rank: int, *, force: bool = False, sign_after: flo
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _holds_no_step(journal: Path) -> bool:
+    builder = TablesBuilder()
+    try:
+        scan_journal(journal, builder.add)
+        return builder.finish(payload_size=0).steps.size == 0
+    except Exception:  # noqa: BLE001 - a journal that cannot be read holds no step to seal either
+        return True
 
 
 def _seal_locked(journal: Path, payload: Path, h5: Path, rank: int, *, sign: bool = False) -> SealResult:

@@ -94,6 +94,7 @@ def main_module(ctx: ImportContext, name: str) -> ModuleType:
         return existing
     if MAIN_ALIAS in sys.modules and getattr(sys.modules[MAIN_ALIAS], "__file__", None) == ctx.main_file:
         return sys.modules[MAIN_ALIAS]
+    _refuse_a_program_file(Path(ctx.main_file), stem, name)
     spec = importlib.util.spec_from_file_location(MAIN_ALIAS, ctx.main_file)
     if spec is None or spec.loader is None:
         raise FactoryError(f"cannot load {ctx.main_file} for {name}")
@@ -108,12 +109,37 @@ def main_module(ctx: ImportContext, name: str) -> ModuleType:
 
 
 def _import_module(module: str, name: str) -> ModuleType:
+    if module not in sys.modules:
+        _refuse_a_program(module, name)
     try:
         return importlib.import_module(module)
     except ImportError as e:
         raise FactoryError(f"cannot import {module} for {name} ({e}); is the package installed here?") from None
     except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - user code failed while importing (issue 16: exits too)
         raise FactoryError(f"importing {module} for {name} failed: {e.__class__.__name__}: {e}") from None
+
+
+def _refuse_a_program(module: str, name: str) -> None:
+    """Refuse to import a module whose top level runs a program (a script's decode loop outside
+    ``if __name__ == "__main__":``): importing it would run that program inside replay, write
+    into its recording and exit or kill replay with it. Read, never run, to tell."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError, AttributeError):
+        return  # the import itself says why
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    if isinstance(origin, str) and origin.endswith(".py") and os.path.isfile(origin):
+        _refuse_a_program_file(Path(origin), module, name)
+
+
+def _refuse_a_program_file(path: Path, module: str, name: str) -> None:
+    from replay.rerun.script_check import program_statement
+
+    line = program_statement(path)
+    if line is not None:
+        raise FactoryError(f"{name}: importing {module} ({path}) would run its program: its top level runs {line} outside "
+                           "`if __name__ == \"__main__\":`; pass --factory naming a module that builds the model without running "
+                           "the program, or move the loop under that guard")
 
 
 def import_recorded(name: str, what: str, ctx: ImportContext | None = None) -> Any:
