@@ -41,6 +41,9 @@ class RankMeta:
     # The target object's Python scalars at the first keyframe (a temperature, a scale, a flag
     # kept as an attribute of the model and read inside forward): (step, {name: value}).
     scalars: tuple[int, dict[str, Any]] | None = None
+    # The step's arguments recorded by class name only ("draft (a LM)"): a second model the step
+    # takes has no weights recorded, and "weights the same" must not speak for it.
+    unrecorded: list[str] = field(default_factory=list)
 
 
 def rank_meta(rf: RankFile) -> RankMeta:
@@ -48,7 +51,28 @@ def rank_meta(rf: RankFile) -> RankMeta:
         scalars = rf.first_keyframe_scalars()
     except (RecordingDamaged, KeyError, ValueError, TypeError):
         scalars = None  # a damaged keyframe table: the scalars are not compared (reading the steps says why)
-    return RankMeta(rank=rf.rank, attrs=dict(rf.attrs), tuner=rf.tuner_choices(), kernels=_graph_kernels(rf), scalars=scalars)
+    return RankMeta(rank=rf.rank, attrs=dict(rf.attrs), tuner=rf.tuner_choices(), kernels=_graph_kernels(rf), scalars=scalars,
+                    unrecorded=_unrecorded_arguments(rf))
+
+
+_MAX_ARG_TEXTS = 256  # distinct argument texts read for the arguments recorded by class name only
+
+
+def _unrecorded_arguments(rf: RankFile) -> list[str]:
+    """The step arguments recorded by class name only, from each distinct argument text."""
+    from replay.textsafe import a_or_an
+
+    found: dict[str, str] = {}
+    try:
+        ids = rf.tables.steps["args"]
+        for sid in np.unique(ids[ids >= 0])[:_MAX_ARG_TEXTS].tolist():
+            args = json.loads(rf.tables.string(int(sid)))
+            for name, v in (args.items() if isinstance(args, dict) else ()):
+                if isinstance(v, dict) and isinstance(v.get("unrecorded"), str):
+                    found.setdefault(str(name), f"{name} ({a_or_an(v['unrecorded'])})")
+    except (RecordingDamaged, KeyError, ValueError, TypeError):
+        return []
+    return sorted(found.values())
 
 _CAP = 20  # items listed per category; the count says how many there are
 
@@ -220,7 +244,7 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
     if same_layout:
         # Digested once, as each run's first recorded step found them: a weight the program
         # changed later (an adapter added mid-run) is not seen here.
-        return _capped(Category.WEIGHTS, merged, "as at each run's first recorded step")
+        return _capped(Category.WEIGHTS, merged, "as at each run's first recorded step" + _objects_not_weighed(pairs))
     if not merged:
         # Digests of shards cannot be compared across layouts: do not call the weights the same.
         same = f"; the {replicated} replicated in both runs have the same digests" if replicated else ""
@@ -229,6 +253,17 @@ def _weights(pairs: list[tuple[RankMeta, RankMeta]], same_layout: bool) -> Conte
                                 "cannot be compared across layouts")
     return _capped(Category.WEIGHTS, merged, "the runs are laid out differently: parameters replicated in both runs (one "
                    "digest on every rank of each) compared by digest, the others by names, shapes and dtypes only")
+
+
+def _objects_not_weighed(pairs: list[tuple[RankMeta, RankMeta]]) -> str:
+    """The objects the step takes that were recorded by class name only (a draft model passed
+    beside the target): the weights compared are the step's model's, not theirs."""
+    names = sorted({u for a, b in pairs for u in (*a.unrecorded, *b.unrecorded)})
+    if not names:
+        return ""
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (f"; the step's model only: it also takes {shown}, recorded by class name only, whose weights (if any) "
+            "were not recorded or compared")
 
 
 def _weights_missing(wa: list[Any], wb: list[Any]) -> str:

@@ -1,0 +1,55 @@
+"""Found in the twenty-fifth session's third newcomer trial (engines nobody adapted), each a test
+that failed before its fix. Nothing in the scripts was adapted to replay."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_newcomer_scripts import _replay, _script
+
+pytestmark = pytest.mark.e2e
+
+# Speculative decoding as one function step, spec_step(target, draft, ids): the target is the
+# step's model; the draft, a second model, is passed beside it. DSEED perturbs the draft only.
+_SPEC_STEP = """
+    import os, torch, torch.nn as nn
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__(); torch.manual_seed(0)
+            self.emb = nn.Embedding(32, 16); self.head = nn.Linear(16, 32)
+        def forward(self, ids):
+            return self.head(torch.tanh(self.emb(ids).cumsum(1)))
+    target, draft = LM().eval(), LM().eval()
+    with torch.no_grad():
+        draft.head.weight.add_(torch.randn(32, 16, generator=torch.Generator().manual_seed(int(os.environ.get("DSEED", "9")))) * 0.3)
+    def spec_step(target, draft, ids):
+        d = ids
+        for _ in range(2):
+            d = torch.cat([d, draft(d)[:, -1:].argmax(-1)], 1)
+        return target(d)[:, -1].argmax(-1, keepdim=True)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for s in range(5):
+            ids = torch.cat([ids, spec_step(target, draft, ids)], 1)
+"""
+
+
+def test_diff_does_not_call_the_weights_the_same_for_a_model_the_step_takes_unrecorded(tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.test_newcomer_scripts import _env
+
+    _script(tmp_path, "spec", _SPEC_STEP)
+    for out, seed in (("recA", "9"), ("recB", "5")):
+        p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--step", "spec:spec_step", "--out", out, "--",
+                            sys.executable, "spec.py"], cwd=tmp_path, env={**_env(), "DSEED": seed}, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+    # Before: "weights  the same (as at each run's first recorded step)": the draft, whose
+    # weights differ, was never digested.
+    out = json.loads(_replay("diff", "recA", "recB", "--json", cwd=tmp_path).stdout)
+    weights = next(c for c in out["other_differences"] if c["category"] == "weights")
+    assert "the step's model only: it also takes draft (a LM), recorded by class name only" in weights["note"], weights
