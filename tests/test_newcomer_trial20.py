@@ -53,3 +53,40 @@ def test_diff_does_not_call_the_weights_the_same_for_a_model_the_step_takes_unre
     out = json.loads(_replay("diff", "recA", "recB", "--json", cwd=tmp_path).stdout)
     weights = next(c for c in out["other_differences"] if c["category"] == "weights")
     assert "the step's model only: it also takes draft (a LM), recorded by class name only" in weights["note"], weights
+
+
+# Two LoRA adapters; the loop picks one per request by name (a str attribute) before each step.
+_LORA_BY_NAME = """
+    import torch, torch.nn as nn
+    torch.manual_seed(0)
+    class LoRA(nn.Module):
+        def __init__(self, seed):
+            super().__init__(); g = torch.Generator().manual_seed(seed)
+            self.A = nn.Parameter(torch.randn(4, 16, generator=g) * 0.3); self.B = nn.Parameter(torch.randn(16, 4, generator=g) * 0.3)
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16); self.l1 = nn.Linear(16, 16); self.head = nn.Linear(16, 32)
+            self.adapters = nn.ModuleDict({"a": LoRA(1), "b": LoRA(2)})
+            self.active = "a"
+        def forward(self, ids):
+            h = self.emb(ids).mean(1); ad = self.adapters[self.active]
+            return self.head(torch.relu(self.l1(h) + h @ ad.A.T @ ad.B.T))
+    m = LM().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for r in ["a", "b", "a", "a", "b", "b", "a", "b"]:
+            m.active = r
+            ids = torch.cat([ids, m(ids).argmax(-1, keepdim=True)], 1)
+"""
+
+
+def test_a_str_attribute_the_loop_sets_between_steps_is_kept_in_keyframes(tmp_path: Path) -> None:
+    _script(tmp_path, "lora", _LORA_BY_NAME)
+    p = _replay("record", "--quiet", "--keyframe-every", 1, "--out", "rec", "--", sys.executable, "lora.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    # Before: "not reproduced" even with a keyframe every step (the advice `replay step` gives):
+    # keyframes kept int, float and bool attributes only, and the adapter's name is a str.
+    for step in (3, 5):
+        p = _replay("step", "rec", "--rank", 0, "--step", step, "--no-save", cwd=tmp_path)
+        assert p.stdout.startswith(f"reproduced: rank 0 step {step} re-ran bit for bit"), p.stdout

@@ -107,7 +107,8 @@ def test_several_ranks_with_live_collectives(recordings, run_cli):
 
 
 def test_keyframes_keep_only_scalars_that_changed_and_a_rerun_sets_them_back() -> None:
-    from replay.core.state import SCALAR_PREFIX, UNCHANGED_PREFIX, restore_scalars, split_scalars, with_scalars
+    from replay.core.state import (SCALAR_PREFIX, STR_PREFIX, STR_UNCHANGED_PREFIX, UNCHANGED_PREFIX, restore_scalars,
+                                   split_scalars, with_scalars)
 
     class Eng:
         def __init__(self) -> None:
@@ -117,17 +118,17 @@ def test_keyframes_keep_only_scalars_that_changed_and_a_rerun_sets_them_back() -
     fn = with_scalars(lambda: {"h": torch.zeros(2)}, lambda: eng)
     assert fn is not None
     # The first keyframe: nothing has changed yet; the values are kept apart (maybe configuration).
-    assert set(fn()) == {"h", *(UNCHANGED_PREFIX + n for n in ("step_index", "scale", "double"))}
-    eng.step_index = 20
+    assert set(fn()) == {"h", *(UNCHANGED_PREFIX + n for n in ("step_index", "scale", "double")), STR_UNCHANGED_PREFIX + "name"}
+    eng.step_index, eng.name = 20, "adapter-b"  # a str the loop sets between steps (the active adapter)
     kf = fn()
-    assert set(kf) == {"h", SCALAR_PREFIX + "step_index", UNCHANGED_PREFIX + "scale", UNCHANGED_PREFIX + "double"}
+    assert set(kf) == {"h", SCALAR_PREFIX + "step_index", UNCHANGED_PREFIX + "scale", UNCHANGED_PREFIX + "double", STR_PREFIX + "name"}
     unchanged: dict = {}
     tensors, scalars = split_scalars(kf, unchanged)
-    assert set(tensors) == {"h"} and scalars == {"step_index": 20}  # configuration (scale, double) is not restored
+    assert set(tensors) == {"h"} and scalars == {"step_index": 20, "name": "adapter-b"}  # configuration (scale, double) is not restored
     assert unchanged == {"scale": 0.5, "double": True}  # ... but on the program's own object (a re-launch)
     fresh = Eng()
     assert restore_scalars(fresh, {**scalars, "missing": 1, "scale": 3}) == ["missing", "scale"]  # int over a float: refused
-    assert fresh.step_index == 20 and fresh.scale == 0.5
+    assert fresh.step_index == 20 and fresh.scale == 0.5 and fresh.name == "adapter-b"
 
 
 def test_keyframes_keep_the_state_of_generators_the_target_holds() -> None:

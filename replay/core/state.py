@@ -2,7 +2,8 @@
 
 Tensors: an ``nn.Module``'s buffers and non-parameter tensor attributes (``module_state``).
 Scalars: the ``int``, ``float`` and ``bool`` attributes of the target object itself (a step
-counter, an ``input_pos`` kept as an int, a cache length). An engine that keeps such a counter
+counter, an ``input_pos`` kept as an int, a cache length), and its short ``str`` ones (the active
+adapter's name, kept as UTF-8 bytes under ``STR_PREFIX``). An engine that keeps such a counter
 on the Python side computes something else, or just says "decode step 0", when a re-run restores
 its tensors but not its counter. Keyframes hold them as 0-d tensors, so the file format does not
 change: those that changed since the first keyframe under ``SCALAR_PREFIX + name``, the others
@@ -21,12 +22,17 @@ import torch
 
 from replay.core.host_generators import host_generator_state, is_host_generator, set_host_generator_state
 
-__all__ = ["SCALAR_PREFIX", "UNCHANGED_PREFIX", "GENERATOR_PREFIX", "module_state", "named_state", "held_module",
+__all__ = ["SCALAR_PREFIX", "UNCHANGED_PREFIX", "STR_PREFIX", "STR_UNCHANGED_PREFIX", "GENERATOR_PREFIX", "module_state", "named_state", "held_module",
            "held_module_state", "capture_generators",
            "split_generators", "restore_generators", "capture_scalars", "split_scalars", "restore_scalars", "with_scalars"]
 
 SCALAR_PREFIX = "__py__."
 UNCHANGED_PREFIX = "__pyfixed__."  # a scalar that had not changed since the first keyframe
+# A str attribute (the active LoRA adapter's name, a mode the loop sets between steps): its UTF-8
+# bytes as a uint8 tensor, under these prefixes (changed since the first keyframe, or not).
+STR_PREFIX = "__pystr__."
+STR_UNCHANGED_PREFIX = "__pystrfixed__."
+_MAX_STR = 256  # a longer str attribute is text, not step state
 # The state of a generator the target holds: a torch.Generator (uint8, as get_state), or a host
 # one (numpy's, random's: uint8 JSON bytes, replay.core.host_generators).
 GENERATOR_PREFIX = "__gen__."
@@ -106,6 +112,9 @@ def _scalar_items(obj: Any) -> list[tuple[str, Any]]:
     skip = _module_internals() if isinstance(obj, torch.nn.Module) else frozenset()
     out = []
     for name, v in items:
+        if type(v) is str and len(v) <= _MAX_STR and not name.startswith("__") and name not in skip:
+            out.append((name, v))
+            continue
         if name.startswith("__") or name in skip or type(v) not in (int, float, bool):
             continue  # exact types only: an IntEnum or a numpy scalar is configuration, not a counter
         if type(v) is int and not _INT64[0] <= v <= _INT64[1]:
@@ -122,9 +131,25 @@ def capture_scalars(obj: Any) -> dict[str, torch.Tensor]:
         return {}
     out = {}
     for name, v in items:
+        if type(v) is str:
+            out[STR_PREFIX + name] = torch.tensor(list(v.encode()), dtype=torch.uint8)
+            continue
         dtype = torch.bool if type(v) is bool else torch.int64 if type(v) is int else torch.float64
         out[SCALAR_PREFIX + name] = torch.tensor(v, dtype=dtype)
     return out
+
+
+def _value(key: str, t: torch.Tensor) -> Any:
+    """A kept attribute's Python value: a str from its bytes, else the 0-d tensor's item."""
+    if key.startswith((STR_PREFIX, STR_UNCHANGED_PREFIX)):
+        return bytes(t.to(torch.uint8).tolist()).decode("utf-8", "replace")
+    return bool(t.item()) if t.dtype == torch.bool else t.item()
+
+
+def _unchanged_key(key: str) -> str:
+    if key.startswith(STR_PREFIX):
+        return STR_UNCHANGED_PREFIX + key[len(STR_PREFIX):]
+    return UNCHANGED_PREFIX + key[len(SCALAR_PREFIX):]
 
 
 def with_scalars(state_fn: Callable[[], dict[str, torch.Tensor]] | None, obj_ref: Callable[[], Any]) -> Callable[[], dict[str, torch.Tensor]] | None:
@@ -141,15 +166,15 @@ def with_scalars(state_fn: Callable[[], dict[str, torch.Tensor]] | None, obj_ref
             if obj is not None:
                 now = capture_scalars(obj)
                 if not first:
-                    first.update({k: v.item() for k, v in now.items()} or {"": None})
+                    first.update({k: _value(k, v) for k, v in now.items()} or {"": None})
                 # What changed since the first keyframe is step state (a counter); a value that
                 # never changed may be configuration, which a re-run of a rebuilt target must not
                 # paper over (one configured otherwise has to show as such). It is kept apart: a
                 # re-run inside the recorded program sets it back on the program's own object,
                 # whose calls before the first recorded one (found with no flags) moved it.
                 for k, v in now.items():
-                    changed = k not in first or first[k] != v.item()
-                    state[k if changed else UNCHANGED_PREFIX + k[len(SCALAR_PREFIX):]] = v
+                    changed = k not in first or first[k] != _value(k, v)
+                    state[k if changed else _unchanged_key(k)] = v
                 state.update(capture_generators(obj))
         except Exception:  # noqa: BLE001 - the scalars are extra; the tensors are the keyframe
             pass
@@ -164,10 +189,11 @@ def split_scalars(state: dict[str, torch.Tensor], unchanged: dict[str, bool | in
     attribute name, as Python values); those that had not go into ``unchanged`` when given."""
     tensors, scalars = {}, {}
     for k, v in state.items():
-        for prefix, into in ((SCALAR_PREFIX, scalars), (UNCHANGED_PREFIX, unchanged)):
-            if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.numel() == 1:
+        for prefix, into in ((SCALAR_PREFIX, scalars), (UNCHANGED_PREFIX, unchanged),
+                             (STR_PREFIX, scalars), (STR_UNCHANGED_PREFIX, unchanged)):
+            if k.startswith(prefix) and isinstance(v, torch.Tensor) and (v.numel() == 1 or prefix.startswith("__pystr")):
                 if into is not None:
-                    into[k[len(prefix):]] = v.item() if v.dtype != torch.bool else bool(v.item())
+                    into[k[len(prefix):]] = _value(k, v)
                 break
         else:
             tensors[k] = v
