@@ -126,6 +126,7 @@ def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, mod
     if as_json:
         emit_json({"kind": "step-ranks", "results": list(results)})
     else:
+        click.echo(_ranks_headline(results, step_index))  # every command leads with its verdict
         for r in results:
             click.echo(render_step_json(r))
     failed = [r for r in results if r.get("error") or r.get("problem") or r.get("raised")]
@@ -135,6 +136,22 @@ def _step_ranks(path: Path, chosen: Part, ranks: list[int], step_index: int, mod
         click.echo(f"replay: rank {first.get('rank')}: {escape(why)}", err=True)
         return RerunError.exit_code
     return 0
+
+
+def _ranks_headline(results: list[dict[str, Any]], step_index: int) -> str:
+    """One verdict over several ranks: "reproduced" only when every rank's own verdict is."""
+    def ranks(rs: list[dict[str, Any]]) -> str:
+        return ", ".join(str(r.get("rank")) for r in rs)
+
+    failed = [r for r in results if r.get("error") or r.get("problem") or r.get("raised")]
+    done = [r for r in results if r not in failed]
+    same = [r for r in done if str(r.get("headline") or "").startswith("reproduced:")]
+    other = [r for r in done if r not in same]
+    if results and len(same) == len(results):
+        return f"reproduced: step {step_index} of rank(s) {ranks(same)}, each as its own recording"
+    parts = ([f"rank(s) {ranks(other)} not reproduced (or not compared)"] if other else []) + \
+            ([f"rank(s) {ranks(failed)} not re-run"] if failed else []) + ([f"rank(s) {ranks(same)} reproduced"] if same else [])
+    return f"not reproduced: step {step_index}: " + "; ".join(parts or ["no rank re-run"])
 
 
 def _no_keyframe(r: StepRerun) -> bool:
