@@ -156,6 +156,16 @@ def _sdpa(name: str) -> Setting:
     return Setting(f"sdpa.{name}", _c(f"_get_{name}_sdp_enabled"), getattr(C, f"_set_sdp_use_{name}", None))
 
 
+# Whether this thread flushes denormals to zero (``torch.set_flush_denormal``, which has no
+# getter): the CPU's flag applies to Python's own float arithmetic too, so a denormal times one
+# reads zero under it. Module globals: a constant expression would be folded when compiled.
+_DENORMAL, _ONE = 5e-324, 1.0
+
+
+def _flush_denormal() -> bool:
+    return _DENORMAL * _ONE == 0.0
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("grad_enabled", torch.is_grad_enabled, lambda v: torch.set_grad_enabled(bool(v))),
     Setting("inference_mode", torch.is_inference_mode_enabled, _set_inference_mode),
@@ -202,6 +212,7 @@ SETTINGS: tuple[Setting, ...] = (
             getattr(C, "_set_deterministic_fill_uninitialized_memory", None)),
     Setting("default_dtype", torch.get_default_dtype, lambda v: torch.set_default_dtype(_dtype(v)), str),
     Setting("num_threads", torch.get_num_threads, lambda v: torch.set_num_threads(int(v))),
+    Setting("flush_denormal", _flush_denormal, lambda v: torch.set_flush_denormal(bool(v))),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 _READS = tuple(s.read for s in SETTINGS)

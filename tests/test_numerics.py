@@ -153,3 +153,21 @@ def test_a_reader_refusing_every_step_is_read_every_step_and_only_once(monkeypat
     for n in range(1, 4):
         assert numerics.capture()["backends.cuda.matmul.allow_tf32"] is None
         assert len(calls) == first + n
+
+
+def test_flush_denormal_is_captured_and_set_back() -> None:
+    """torch.set_flush_denormal has no getter; one rank that set it computed otherwise, and
+    "numerics the same" was said without it ever being compared."""
+    assert numerics.capture()["flush_denormal"] is False
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        recorded = numerics.capture()
+    finally:
+        torch.set_flush_denormal(False)
+    assert recorded["flush_denormal"] is True
+    assert any("flush_denormal" in str(d) for d in numerics.differences(recorded, numerics.capture()))
+    with numerics.apply(recorded) as failed:
+        assert failed == [] and numerics.capture()["flush_denormal"] is True
+        assert 1e-310 * float(os.environ.get("ONE", "1")) == 0.0  # denormals flushed, as recorded
+    assert numerics.capture()["flush_denormal"] is False
