@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_newcomer_scripts import _replay, _script
+from tests.test_newcomer_scripts import _SPAWN_TWO_RANKS, _replay, _script
 
 pytestmark = pytest.mark.e2e
 
@@ -90,3 +90,44 @@ def test_a_str_attribute_the_loop_sets_between_steps_is_kept_in_keyframes(tmp_pa
     for step in (3, 5):
         p = _replay("step", "rec", "--rank", 0, "--step", step, "--no-save", cwd=tmp_path)
         assert p.stdout.startswith(f"reproduced: rank 0 step {step} re-ran bit for bit"), p.stdout
+
+
+# The loop all-reduces the sampled token after each call of the model (outside the step); from
+# call 5 on, rank 1's logits are pushed to another token.
+_ALL_REDUCE_AFTER_THE_STEP = """
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__(); torch.manual_seed(0); self.emb = nn.Embedding(32, 8); self.head = nn.Linear(8, 32)
+            self.calls = 0
+        def forward(self, ids):
+            self.calls += 1
+            logits = self.head(self.emb(ids).mean(1))
+            if dist.get_rank() == 1 and self.calls >= 5:
+                logits = logits.clone(); logits[0, (int(logits.argmax()) + 1) % 32] += 100.0
+            return logits
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        m = LM(); ids = torch.tensor([[1, 2]])
+        with torch.no_grad():
+            for s in range(8):
+                nxt = m(ids).argmax(-1, keepdim=True)
+                ids = torch.cat([ids, nxt], 1)
+                t = nxt.clone().view(1); dist.all_reduce(t)
+        dist.destroy_process_group()
+""" + _SPAWN_TWO_RANKS
+
+
+def test_a_collective_the_loop_makes_after_the_step_is_not_named_before_the_step_s_output(tmp_path: Path) -> None:
+    _script(tmp_path, "after", _ALL_REDUCE_AFTER_THE_STEP)
+    p = _replay("record", "--quiet", "--out", "rec", "--", sys.executable, "after.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    # Before: "first divergence at step 3: the input of collective.0.all_reduce differs ...;
+    # every rank received the same output, which hides the difference from the fields after it",
+    # where the step's own logits (recorded before that all_reduce ran) differ.
+    first = _replay("info", "rec", cwd=tmp_path).stdout.splitlines()[0]
+    assert first.startswith("first divergence at step 3: output.logits differs on rank(s) 1"), first

@@ -12,7 +12,7 @@ from typing import Iterable
 
 import numpy as np
 
-from replay.analysis.collective_inputs import INPUT_SUFFIX, first_input_divergence
+from replay.analysis.collective_inputs import INPUT_SUFFIX, first_input_divergence, made_after_the_step
 from replay.analysis.vote import majority_text, vote
 from replay.errors import RecordingDamaged
 from replay.format.reader import Part, RankFile
@@ -141,9 +141,11 @@ def first_divergence(
         return found
     hidden = _first_hidden_divergence(part, chosen, steps)
     # A step's own input that differs is the likelier cause; a collective's input that differs
-    # at the step where an output does comes before that output in the step.
+    # at the step where an output does comes before that output in the step, unless the loop
+    # made it after the step's call returned (kept under the step all the same).
     if hidden is not None and (found is None or hidden.step < found.step or (
-            hidden.step == found.step and not found.field.startswith("input."))):
+            hidden.step == found.step and not found.field.startswith("input.")
+            and not made_after_the_step(part[hidden.ranks[0]], hidden.step, hidden.field))):
         found = hidden
     raised = _first_status_divergence(part, chosen, steps)
     # A step one rank raised in and another completed is where their runs broke apart; a field
