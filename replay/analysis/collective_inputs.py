@@ -21,7 +21,7 @@ import numpy as np
 
 from replay.format.reader import Part, RankFile
 
-__all__ = ["INPUT_SUFFIX", "first_input_divergence", "first_input_difference", "made_after_the_step"]
+__all__ = ["INPUT_SUFFIX", "first_input_divergence", "first_input_difference"]
 
 # A divergence's field: ``collective.<place>.<op>`` (the output field's name) and this suffix.
 INPUT_SUFFIX = " input"
@@ -146,12 +146,3 @@ def _agreed_before(sites: np.ndarray, which: np.ndarray, agree: np.ndarray) -> n
             out.append(sites[k])
     return np.array(out, dtype=sites.dtype)
 
-
-def made_after_the_step(rf: RankFile, step: int, field_name: str) -> bool:
-    """Whether the collective ``field_name`` (``collective.<place>.<op> input``) of ``step`` was
-    made after the step's call returned (the loop all-reducing the sampled token): the table
-    keeps it under the step, after the ``n_collectives`` the step's own call made."""
-    place = field_name.split(".")[1] if field_name.startswith("collective.") else ""
-    steps = rf.tables.steps
-    row = steps[steps["step"] == step]
-    return place.isdigit() and len(row) > 0 and int(place) >= int(row["n_collectives"][0])

@@ -12,7 +12,7 @@ from typing import Iterable
 
 import numpy as np
 
-from replay.analysis.collective_inputs import INPUT_SUFFIX, first_input_divergence, made_after_the_step
+from replay.analysis.collective_inputs import INPUT_SUFFIX, first_input_divergence
 from replay.analysis.vote import majority_text, vote
 from replay.errors import RecordingDamaged
 from replay.format.reader import Part, RankFile
@@ -140,12 +140,10 @@ def first_divergence(
     if prefix is not None:
         return found
     hidden = _first_hidden_divergence(part, chosen, steps)
-    # A step's own input that differs is the likelier cause; a collective's input that differs
-    # at the step where an output does comes before that output in the step, unless the loop
-    # made it after the step's call returned (kept under the step all the same).
-    if hidden is not None and (found is None or hidden.step < found.step or (
-            hidden.step == found.step and not found.field.startswith("input.")
-            and not made_after_the_step(part[hidden.ranks[0]], hidden.step, hidden.field))):
+    # A collective's input is named where no field shows the difference (at an earlier step, or
+    # with none at all): at a step where a field differs too, that field is named (the collective
+    # may be one the loop made after the step's call returned, kept under the step).
+    if hidden is not None and (found is None or hidden.step < found.step):
         found = hidden
     raised = _first_status_divergence(part, chosen, steps)
     # A step one rank raised in and another completed is where their runs broke apart; a field

@@ -971,7 +971,7 @@ def _note_scalars(target: Target, keyframe: int, result: StepRerun) -> None:
                      + (", ..." if len(target.restored_scalars) > 8 else ""))
     if target.restored_generators:
         gens = ", ".join(target.restored_generators[:8])
-        notes.append(f"restored the state of the generator(s) the target holds from the keyframe at step {keyframe}: {gens}")
+        notes.append(f"restored the state of the generator(s) the target holds (torch.Generator, numpy.random.Generator, random.Random) from the keyframe at step {keyframe}: {gens}")
     if target.unrestored_scalars:
         notes.append(f"the keyframe at step {keyframe} holds Python state the rebuilt target has no attribute of that "
                      f"type for ({', '.join(target.unrestored_scalars[:8])}): not restored")
