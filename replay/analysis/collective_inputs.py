@@ -54,11 +54,6 @@ def _keyed_file(rf: RankFile, steps: np.ndarray | None) -> tuple[np.ndarray, np.
     return key[keep], c["op"][keep].astype(np.int64), c["in_digest"][keep]
 
 
-def _op_ids(part: Part, rank: int, ops: np.ndarray, names: dict[str, int]) -> np.ndarray:
-    """The rank's op string ids as ids shared by all ranks (by name)."""
-    return _op_ids_of(part[rank], ops, names)
-
-
 def first_input_difference(files: list[tuple[RankFile, RankFile]]) -> tuple[int, int, str] | None:
     """Between two runs of one layout, rank against rank: (rank of A, step, field) of the first
     collective input that differs at a place (n-th collective of the step, one op) whose inputs
@@ -90,6 +85,7 @@ def first_input_difference(files: list[tuple[RankFile, RankFile]]) -> tuple[int,
 
 
 def _op_ids_of(rf: RankFile, ops: np.ndarray, names: dict[str, int]) -> np.ndarray:
+    """The rank file's op string ids as ids shared by every file compared (by name)."""
     u, inv = np.unique(ops, return_inverse=True)
     lut = np.array([names.setdefault(rf.tables.string(int(i)), len(names)) for i in u], dtype=np.int64)
     return lut[inv] if u.size else np.zeros(0, np.int64)
@@ -112,7 +108,7 @@ def first_input_divergence(part: Part, chosen: list[int], steps: np.ndarray | No
     if agree.all():
         return None
     names: dict[str, int] = {}
-    ops = np.stack([_op_ids(part, r, rows[r][1][at[r]], names) for r in chosen])
+    ops = np.stack([_op_ids_of(part[r], rows[r][1][at[r]], names) for r in chosen])
     same_op = np.all(ops == ops[0], axis=0)
     place = common & ((1 << _PLACE_BITS) - 1)
     # A site: a place in the step and its op (``_agreeing_sites``: those whose inputs should agree).

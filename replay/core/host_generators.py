@@ -30,12 +30,20 @@ def is_host_generator(v: Any) -> bool:
     return isinstance(v, (np.random.Generator, np.random.RandomState, random.Random))
 
 
+def _kind(g: Any) -> str:
+    if isinstance(g, np.random.Generator):
+        return "numpy.Generator"
+    return "numpy.RandomState" if isinstance(g, np.random.RandomState) else "random.Random"
+
+
 def _state(g: Any) -> Any:
     if isinstance(g, np.random.Generator):
-        return {_KIND: "numpy.Generator", "state": g.bit_generator.state}
-    if isinstance(g, np.random.RandomState):
-        return {_KIND: "numpy.RandomState", "state": g.get_state(legacy=False)}
-    return {_KIND: "random.Random", "state": g.getstate()}  # SystemRandom raises: it has none
+        state = g.bit_generator.state
+    elif isinstance(g, np.random.RandomState):
+        state = g.get_state(legacy=False)
+    else:
+        state = g.getstate()  # SystemRandom raises: it has none
+    return {_KIND: _kind(g), "state": state}
 
 
 def _plain(v: Any) -> Any:
@@ -78,7 +86,7 @@ def set_host_generator_state(g: Any, recorded: torch.Tensor) -> None:
     """Set ``g`` back to a state ``host_generator_state`` took of a generator of the same kind;
     raises (ValueError, TypeError) on another kind or a state it does not take."""
     data = _from_plain(json.loads(bytes(recorded.to("cpu", torch.uint8).numpy().tobytes()).decode()))
-    if not isinstance(data, dict) or data.get(_KIND) != _state_kind(g):
+    if not isinstance(data, dict) or data.get(_KIND) != _kind(g):
         raise ValueError("the recorded state is of another kind of generator")
     state = data["state"]
     if isinstance(g, np.random.Generator):
@@ -88,8 +96,3 @@ def set_host_generator_state(g: Any, recorded: torch.Tensor) -> None:
     else:
         g.setstate(state)
 
-
-def _state_kind(g: Any) -> str:
-    if isinstance(g, np.random.Generator):
-        return "numpy.Generator"
-    return "numpy.RandomState" if isinstance(g, np.random.RandomState) else "random.Random"
