@@ -123,3 +123,44 @@ def test_uncaught_keyboard_interrupt_keeps_exit_130(tmp_path):
                            capture_output=True, text=True, timeout=90)
         assert v.returncode == 0, v.stdout + v.stderr
         assert "3 steps" in v.stdout, v.stdout
+
+
+# A ``multiprocessing`` worker that got its sentinel closes its recording at its exit, and
+# ``Pool.terminate`` (``with Pool(...)``'s exit) may term it in the middle of that close: the
+# signal is made to land there, as it did one run in three with a Pool of two workers.
+_TERM_IN_CLOSE = textwrap.dedent("""
+    import os, signal, torch
+    m = torch.nn.Linear(4, 4)
+    for i in range(4):
+        m(torch.ones(4))
+    from replay.record import auto
+
+    s = auto.session()
+    rec = s.recorder
+    close = rec.close
+
+    def close_termed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the close
+        return close(*args, **kwargs)
+
+    rec.close = close_termed
+    s.shutdown()  # as multiprocessing's exit finalizer does in a worker
+    print("shutdown returned")
+""")
+
+
+@pytest.mark.e2e
+def test_sigterm_inside_the_recorders_close_keeps_the_end_marker(tmp_path):
+    script = tmp_path / "term_in_close.py"
+    script.write_text(_TERM_IN_CLOSE)
+    env = _env()
+    out = tmp_path / "rec"
+    p = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--out", str(out), "--", sys.executable, str(script)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    # It still dies by SIGTERM (143), once its close is done, and not before.
+    assert p.returncode == 128 + signal.SIGTERM, p.stdout + p.stderr
+    assert "shutdown returned" not in p.stdout
+    v = subprocess.run([sys.executable, "-m", "replay", "verify", str(out)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=90)
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert "3 steps" in v.stdout and "INCOMPLETE" not in v.stdout, v.stdout

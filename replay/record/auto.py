@@ -131,11 +131,9 @@ def _close_on_sigterm(s: Session) -> None:
         # instant) could still block it: the watchdog bounds that, since dying late is better
         # than not dying. Steps already written are kept either way.
         _start_watchdog(signum)
-        try:
-            s.shutdown()
-        finally:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if s.defer_until_closed(lambda: _shutdown_and_die(s, signum)):
+            return  # the signal landed inside the recorder's own close: it ends once that is done
+        _shutdown_and_die(s, signum)
 
     handler.closing = closing  # type: ignore[attr-defined]
     try:
@@ -144,6 +142,14 @@ def _close_on_sigterm(s: Session) -> None:
         return
     _sigterm_handler = handler
     os.register_at_fork(after_in_child=_watch_sigterm_in_child)
+
+
+def _shutdown_and_die(s: Session, signum: int) -> None:
+    try:
+        s.shutdown()
+    finally:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def _start_watchdog(signum: int) -> None:

@@ -9,6 +9,7 @@ per run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -18,7 +19,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -167,6 +168,10 @@ class Session(GraphEvents):
         # of them): the recording's step 0 is the program's call after those.
         self.calls_before_recording: dict[int, int] = {}
         self._worker_close_pid = 0  # the process whose multiprocessing worker exit closes the recording
+        # The thread closing the recorder now, and what a signal that interrupted that close on
+        # its own thread asked to run once the close is over (``defer_until_closed``).
+        self._closing_on: int | None = None
+        self._after_close: Callable[[], None] | None = None
         self.census_checked: set[str] = set()  # classes asked whether they hold the part chosen first
         # New engines this process started after its first one died (each a new part): a
         # re-launched program counts them the same way to re-run a later part in its own engine.
@@ -344,6 +349,36 @@ class Session(GraphEvents):
         return store.get(key).decode()
 
     def close_recorder(self, status: str = "ok") -> None:
+        with self._closing_scope():
+            self._close_recorder(status)
+
+    @contextlib.contextmanager
+    def _closing_scope(self) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._closing_on == me:
+            yield  # (shutdown's close of the recorder)
+            return
+        self._closing_on = me
+        try:
+            yield
+        finally:
+            if self._closing_on == me:
+                self._closing_on = None
+            then, self._after_close = self._after_close, None
+            if then is not None:
+                then()
+
+    def defer_until_closed(self, action: Callable[[], None]) -> bool:
+        """From a signal handler: if the signal interrupted this session's own close on this
+        thread (a ``multiprocessing`` worker closing its recording at its exit, which
+        ``Pool.terminate`` then terms), run ``action`` once that close is over and return True.
+        Ending the process in the middle of the close would lose the part's end marker."""
+        if self._closing_on != threading.get_ident():
+            return False
+        self._after_close = action
+        return True
+
+    def _close_recorder(self, status: str) -> None:
         with self._lock:
             rec = self.recorder
         if rec is not None:
@@ -1198,7 +1233,8 @@ class Session(GraphEvents):
         }
 
     def shutdown(self) -> None:
-        self.close_recorder("ok")
-        from replay.record.discovery import write_report
+        with self._closing_scope():
+            self.close_recorder("ok")
+            from replay.record.discovery import write_report
 
-        write_report(self.out, self.report())
+            write_report(self.out, self.report())
