@@ -131,7 +131,8 @@ def _close_on_sigterm(s: Session) -> None:
         # instant) could still block it: the watchdog bounds that, since dying late is better
         # than not dying. Steps already written are kept either way.
         _start_watchdog(signum)
-        if s.defer_until_closed(lambda: _shutdown_and_die(s, signum)):
+        defer = getattr(s, "defer_until_closed", None)
+        if defer is not None and defer(lambda: _shutdown_and_die(s, signum)):
             return  # the signal landed inside the recorder's own close: it ends once that is done
         _shutdown_and_die(s, signum)
 

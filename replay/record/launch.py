@@ -73,6 +73,9 @@ def launch_info() -> dict[str, Any]:
         # A program's ``multiprocessing`` workers run the same script: a re-run takes over the
         # one of this name ("SpawnProcess-1"), not whichever calls the step first.
         "process_name": _process_name(),
+        # A task pool's worker (``multiprocessing.Pool``, ``ProcessPoolExecutor``) runs whichever
+        # task is free next: a re-run finds the recorded task by its model, not by the worker.
+        "task_pool": task_pool(),
         # The script's digest: a re-run of a script edited since says so (``replay.core.sources``).
         "sources": source_digests([f]),
         # ``python -c CODE``: the code itself (sys.argv holds "-c" in its place), so that a
@@ -113,6 +116,21 @@ def interpreter_options(orig_argv: list[str]) -> list[str]:
         opts.append(a)
         i += 1
     return opts
+
+
+# The loops of the standard library's process pools that call a task: (module, function).
+_POOL_LOOPS = {("multiprocessing.pool", "worker"), ("concurrent.futures.process", "_process_worker")}
+
+
+def task_pool() -> str | None:
+    """The module of the process pool whose worker loop this call runs under, or None."""
+    f = sys._getframe(1)
+    while f is not None:
+        key = (f.f_globals.get("__name__"), f.f_code.co_name)
+        if key in _POOL_LOOPS:
+            return key[0]
+        f = f.f_back
+    return None
 
 
 def _process_name() -> str | None:

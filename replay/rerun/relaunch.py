@@ -506,6 +506,14 @@ class _Takeover:
         # Two models of one architecture in the recording (an A/B check of two fine-tunes, a
         # model per worker thread): names and shapes cannot tell them apart, their digests can.
         self.by_digest = _same_architecture_elsewhere(part[spec.rank], spec.stream or target.get("stream"), target.get("weights"))
+        # A task pool's worker took whichever task was free: this run's tasks may land on other
+        # workers, in another order. The recorded task is found by its model's weights (their
+        # digests), in whichever worker and at whichever of its tasks; one of equal weights is as
+        # good, its state coming from the recording.
+        self.task_pool = bool(launch.get("task_pool")) and isinstance(target.get("weights"), dict) and bool(target.get("weights"))
+        if self.task_pool:
+            self.by_digest = True
+            self.engine_run = 0
 
     def arm(self) -> None:
         import atexit
@@ -678,7 +686,7 @@ class _Takeover:
         (their names are set once they start, so this is asked at the step's call, not at
         start-up). A recording made before the name was kept: any process."""
         want = (self.target.get("launch") or {}).get("process_name")
-        if not isinstance(want, str):
+        if not isinstance(want, str) or self.task_pool:
             return True
         mp = sys.modules.get("multiprocessing")
         return str(mp.current_process().name if mp is not None else "MainProcess") == want
