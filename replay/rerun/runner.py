@@ -43,6 +43,7 @@ from replay.rerun.imports import import_context
 from replay.rerun.streams import check_stream, stream_of, stream_state
 from replay.rerun.target import StepKind, Target, TargetSpec, build_target
 
+from replay.core.state import held_module
 from replay.rerun.result import COMPLETED_FIELD, RAISED_FIELD, ModeRun, StepDeparture, StepRerun, WeightCheck
 
 __all__ = ["MODES", "ModeRun", "Replayer", "RerunOptions", "StepRerun", "default_modes", "rerun_step", "StepDeparture", "WeightCheck"]
@@ -50,10 +51,21 @@ __all__ = ["MODES", "ModeRun", "Replayer", "RerunOptions", "StepRerun", "default
 MODES = ("eager", "cudagraph", "compiled")
 
 
+def recorded_model(target: Target) -> torch.nn.Module | None:
+    """The model whose weights the recorder digested: the step's object when it is a module (its
+    parameters named from there, ``lm.emb.weight``), else the one model it holds; not the
+    submodule ``--modules`` names (where bisect's hooks go, whose names lack the prefix)."""
+    obj = target.obj
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    held = held_module(obj) if obj is not None else None
+    return held[1] if held is not None else target.module()
+
+
 def check_weights(target: Target) -> WeightCheck | None:
     """Compare the rebuilt module's parameters with the recorded per-parameter digests."""
     recorded = target.spec.weights
-    model = target.module()
+    model = recorded_model(target)
     if not recorded or model is None:
         return None
     live = weight_digests(model)
