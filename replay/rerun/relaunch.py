@@ -655,7 +655,7 @@ class _Takeover:
             return  # a class body of that name (a compiled step naming a class), not a call
         first = code.co_varnames[0] if code.co_argcount else None
         if (getattr(code, "co_qualname", code.co_name) != self.qualname or frame.f_globals.get("__name__") not in self.modules) \
-                and not self._of_forward_class(frame.f_locals.get(first) if first is not None else None):
+                and not self._of_forward_class(frame.f_locals.get(first) if first is not None else None, code):
             return
         if not self._is_stream(frame.f_locals):
             return  # another model of the loop (the draft, say) through the same callable
@@ -674,12 +674,23 @@ class _Takeover:
         live = dict(frame.f_locals)
         self._take(lambda: self._rerun(self._function(frame, live), live))
 
-    def _of_forward_class(self, obj: Any) -> bool:
-        """``obj`` is an instance of the step's module class (whose forward a base class defines)."""
+    def _of_forward_class(self, obj: Any, code: Any) -> bool:
+        """``obj`` is an instance of the step's module class and ``code`` is the forward that
+        class runs (one a base class defines, when it inherits it). A base's forward that the
+        class's own calls (``super().forward(x)``, ``Base.forward(self, x)``) has the same name
+        and object, but its frame is inside the step's: taking it would take the wrong call."""
         if self.forward_class is None or obj is None:
             return False
         klass = type(obj)
-        return klass.__qualname__ == self.forward_class and klass.__module__ in self.modules
+        if klass.__qualname__ != self.forward_class or klass.__module__ not in self.modules:
+            return False
+        fn = getattr(klass, self.name, None)
+        fn = getattr(fn, "_torchdynamo_orig_callable", fn)
+        while getattr(fn, "__code__", None) is not code and hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__  # the program's own decorators around its forward
+        # A forward with no Python code to compare with: which frame is the outer one cannot be
+        # told, so any frame of its name on the object is taken.
+        return getattr(fn, "__code__", None) is code or not hasattr(fn, "__code__")
 
     def _is_process(self) -> bool:
         """Whether this is the recorded process among the program's ``multiprocessing`` workers
