@@ -75,3 +75,14 @@ def test_modules_naming_a_submodule_does_not_make_the_weights_differ(tmp_path):
     # Before: "24 are not in the rebuilt model (lm.emb.weight, ...); 24 were not recorded (emb.weight, ...)".
     assert w.get("checked") and not w.get("differ") and not w.get("missing") and not w.get("extra"), w
     assert d["headline"].startswith("reproduced"), d["headline"]
+
+
+@pytest.mark.e2e
+def test_info_of_one_rank_says_nothing_was_compared_once(tmp_path):
+    (tmp_path / "wrapped_engine.py").write_text(_ENGINE)
+    rec = _replay("record", "--quiet", "--out", "rec", "--", sys.executable, "wrapped_engine.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr
+    r = _replay("info", "rec", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("one rank: nothing to compare across ranks"), r.stdout
+    assert r.stdout.count("nothing to compare across ranks") == 1, r.stdout

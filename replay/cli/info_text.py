@@ -249,9 +249,8 @@ def _numerics_lines(n: dict[str, Any] | None, what: str = "numerics settings") -
 
 
 def _one_rank_lines(s: dict[str, Any]) -> list[str]:
-    # One rank: nothing was compared across ranks, so no verdict about them.
-    lines = ["one rank can be read: nothing to compare across ranks" if s["unreadable_ranks"]
-             else "one rank: nothing to compare across ranks"]
+    # One rank: nothing was compared across ranks, as the verdict line (the first) says already.
+    lines = []
     if s.get("output_fields") is False and any(int(r.get("steps") or 0) for r in s["ranks"]):
         # Nor would a re-run of one of its steps compare anything: said before it is tried.
         lines.append("nothing to compare a re-run with: the steps recorded no output or token field, only what "
