@@ -146,8 +146,14 @@ def test_a_token_sampled_otherwise_before_a_broadcast_from_then_on_is_a_divergen
     assert p.returncode == 0, p.stderr[-2000:]
     # Before: "no divergence: 2 ranks recorded the same bits at every common step" (the input
     # differed at 6 of 11 recorded steps: "agrees at most steps" did not hold).
-    first = _replay("info", rec, cwd=tmp_path).stdout.splitlines()[0]
+    text = _replay("info", rec, cwd=tmp_path).stdout
+    first = text.splitlines()[0]
     assert first.startswith("first divergence at step 5: the input of collective.0.broadcast differs on rank(s) 1"), first
+    # Trial 21: the next line's step re-run reproduces (the step's fields agree across the ranks):
+    # it says so, and where the input may come from instead.
+    nxt = text.splitlines()[-1]
+    assert nxt.startswith("next: replay step") and "--rank 1 --step 5" in nxt, nxt
+    assert "the program's code around it" in nxt and "--step 5 --between rank:0,rank:1" in nxt, nxt
 
 
 # A vocab-parallel LM head: each rank holds the head's rows of its half of the vocabulary, and the

@@ -7,7 +7,7 @@ import shlex
 from typing import Any
 
 from replay import api
-from replay.analysis.divergence import NO_OUTPUT_FIELDS, OUTPUT_REMEDY
+from replay.analysis.divergence import INPUT_SUFFIX, NO_OUTPUT_FIELDS, OUTPUT_REMEDY
 from replay.analysis.offset import offset_text
 from replay.analysis.summary import divergence_what, rank_only_note, step_count_note, verdict_line
 from replay.cli.render import fmt_margin, style, table
@@ -38,11 +38,25 @@ def render_info(result: api.InfoResult | dict[str, Any]) -> str:
     # not this one for a recording made with --out (or once another is made).
     part = f" {escape(shlex.quote(str(s['recording'])))}{part}" if s.get("recording") else part
     if target is not None:
-        lines.append(f"next: replay step{part} --rank {target['ranks'][0]} --step {target['step']}")
+        lines.append(f"next: replay step{part} --rank {target['ranks'][0]} --step {target['step']}{_next_why(target, part)}")
     elif len(s["ranks"]) == 1 and s["ranks"][0].get("steps") and s.get("output_fields") is not False:
         r = s["ranks"][0]
         lines.append(f"next: replay step{part} --rank {r['rank']} --step {int(r['steps']) - 1}   (re-run a step against its recording)")
     return "\n".join(lines)
+
+
+def _next_why(target: dict[str, Any], part: str) -> str:
+    """What the step re-run can tell where a collective's input is what differs: the step's own
+    fields agree across the ranks there, so its re-run may well reproduce; the input may be made
+    by the program's code around the step (a token sampled before a broadcast), which a step
+    re-run does not run."""
+    field = str(target.get("field") or "")
+    if not field.endswith(INPUT_SUFFIX):
+        return ""
+    return (f"   (its recorded fields agree across the ranks here, so it may well reproduce; the input of "
+            f"{escape(field[:-len(INPUT_SUFFIX)])} is made either inside the step (`replay bisect layers{part} --step "
+            f"{target['step']} --between rank:{target['majority'][0] if target.get('majority') else 0},rank:{target['ranks'][0]}` finds where) or by "
+            "the program's code around it, a token sampled before a broadcast say, which a step re-run does not run)")
 
 
 def _header(s: dict[str, Any]) -> list[str]:
