@@ -38,6 +38,9 @@ _MAX_STR = 256  # a longer str attribute is text, not step state
 GENERATOR_PREFIX = "__gen__."
 _MAX_GENERATORS = 64
 _MAX_SCALARS = 256  # a target object with more scalar attributes than this is not a step's state
+# Its submodules' (a model's layers hold their sizes, epsilons, dropout rates): past this many in
+# all, none are kept.
+_MAX_SUBMODULE_SCALARS = 16384
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -123,11 +126,36 @@ def _scalar_items(obj: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def capture_scalars(obj: Any) -> dict[str, torch.Tensor]:
-    """The target object's own int/float/bool attributes, as 0-d CPU tensors under the reserved
-    keyframe names. Empty for an object without any (or with too many to be step state)."""
+def _submodule_scalar_items(obj: Any) -> list[tuple[str, Any]]:
+    """The same attributes of the modules below the target (a flag the loop sets on
+    ``model.layers[1].mlp``), by dotted path from the target (``layers.1.mlp.bug``, or
+    ``lm.layers.1.mlp.bug`` for an engine holding its model as ``lm``); none past a bound."""
+    if isinstance(obj, torch.nn.Module):
+        modules = ((p, m) for p, m in obj.named_modules() if p)
+    else:
+        held = held_module(obj)
+        modules = held[1].named_modules(prefix=held[0]) if held is not None else iter(())
+    out: list[tuple[str, Any]] = []
+    for prefix, m in modules:
+        out += [(f"{prefix}.{name}", v) for name, v in _scalar_items(m)]
+        if len(out) > _MAX_SUBMODULE_SCALARS:
+            return []
+    return out
+
+
+def _all_scalar_items(obj: Any) -> list[tuple[str, Any]]:
     items = _scalar_items(obj)
-    if not items or len(items) > _MAX_SCALARS:
+    if len(items) > _MAX_SCALARS:
+        items = []
+    return items + _submodule_scalar_items(obj)
+
+
+def capture_scalars(obj: Any) -> dict[str, torch.Tensor]:
+    """The target object's own int/float/bool/short str attributes, and its submodules' (by
+    dotted path), as CPU tensors under the reserved keyframe names. Empty for an object without
+    any (or with too many to be step state)."""
+    items = _all_scalar_items(obj)
+    if not items:
         return {}
     out = {}
     for name, v in items:
@@ -146,6 +174,11 @@ def _value(key: str, t: torch.Tensor) -> Any:
     return bool(t.item()) if t.dtype == torch.bool else t.item()
 
 
+def _of_submodule(key: str) -> bool:
+    """A kept attribute of a module below the target (its name after the prefix is a path)."""
+    return "." in key.split(".", 1)[1]
+
+
 def _unchanged_key(key: str) -> str:
     if key.startswith(STR_PREFIX):
         return STR_UNCHANGED_PREFIX + key[len(STR_PREFIX):]
@@ -158,6 +191,7 @@ def with_scalars(state_fn: Callable[[], dict[str, torch.Tensor]] | None, obj_ref
     if state_fn is None:
         return None
     first: dict[str, Any] = {}
+    moved: set[str] = set()
 
     def state_and_scalars() -> dict[str, torch.Tensor]:
         state = dict(state_fn())
@@ -173,7 +207,11 @@ def with_scalars(state_fn: Callable[[], dict[str, torch.Tensor]] | None, obj_ref
                 # re-run inside the recorded program sets it back on the program's own object,
                 # whose calls before the first recorded one (found with no flags) moved it.
                 for k, v in now.items():
-                    changed = k not in first or first[k] != _value(k, v)
+                    changed = k in moved or k not in first or first[k] != _value(k, v)
+                    if _of_submodule(k):
+                        if not changed:
+                            continue  # never changed: a layer's size, its epsilon
+                        moved.add(k)  # kept from its first change on (set back, it says so)
                     state[k if changed else _unchanged_key(k)] = v
                 state.update(capture_generators(obj))
         except Exception:  # noqa: BLE001 - the scalars are extra; the tensors are the keyframe
@@ -205,14 +243,23 @@ def restore_scalars(obj: Any, scalars: dict[str, bool | int | float]) -> list[st
     (never a new attribute, never a property). Returns the names it could not set."""
     if not scalars:
         return []
-    live = dict(_scalar_items(obj)) if obj is not None else {}
+    live = dict(_all_scalar_items(obj)) if obj is not None else {}
     failed = []
     for name, value in scalars.items():
         if name not in live or type(live[name]) is not type(value):
             failed.append(name)
             continue
-        setattr(obj, name, value)
+        owner, _, attr = name.rpartition(".")
+        setattr(_at_path(obj, owner) if owner else obj, attr, value)
     return failed
+
+
+def _at_path(obj: Any, path: str) -> Any:
+    """The module at a dotted path from the target (``layers.1.mlp``: a ModuleList's entries
+    are attributes by their index)."""
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 # Held objects that are code, not state: never looked into for generators.
