@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +87,104 @@ def test_info_of_one_rank_says_nothing_was_compared_once(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("one rank: nothing to compare across ranks"), r.stdout
     assert r.stdout.count("nothing to compare across ranks") == 1, r.stdout
+
+
+class _Flagged(torch.nn.Module):
+    """A layer whose behaviour a flag set by the loop switches (``model.layers[1].mlp.bug = True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bug = False
+
+    def forward(self, x):
+        return self.lin(x) + (1e-3 if self.bug else 0.0)
+
+
+class _HoldsModel:
+    def __init__(self, lm: torch.nn.Module) -> None:
+        self.lm = lm
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["module", "engine-holding-its-model"])
+def test_keyframes_keep_a_flag_the_loop_sets_on_a_submodule(held):
+    """Before, keyframes kept the target's own attributes only: `replay step` advised
+    `--keyframe-every 1`, which then did not restore the flag (not reproduced again)."""
+    from replay.core.state import restore_scalars, split_scalars, with_scalars
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Flagged())
+        return _HoldsModel(model) if held else model
+
+    obj = build()
+    model = obj.lm if held else obj
+    keyframe = with_scalars(lambda: {}, lambda: obj)
+    first = keyframe()
+    key = "__py__.lm.1.bug" if held else "__py__.1.bug"
+    assert key not in first
+    model[1].bug = True
+    at_bug = keyframe()
+    assert at_bug[key].item() is True, sorted(at_bug)
+    # A submodule's attribute that never changed (a layer's size) is not kept.
+    assert not any("in_features" in k for k in at_bug), sorted(at_bug)
+    model[1].bug = False
+    after = keyframe()
+    assert after[key].item() is False  # set back: kept, so a keyframe after it restores it too
+
+    fresh = build()
+    _, scalars = split_scalars(at_bug)
+    assert restore_scalars(fresh, scalars) == []
+    assert (fresh.lm if held else fresh)[1].bug is True
+
+
+# Tensor parallel: each rank holds half the hidden units of an MLP and all_reduces its partial
+# sum inside the step. The partial sums differ across the ranks at every step, by design.
+_TENSOR_PARALLEL = textwrap.dedent("""
+    import os, socket, sys, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    torch.set_num_threads(1)
+
+    class TPMLP(nn.Module):
+        def __init__(self, rank):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(32, 16); self.fc1 = nn.Linear(16, 32); self.fc2 = nn.Linear(32, 16); self.head = nn.Linear(16, 32)
+            half = slice(16 * rank, 16 * (rank + 1))
+            with torch.no_grad():
+                self.fc1.weight = nn.Parameter(self.fc1.weight[half].clone()); self.fc1.bias = nn.Parameter(self.fc1.bias[half].clone())
+                self.fc2.weight = nn.Parameter(self.fc2.weight[:, half].clone())
+                if rank:
+                    self.fc2.bias.zero_()
+
+        def forward(self, ids):
+            y = self.fc2(torch.tanh(self.fc1(self.emb(ids).mean(1))))
+            dist.all_reduce(y)
+            return self.head(y)
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        m = TPMLP(rank).eval(); ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            for _ in range(6):
+                t = m(ids).argmax(-1, keepdim=True); ids = torch.cat([ids, t], 1)
+        print(rank, ids.tolist(), flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        mp.spawn(worker, args=(port,), nprocs=2)
+""")
+
+
+@pytest.mark.e2e
+def test_no_divergence_names_the_collective_inputs_it_left_out(tmp_path):
+    (tmp_path / "tp_engine.py").write_text(_TENSOR_PARALLEL)
+    rec = _replay("record", "--quiet", "--out", "rec", "--", sys.executable, "tp_engine.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    first = _replay("info", "rec", cwd=tmp_path).stdout.splitlines()[0]
+    # Before: "no divergence: 2 ranks recorded the same bits at every common step", while the
+    # recorded all_reduce inputs (the partial sums) differ at every step.
+    assert first.startswith("no divergence: 2 ranks"), first
+    assert "not compared: the inputs of collective.0.all_reduce" in first, first

@@ -21,7 +21,7 @@ import numpy as np
 
 from replay.format.reader import Part, RankFile
 
-__all__ = ["INPUT_SUFFIX", "first_input_divergence", "first_input_difference"]
+__all__ = ["INPUT_SUFFIX", "first_input_divergence", "first_input_difference", "rank_local_inputs"]
 
 # A divergence's field: ``collective.<place>.<op>`` (the output field's name) and this suffix.
 INPUT_SUFFIX = " input"
@@ -91,35 +91,63 @@ def _op_ids_of(rf: RankFile, ops: np.ndarray, names: dict[str, int]) -> np.ndarr
     return lut[inv] if u.size else np.zeros(0, np.int64)
 
 
+class _Compared:
+    """The collectives every chosen rank ran (by step and place), their input digests side by
+    side, and each one's site (its place in the step and its op)."""
+
+    def __init__(self, part: Part, chosen: list[int], steps: np.ndarray | None) -> None:
+        rows = {r: _keyed(part, r, steps) for r in chosen}
+        common = rows[chosen[0]][0]
+        for r in chosen[1:]:
+            common = np.intersect1d(common, rows[r][0], assume_unique=True)
+        self.common = common
+        at = {r: np.searchsorted(rows[r][0], common) for r in chosen}
+        self.digests = np.stack([rows[r][2][at[r]] for r in chosen]) if common.size else np.zeros((len(chosen), 0), np.uint64)
+        self.agree = np.all(self.digests == self.digests[0], axis=0)
+        self.names: dict[str, int] = {}
+        self.ops = np.stack([_op_ids_of(part[r], rows[r][1][at[r]], self.names) for r in chosen]) if common.size \
+            else np.zeros((len(chosen), 0), np.int64)
+        self.same_op = np.all(self.ops == self.ops[0], axis=0)
+        self.place = common & ((1 << _PLACE_BITS) - 1)
+        self.site = self.place * (len(self.names) + 1) + self.ops[0]
+
+    def field(self, i: int) -> str:
+        op = next(n for n, k in self.names.items() if k == int(self.ops[0][i]))
+        return f"collective.{int(self.place[i])}.{op}"
+
+    def should_agree(self) -> np.ndarray:
+        """Per collective: its site's inputs should agree (``_agreeing_sites``)."""
+        return np.isin(self.site, _agreeing_sites(self.site[self.same_op], self.agree[self.same_op]))
+
+
 def first_input_divergence(part: Part, chosen: list[int], steps: np.ndarray | None = None) -> tuple[int, str, dict[int, int]] | None:
     """(step, field, {rank: input digest}) of the first collective whose input differs across
     ``chosen`` ranks at a place whose inputs agree at most steps; None when there is none."""
     if len(chosen) < 2:
         return None
-    rows = {r: _keyed(part, r, steps) for r in chosen}
-    common = rows[chosen[0]][0]
-    for r in chosen[1:]:
-        common = np.intersect1d(common, rows[r][0], assume_unique=True)
-    if not common.size:
+    c = _Compared(part, chosen, steps)
+    if c.agree.all():
         return None
-    at = {r: np.searchsorted(rows[r][0], common) for r in chosen}
-    digests = np.stack([rows[r][2][at[r]] for r in chosen])
-    agree = np.all(digests == digests[0], axis=0)
-    if agree.all():
-        return None
-    names: dict[str, int] = {}
-    ops = np.stack([_op_ids_of(part[r], rows[r][1][at[r]], names) for r in chosen])
-    same_op = np.all(ops == ops[0], axis=0)
-    place = common & ((1 << _PLACE_BITS) - 1)
-    # A site: a place in the step and its op (``_agreeing_sites``: those whose inputs should agree).
-    site = place * (len(names) + 1) + ops[0]
-    hits = np.flatnonzero(~agree & same_op & np.isin(site, _agreeing_sites(site[same_op], agree[same_op])))
+    hits = np.flatnonzero(~c.agree & c.same_op & c.should_agree())
     if not hits.size:
         return None
     i = int(hits[0])  # the first in (step, place) order
-    op = next(n for n, k in names.items() if k == int(ops[0][i]))
-    field = f"collective.{int(place[i])}.{op}{INPUT_SUFFIX}"
-    return int(common[i] >> _PLACE_BITS), field, {r: int(digests[k, i]) for k, r in enumerate(chosen)}
+    return int(c.common[i] >> _PLACE_BITS), c.field(i) + INPUT_SUFFIX, {r: int(c.digests[k, i]) for k, r in enumerate(chosen)}
+
+
+def rank_local_inputs(part: Part, chosen: list[int], steps: np.ndarray | None = None, *, limit: int = 8) -> list[str]:
+    """The collectives (``collective.<place>.<op>``) whose inputs differ across ``chosen`` ranks
+    at places where they should not agree: each rank's own shard (a tensor-parallel partial sum),
+    never compared. What a "no divergence" verdict leaves out."""
+    if len(chosen) < 2:
+        return []
+    c = _Compared(part, chosen, steps)
+    out: dict[str, None] = {}
+    for i in np.flatnonzero(~c.agree & ~(c.same_op & c.should_agree()))[:4096]:
+        out[c.field(int(i))] = None
+        if len(out) >= limit:
+            break
+    return list(out)
 
 
 def _agreeing_sites(site: np.ndarray, agree: np.ndarray) -> np.ndarray:

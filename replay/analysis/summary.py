@@ -304,6 +304,11 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     }
     if only:
         out["rank_only_fields"] = only
+    if div is None and len(part) > 1:
+        # Said beside "no divergence": collective inputs that are each rank's own (shards).
+        local = _rank_local_inputs(part)
+        if local:
+            out["rank_local_collective_inputs"] = local
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
     if div is not None:
@@ -398,6 +403,25 @@ def _rank_only(part: Part) -> dict[str, list[int]]:
     return dict(list(only.items())[:64])
 
 
+def _rank_local_inputs(part: Part) -> list[str]:
+    from replay.analysis.collective_inputs import rank_local_inputs
+
+    try:
+        return rank_local_inputs(part, list(part))
+    except RecordingDamaged:
+        return []  # a damaged rank's collectives: not compared (reading it says why)
+
+
+def rank_local_note(summary: dict[str, Any]) -> str:
+    """What "no divergence" leaves out of the collectives: the places whose inputs differ across
+    the ranks from their first steps on (each rank's own shard, by design); "" when none."""
+    local = summary.get("rank_local_collective_inputs") or []
+    if not local:
+        return ""
+    return (f"; not compared: the inputs of {', '.join(local)}, which differ across the ranks from the first steps on "
+            "(each rank's own shard, as a tensor-parallel partial sum is)")
+
+
 def rank_only_note(summary: dict[str, Any]) -> str:
     """What was left out of the comparison across ranks: the fields only some ranks record from
     their first step on (ranks running different code, as pipeline stages do); "" when none."""
@@ -431,7 +455,8 @@ def verdict_line(summary: dict[str, Any]) -> str:
                         f"all record went into the steps (it agrees); {only}")
             return f"nothing compared{left_out}: {NO_OUTPUT_FIELDS}"
         return (f"no divergence{left_out}: {len(ranks)} ranks recorded the same bits at every common step"
-                + (" in the fields they all record" if only else "") + step_count_note(ranks) + (f"; {only}" if only else ""))
+                + (" in the fields they all record" if only else "") + step_count_note(ranks) + (f"; {only}" if only else "")
+                + rank_local_note(summary))
     text = f"first divergence at {_at(d)}{left_out}: {divergence_what(d)}"
     offset = summary.get("offset_at_divergence")
     if offset:
