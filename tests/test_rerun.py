@@ -338,3 +338,21 @@ def test_only_data_objects_are_recorded_field_by_field() -> None:
     assert again.cache == [["req-a", "req-b"], {"temps": [0.7, 1.0]}, []]
     # A prompt's token ids as a Python list would go into every step's record: not kept.
     assert flatten_object("batch", Batch(torch.arange(2), 1.0, list(range(1000)))) is None
+
+
+def test_repeats_that_vary_lead_the_not_reproduced_verdict_not_the_keyframe_advice():
+    """Trial 21: `--repeat 3` of a step with an unseeded random term: the table said "bits vary",
+    and the headline advised `--keyframe-every 1` (the catch-up from the keyframe re-ran bit for
+    bit), which no keyframe can help."""
+    from replay.rerun.result import StepRerun
+
+    varied = _mode_run("eager", {"logits": False})
+    varied.repeats_equal = False
+    varied.caught_up = [4, 5, 6]
+    r = StepRerun(recording="r", part="run-000", rank=0, step=7, keyframe=4, device="cpu", factory=None, modes={"eager": varied})
+    text = r.headline()
+    assert text.startswith("not reproduced: rank 0 step 7 in eager"), text
+    assert "repeated runs of the step gave different bits (eager)" in text, text
+    assert "--keyframe-every" not in text, text
+    varied.repeats_equal = None  # run once: the catch-up evidence points between the steps
+    assert "--keyframe-every 1" in r.headline()

@@ -302,13 +302,7 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         # computed, and where they first differ may be after the steps' results first did.
         "output_fields": tok is not None or computed_fields(names),
     }
-    if only:
-        out["rank_only_fields"] = only
-    if div is None and len(part) > 1:
-        # Said beside "no divergence": collective inputs that are each rank's own (shards).
-        local = _rank_local_inputs(part)
-        if local:
-            out["rank_local_collective_inputs"] = local
+    out.update(_not_compared(part, div, only))
     if tok is not None:
         out["margin_at_token_divergence"] = _margins(part, tok.step)
     if div is not None:
@@ -401,6 +395,17 @@ def _rank_only(part: Part) -> dict[str, list[int]]:
         return {}
     only = rank_only_fields(part)
     return dict(list(only.items())[:64])
+
+
+def _not_compared(part: Part, div: Divergence | None, only: dict[str, list[int]]) -> dict[str, Any]:
+    """What the verdict leaves out of the comparison across ranks: fields only some ranks record,
+    and beside "no divergence", the collective inputs that are each rank's own (shards)."""
+    out: dict[str, Any] = {"rank_only_fields": only} if only else {}
+    if div is None and len(part) > 1:
+        local = _rank_local_inputs(part)
+        if local:
+            out["rank_local_collective_inputs"] = local
+    return out
 
 
 def _rank_local_inputs(part: Part) -> list[str]:

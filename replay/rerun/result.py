@@ -321,7 +321,26 @@ class StepRerun:
     def _caveats(self) -> list[str]:
         """Why a not-reproduced step may not be the program's doing: the re-run differed from the
         recorded run in its environment, its weights or an unrecorded argument."""
-        out = self._program_changed()
+        varied = [m.mode for m in self.modes.values() if m.repeats_equal is False]
+        # The re-run's own evidence comes first: the step computed otherwise from one run to the
+        # next from the same state, which no keyframe changes (the keyframe hints are left out).
+        out = [f"; but repeated runs of the step gave different bits ({', '.join(varied)}): the step itself computes "
+               "otherwise from run to run from the same state and inputs (an unseeded random source, a "
+               "nondeterministic kernel), which no keyframe restores"] if varied else []
+        out += self._program_changed() + self._ran_otherwise()
+        if not varied:
+            out += self._state_hints()
+        if self.unrecorded:
+            # Not evidence against the program: the re-run may have run with other contents.
+            out.append(f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
+                       "used the program's own object, brought to this step by re-running the steps before it: the "
+                       "difference may be that object's contents, not the program (see 'Objects a step takes' in "
+                       "docs/your-engine.md)")
+        return out
+
+    def _ran_otherwise(self) -> list[str]:
+        """The re-run's environment, weights or inputs were not the recorded run's."""
+        out = []
         if self.env_differences:
             out.append(f"; but the re-run's environment differs from the recorded one in "
                        f"{', '.join(self.env_differences[:3])}{', ...' if len(self.env_differences) > 3 else ''}: set "
@@ -337,6 +356,12 @@ class StepRerun:
                        "Python state (a scheduler's requests, lists, dicts), which no keyframe holds and a re-run cannot "
                        "set back; record the model's forward instead (no flags find it), whose inputs are recorded "
                        "every step")
+        return out
+
+    def _state_hints(self) -> list[str]:
+        """Where the state the step started from is the likeliest cause (not said when repeated
+        runs varied: that evidence points at the step itself)."""
+        out = []
         if self.caller and self.keyframe == self.step and not self.live_start and not (
                 self.env_differences or self.state_outside or self.unrecorded or self.sources_changed
                 or (self.weights is not None and self.weights.differ)):
@@ -349,12 +374,6 @@ class StepRerun:
             # Every step from the keyframe re-ran bit for bit, then this one did not: what the
             # program does between steps (outside the step) is the likeliest cause.
             out.append(f"; but the steps from the keyframe at step {self.keyframe} re-ran bit for bit: {self._between_steps_hint()}")
-        if self.unrecorded:
-            # Not evidence against the program: the re-run may have run with other contents.
-            out.append(f"; but the step's argument {', '.join(self.unrecorded[:3])} was not recorded, and the re-run "
-                       "used the program's own object, brought to this step by re-running the steps before it: the "
-                       "difference may be that object's contents, not the program (see 'Objects a step takes' in "
-                       "docs/your-engine.md)")
         return out
 
     def _program_changed(self) -> list[str]:
