@@ -367,8 +367,10 @@ def test_report_across_streams_labels_the_divergence_and_lists_each_stream(tmp_p
     assert re.search(r"<td>target</td><td class=\"num\">4</td><td class=\"num\">0</td><td class=\"num\">9</td>"
                      r"<td>step 6 \(stream target, its step 2\)", page), page[page.find("models in one loop"):][:800]
     assert "<td>draft</td><td class=\"num\">8</td>" in page
-    # No graphs ran: the next commands compare the recording with a re-run, never --mode both.
-    assert "--between recorded,rerun" in page and "--mode both" not in page
+    # Rank 1 differs from rank 0, no graphs ran: the next bisect compares the two ranks' re-runs
+    # (before: --between recorded,rerun, which finds nothing when the step reproduces; trial 21).
+    assert "--step 5 --between rank:0,rank:1" in page, page[page.find("replay step"):][:400]
+    assert "--between recorded,rerun" not in page and "eager,cudagraph" not in page and "--mode both" not in page
 
 
 def test_report_of_one_rank_makes_no_verdict_across_ranks(tmp_path, run_cli):

@@ -261,14 +261,19 @@ def _next_commands(rep: Report) -> str:
         return f'<pre class="cmd">replay step {run} --rank {_e(rep.ranks[0])} --step {_e(rep.last_step)}</pre>'
     rank, step = target["ranks"][0], target["step"]
     graphs = sum(r["graph_steps"] for r in rep.rank_runs)
-    between = "eager,cudagraph" if graphs else "recorded,rerun"
     # bisect layers puts its taps on a model it builds: with no factory recorded, it needs one.
     factory = "" if rep.has_factory else (" --factory MODULE:QUALNAME   # the recording names no factory: "
                                           "a callable that builds the model, (config, *, rank, world_size, device, options)")
-    return (
-        f'<pre class="cmd">replay step {run} --rank {_e(rank)} --step {_e(step)}\n'
-        f'replay bisect layers {run} --rank {_e(rank)} --step {_e(step)} --between {between}{_e(factory)}</pre>'
-    )
+    # Ranks that differ: their two re-runs side by side find the first module that computes
+    # otherwise (a re-run against its own recording would reproduce, and find nothing).
+    majority = target.get("majority") or []
+    bisects = [f"--step {_e(step)} --between rank:{_e(majority[0])},rank:{_e(rank)}"] if majority else []
+    if graphs:
+        bisects.append(f"--rank {_e(rank)} --step {_e(step)} --between eager,cudagraph")
+    if not bisects:
+        bisects.append(f"--rank {_e(rank)} --step {_e(step)} --between recorded,rerun")
+    return (f'<pre class="cmd">replay step {run} --rank {_e(rank)} --step {_e(step)}\n'
+            + "\n".join(f"replay bisect layers {run} {b}{_e(factory)}" for b in bisects) + "</pre>")
 
 
 def _agreement(rep: Report) -> str:
