@@ -188,3 +188,54 @@ def test_no_divergence_names_the_collective_inputs_it_left_out(tmp_path):
     # recorded all_reduce inputs (the partial sums) differ at every step.
     assert first.startswith("no divergence: 2 ranks"), first
     assert "not compared: the inputs of collective.0.all_reduce" in first, first
+
+
+# Rank 1's prefill (the module's first call, not recorded with no flags) leaves another state:
+# the first recorded step's outputs differ with the same inputs.
+_PREFILL_BUG = textwrap.dedent("""
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    torch.set_num_threads(1)
+
+    class LM(nn.Module):
+        def __init__(self, rank):
+            super().__init__()
+            torch.manual_seed(0)
+            self.rank = rank
+            self.emb = nn.Embedding(32, 16); self.head = nn.Linear(16, 32)
+            self.register_buffer("carry", torch.zeros(16))
+
+        def forward(self, ids):
+            h = self.emb(ids).mean(1)
+            if ids.shape[1] > 1:  # the prefill
+                self.carry += h[0] * (1.001 if self.rank == 1 else 1.0)
+            return self.head(h + self.carry)
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        m = LM(rank).eval()
+        with torch.no_grad():
+            t = m(torch.tensor([[1, 2, 3]])).argmax(-1, keepdim=True)
+            for _ in range(4):
+                t = m(t).argmax(-1, keepdim=True)
+                dist.broadcast(t, 0)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        mp.spawn(worker, args=(port,), nprocs=2)
+""")
+
+
+@pytest.mark.e2e
+def test_a_divergence_at_step_0_names_the_unrecorded_first_call(tmp_path):
+    (tmp_path / "prefill_engine.py").write_text(_PREFILL_BUG)
+    rec = _replay("record", "--quiet", "--out", "rec", "--", sys.executable, "prefill_engine.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    text = _replay("info", "rec", cwd=tmp_path).stdout
+    assert text.startswith("first divergence at step 0: output.logits differs on rank(s) 1"), text
+    # Before: nothing said that rank 1's first call ran unrecorded, and `replay step --step 0`
+    # then reproduced.
+    assert "rank 1 called the step 1 time before its step 0, not recorded" in text, text
+    assert "replay record --step prefill_engine:LM" in text, text

@@ -309,6 +309,8 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         out["numerics_at_divergence"] = numerics_at_divergence(part, div)
         out["arguments_at_divergence"] = arguments_at_divergence(part, div)
         out["offset_at_divergence"] = offset = offset_at_divergence(part, div)
+        if div.step == 0:
+            out["unrecorded_calls"] = _unrecorded_calls(part)
         if offset and tok is not None and tok.step >= offset["from"] and set(tok.ranks) <= {offset["rank"]}:
             # Tokens compared as numbered across ranks offset by a call: the steps compared are
             # other steps, which have the same bits once shifted (tokens included).
@@ -395,6 +397,18 @@ def _rank_only(part: Part) -> dict[str, list[int]]:
         return {}
     only = rank_only_fields(part)
     return dict(list(only.items())[:64])
+
+
+def _unrecorded_calls(part: Part) -> dict[str, int]:
+    """Per rank, the calls of the step made before its step 0 and not recorded (with no flags,
+    discovery finds a module's step at its second call: the first, the prefill, runs unrecorded)."""
+    out = {}
+    for r, rf in part.items():
+        t = rf.attrs.get("target")
+        n = t.get("unrecorded_calls") if isinstance(t, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            out[str(r)] = n
+    return out
 
 
 def _not_compared(part: Part, div: Divergence | None, only: dict[str, list[int]]) -> dict[str, Any]:

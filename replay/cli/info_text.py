@@ -246,8 +246,24 @@ def _at_divergence_lines(s: dict[str, Any], d: dict[str, Any]) -> list[str]:
                            "prefill, is not); or the ranks serve different requests by design (data parallel), which "
                            "info compares as replicas: check each rank against its own recording with replay step, or "
                            "against another run with replay diff", fg="yellow"))
+    elif d["step"] == 0 and s.get("unrecorded_calls"):
+        calls = s["unrecorded_calls"]
+        odd = [str(r) for r in d["ranks"] if str(r) in calls]
+        if odd:
+            n = calls[odd[0]]
+            lines.append(style(f"  rank {odd[0]} called the step {n} time{'s' if n > 1 else ''} before its step 0, not recorded (with "
+                               "no flags a module's step is found at its second call: the first, the prefill, runs "
+                               "unrecorded): the inputs of step 0 agree, so the state it began from may already have differed, "
+                               "made by that call; a re-run of step 0 starts from the recorded state and may reproduce; to "
+                               f"record from the first call, name the step: replay record --step {_step_name(s)} -- ...",
+                               fg="yellow"))
     lines += _numerics_lines(s.get("numerics_at_divergence"))
     return lines + _numerics_lines(s.get("arguments_at_divergence"), what="arguments")
+
+
+def _step_name(s: dict[str, Any]) -> str:
+    steps = s.get("step_callables") or []
+    return escape(str(steps[0]["step"])) if len(steps) == 1 and steps[0].get("step") else "MODULE:QUALNAME"
 
 
 def _numerics_lines(n: dict[str, Any] | None, what: str = "numerics settings") -> list[str]:
