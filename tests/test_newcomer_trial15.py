@@ -105,6 +105,10 @@ def test_calls_of_an_async_step_not_recorded_while_another_is_awaited_are_said(t
     assert "aio:step: 10 call(s) not recorded: each began while another call of it was being awaited" in p.stderr, p.stderr
     info = _replay("info", out, cwd=tmp_path)
     assert "5 " in info.stdout and "calls not recorded: 10 call(s) of aio:step on rank 0" in info.stdout, info.stdout
+    # The step awaits a timer: a re-run inside the program's event loop refuses it, with what to
+    # record instead (trial 21: the refusal offered nothing).
+    s = _replay("step", out, "--rank", "0", "--step", "2", "--no-save", cwd=tmp_path)
+    assert s.returncode == 7 and "cannot wait for; record a step that does not await" in s.stderr, s.stdout + s.stderr
 
 
 # Continuous batching: requests finish one by one, and the last decode calls run on an empty

@@ -348,8 +348,10 @@ def _run_coroutine(coro: Any, step: int) -> Any:
             waits_on = coro.send(None)
             if waits_on is not None:
                 coro.close()
-                raise RerunError(f"step {step}: the async step waits on {type(waits_on).__name__} (I/O or another task), "
-                                 "which a re-run inside the program's event loop cannot wait for")
+                raise RerunError(f"step {step}: the async step waits on {type(waits_on).__name__} (a timer, I/O or another "
+                                 "task), which a re-run inside the program's event loop cannot wait for; record a step that "
+                                 "does not await: the model's forward (no flags find it), or the function the coroutine "
+                                 "calls to compute (--step MODULE:QUALNAME)")
     except StopIteration as done:
         return done.value
 
