@@ -239,3 +239,6 @@ def test_a_divergence_at_step_0_names_the_unrecorded_first_call(tmp_path):
     # then reproduced.
     assert "rank 1 called the step 1 time before its step 0, not recorded" in text, text
     assert "replay record --step prefill_engine:LM" in text, text
+    # And the step line says the numbering starts at the program's second call.
+    step_line = next(line for line in text.splitlines() if line.startswith("step "))
+    assert "recorded from its second call" in step_line, step_line

@@ -309,8 +309,7 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
         out["numerics_at_divergence"] = numerics_at_divergence(part, div)
         out["arguments_at_divergence"] = arguments_at_divergence(part, div)
         out["offset_at_divergence"] = offset = offset_at_divergence(part, div)
-        if div.step == 0:
-            out["unrecorded_calls"] = _unrecorded_calls(part)
+
         if offset and tok is not None and tok.step >= offset["from"] and set(tok.ranks) <= {offset["rank"]}:
             # Tokens compared as numbered across ranks offset by a call: the steps compared are
             # other steps, which have the same bits once shifted (tokens included).
@@ -318,6 +317,7 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
             out.pop("margin_at_token_divergence", None)
     _label_streams(part, out)
     out["step_callables"] = step_callables(part)
+    out["unrecorded_calls"] = _unrecorded_calls(part)
     out["training_modes"] = training_modes(part)
     out["lockstep"] = lockstep_events(part)
     if with_details:

@@ -77,8 +77,21 @@ def _header(s: dict[str, Any]) -> list[str]:
         shown = ", ".join((f"{escape(c['stream'])}: " if c.get("stream") else "") + escape(c["step"])
                           + (f" ({escape(_KIND.get(c.get('kind') or '', c.get('kind') or ''))})" if c.get("kind") else "")
                           for c in steps)
-        lines.append(f"step        {shown}")
+        lines.append(f"step        {shown}{_first_calls(s)}")
     return lines
+
+
+def _first_calls(s: dict[str, Any]) -> str:
+    """Calls of the step made before its step 0 and not recorded: the recording's step numbers
+    are the program's calls less these (with no flags, the prefill is call 0 and decode step 1
+    is step 0)."""
+    calls = set((s.get("unrecorded_calls") or {}).values())
+    if len(calls) != 1:
+        return "" if not calls else "; the first call(s) of the step on each rank were not recorded (before step 0)"
+    n = calls.pop()
+    return (f"; recorded from its call {n + 1}: the first {n} ran before the step was found, so step 0 is the program's call "
+            f"{n + 1}" if n > 1 else "; recorded from its second call: the first (often the prefill) ran before the step was found, "
+            "so step 0 is the program's second call")
 
 
 def _ended(s: dict[str, Any]) -> str:
