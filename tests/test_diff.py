@@ -292,6 +292,11 @@ def test_a_missing_step_is_a_difference(tmp_path):
     r = diff(str(a), str(b))
     assert r.verdict is DiffVerdict.DIFFERENT
     assert r.headline == "different: rank 0: 2 steps recorded in A only (first: 3)"
+    # The rank's row says why it is "different", where no field differs (before: a bare "-").
+    from replay.cli.diff import render_diff
+
+    row = next(line for line in render_diff(r).splitlines() if line.lstrip().startswith("rank 0"))
+    assert "different  2 steps recorded in A only (first: 3)" in row, row
 
 
 def test_a_step_that_raised_in_both_is_not_called_the_same(tmp_path):

@@ -145,7 +145,7 @@ def _stream_lines(r: RunDiff) -> list[str]:
     """The streams table (those that differ first), the first difference's figures, the fields
     that differ per stream, and each stream's other findings."""
     shown = sorted(r.streams, key=lambda s: (s.verdict.exit_code == 0, s.rank_a))[:_MAX_STREAM_ROWS]
-    rows = [[s.name, str(s.verdict), _where(s.first), _where(s.first_token) + (_margins(s.first_token) if s.first_token else ""),
+    rows = [[s.name, str(s.verdict), _first_cell(s), _where(s.first_token) + (_margins(s.first_token) if s.first_token else ""),
              f"{s.differing_steps} of {s.facts.common.size}"] for s in sorted(shown, key=lambda s: s.rank_a)]
     lines = [table(["ranks", "verdict", "first difference", "first token divergence", "steps differ"], rows)]
     if len(r.streams) > len(shown):
@@ -162,6 +162,14 @@ def _stream_lines(r: RunDiff) -> list[str]:
             lines.append(f"{s.name}: first beyond tolerance at {f.where} {_e(f.field)}: {_comparison_line(f)}")
         lines += [f"{s.name}: {_e(reason)}" for reason in s.reasons]
     return lines
+
+
+def _first_cell(s: Any) -> str:
+    """Where a pair first differs; for a pair that differs in no field of their common steps
+    (one run recorded more steps), why it is "different" instead of a bare "-"."""
+    if s.first is None and s.verdict.exit_code != 0 and s.reasons:
+        return _e(s.reasons[0])
+    return _where(s.first)
 
 
 def _field_groups(r: RunDiff) -> list[str]:
