@@ -19,6 +19,10 @@ of side A. The first pair that is not bitwise equal is named with its figures an
 just before it; its inputs say whether the module itself computes differently (same inputs) or
 received a difference made by code of its parent that runs before it.
 
+Rows are trimmed as padding only where one side ran a padded graph batch and the other ran the
+step otherwise (``_pads``); between two sides that ran alike (two ranks, two runs) a different
+number of rows is a difference (an MoE expert given fewer tokens on one rank), said as such.
+
 Rank against rank on a tensor-parallel model: modules whose parameters differ across the ranks
 are shards, and their outputs differ by design until a reduction. Such an output is *rank-local*
 (shown, never named first) when it is a shard's result that no collective inside the call
@@ -112,6 +116,10 @@ class ModuleVerdict:
     source: str = ""  # "eager" / "graph" on side A (and B, when they differ)
     note: str = ""
     frame: int | None = None  # side A's module call this output came from
+    # Leading sizes that differ between the sides and are not padding ("2 vs 1 rows"): an MoE
+    # expert given fewer tokens on one side. Its output (rows) or its inputs (input_rows) differ.
+    rows: str = ""
+    input_rows: str = ""
 
     @property
     def differs(self) -> bool:
@@ -124,6 +132,7 @@ class ModuleVerdict:
             "max_abs": c.max_abs if c else None, "max_rel": c.max_rel if c else None, "ulp": c.ulp if c else None,
             "mismatched": c.mismatched if c else None, "numel": c.numel if c else None,
             "rtol": c.rtol if c else None, "atol": c.atol if c else None, "inputs_equal": self.inputs_equal, "rank_local": self.rank_local, "source": self.source, "note": self.note,
+            "rows": self.rows or None, "input_rows": self.input_rows or None,
         }
 
     def figures(self) -> str:
@@ -131,6 +140,8 @@ class ModuleVerdict:
         if c is None:
             return self.note or self.verdict
         parts = [self.verdict]
+        if self.rows:  # no values compared: the shapes differ
+            parts.append(self.rows)
         if self.differs:
             if c.mismatched is not None and c.numel:
                 parts.append(f"{c.mismatched}/{c.numel} elements")
@@ -418,24 +429,62 @@ def _run_side(part: Part, side: Side, step: int, *, patterns: list[str] | None, 
                    params=params, seconds=time.perf_counter() - t0, error=error, weights=weights, state=state)
 
 
-def _align(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """Trim padded rows: a graph runs a padded batch, eager the real one (same leading rows)."""
+NO_PADDING = (False, False)
+
+
+def _ran_padded(r: SideRun) -> bool:
+    """Whether a side ran the step as a graph, whose batch is padded up to its bucket: the
+    target says so (``last_run_info``: "graph bs4"), or it says nothing (``ran_as`` is then the
+    mode) and the side was run in cudagraph mode, or a tap fired inside a captured graph."""
+    return r.ran_as.startswith(("graph", "cudagraph")) or any(e.source == "graph" for e in r.capture.events)
+
+
+def _pads(ra: SideRun, rb: SideRun) -> tuple[bool, bool]:
+    """Which side's extra leading rows may be padding (``_align``).
+
+    Padding is a difference in how the step ran, not in what it computed: a graph runs its batch
+    padded to a bucket (3 requests in 4 rows), eager the real batch. So only a side that ran a
+    padded graph, against a side that ran the step otherwise (eager, another bucket), may pad.
+    Two sides that ran alike (two ranks, two runs, eager against eager, one bucket on both) run
+    the rows they were given: a different number of rows is then a difference of the step (an
+    MoE expert given 2 tokens on one rank and 1 on the other), which trimming would hide, the
+    extra row being the very token the other side dropped. The extra rows' values cannot tell:
+    a graph's padded rows may hold stale data, not zeros (bug_stale_padding)."""
+    if ra.ran_as == rb.ran_as:
+        return NO_PADDING
+    return _ran_padded(ra), _ran_padded(rb)
+
+
+def _row_counts(a: torch.Tensor, b: torch.Tensor) -> str:
+    """``"2 vs 1 rows"`` when the two tensors differ in their leading size only; else ``""``."""
     if a.shape != b.shape and a.dim() == b.dim() and a.dim() >= 1 and a.shape[1:] == b.shape[1:]:
-        n = min(a.shape[0], b.shape[0])
-        return a[:n], b[:n], f"first {n} rows compared ({a.shape[0]} vs {b.shape[0]}: the rest is padding)"
-    return a, b, ""
+        return f"{a.shape[0]} vs {b.shape[0]} rows"
+    return ""
 
 
-def _inputs_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool | None:
+def _align(a: torch.Tensor, b: torch.Tensor, pads: tuple[bool, bool]) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Trim padded rows: a graph runs a padded batch, eager the real one (same leading rows).
+
+    Only rows of a side that may pad (``pads``, from ``_pads``) are trimmed, and only when that
+    side has the more rows; otherwise the tensors are returned whole, and their shapes differ."""
+    if not _row_counts(a, b) or not pads[0 if a.shape[0] > b.shape[0] else 1]:
+        return a, b, ""
+    n = min(a.shape[0], b.shape[0])
+    return a[:n], b[:n], f"first {n} rows compared ({a.shape[0]} vs {b.shape[0]}: the rest is padding)"
+
+
+def _compare_inputs(a: list[torch.Tensor], b: list[torch.Tensor], pads: tuple[bool, bool]) -> tuple[bool | None, str]:
+    """Whether the inputs are bitwise equal (after trimming padding), and the first pair that
+    differs in its number of rows ("2 vs 1 rows"): inputs of other shapes are never equal."""
     if len(a) != len(b):
-        return None
+        return None, ""
     for x, y in zip(a, b):
-        x, y, _ = _align(x, y)
+        x, y, _ = _align(x, y, pads)
         if x.shape != y.shape or x.dtype != y.dtype:
-            return False
+            return False, _row_counts(x, y)
         if not torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)):
-            return False
-    return True
+            return False, ""
+    return True, ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -576,6 +625,7 @@ def compare_captures(a: SideRun, b: SideRun) -> list[ModuleVerdict]:
     # Without a collective in the step nothing is reduced, so nothing is a shard: parameters that
     # differ across ranks are then a difference (a replicated model with one rank perturbed).
     sharded = _sharded(a.params, b.params) if a.side.rank != b.side.rank and _made_collectives(a) else set()
+    pads = _pads(a, b)
     others: dict[tuple[str, int, int], TapEvent] = {e.key: e for e in b.capture.events}
     rows: list[ModuleVerdict] = []
     for e in a.capture.events:
@@ -585,17 +635,26 @@ def compare_captures(a: SideRun, b: SideRun) -> list[ModuleVerdict]:
             rows.append(ModuleVerdict(e.label, e.module, MISSING, source=e.source, rank_local=local, frame=e.frame,
                                       note=f"no output on {b.side.label}: its tap never fired there"))
             continue
-        x, y, note = _align(e.output, o.output)
-        c = compare_tensors(x, y, name_a=a.side.label, name_b=b.side.label)
-        src = e.source if e.source == o.source else f"{e.source}/{o.source}"
-        if local:
-            note = "; ".join(filter(None, [note, "rank-local: a shard's result before its reduction"]))
-        rows.append(ModuleVerdict(e.label, e.module, str(c.verdict), c, _inputs_equal(e.inputs, o.inputs), local, src, note, e.frame))
+        rows.append(_pair(e, o, a.side, b.side, pads, local))
     for o in b.capture.events:
         if o.key in others:
             rows.append(ModuleVerdict(o.label, o.module, MISSING, source=o.source,
                                       note=f"no output on {a.side.label}: its tap never fired there"))
     return rows
+
+
+def _pair(e: TapEvent, o: TapEvent, a: Side, b: Side, pads: tuple[bool, bool], local: bool) -> ModuleVerdict:
+    """One module output of side A against side B's, with whether its inputs are equal."""
+    x, y, note = _align(e.output, o.output, pads)
+    c = compare_tensors(x, y, name_a=a.label, name_b=b.label)
+    rows = _row_counts(x, y)  # left whole by _align: not padding
+    inputs_equal, input_rows = _compare_inputs(e.inputs, o.inputs, pads)
+    if rows or input_rows:
+        note = f"{rows or input_rows}{'' if rows else ' in its inputs'} on {a.label} and {b.label}: a difference, not padding"
+    src = e.source if e.source == o.source else f"{e.source}/{o.source}"
+    if local:
+        note = "; ".join(filter(None, [note, "rank-local: a shard's result before its reduction"]))
+    return ModuleVerdict(e.label, e.module, str(c.verdict), c, inputs_equal, local, src, note, e.frame, rows, input_rows)
 
 
 def _encloses(outer: ModuleVerdict, inner: ModuleVerdict, run: SideRun) -> bool:
@@ -613,7 +672,8 @@ def _origin(first: ModuleVerdict | None, rows: list[ModuleVerdict], a: SideRun) 
     if first.verdict == MISSING:
         return f"{first.name} ran on one side only: the two executions take different code paths there"
     if first.inputs_equal:
-        return f"{first.name} receives bitwise equal inputs on both sides and returns different outputs: the difference is made inside it"
+        returns = f"returns {first.rows}" if first.rows else "returns different outputs"
+        return f"{first.name} receives bitwise equal inputs on both sides and {returns}: the difference is made inside it"
     if first.inputs_equal is None:
         return ""
     by_frame = {m.frame: m for m in rows if m.frame is not None}
@@ -624,11 +684,23 @@ def _origin(first: ModuleVerdict | None, rows: list[ModuleVerdict], a: SideRun) 
         if row is None or row.inputs_equal is None:
             continue
         if row.inputs_equal:
-            return (f"{first.name} already receives different inputs and no tapped module before it differs: the difference "
-                    f"is made by code of {row.name} that runs before it (outside any tapped module)")
+            return _made_by_parent(first, row)
         outer = row.name
     return (f"{outer} already receives different inputs when it is called: the difference comes from outside the tapped "
             f"modules (the step's inputs, state carried over from earlier steps, or code outside the model)")
+
+
+def _made_by_parent(first: ModuleVerdict, parent: ModuleVerdict) -> str:
+    """``first``'s inputs differ, ``parent`` (enclosing it) gets equal ones: its own code makes the difference."""
+    if first.input_rows:
+        # A different number of rows (an MoE's routing and capacity give an expert more tokens on
+        # one side): the values of the rows both sides have may agree, the inputs still differ.
+        return (f"{first.name} receives a different number of rows on the two sides ({first.input_rows}, not padding): "
+                f"the difference is made in {parent.name}, whose inputs are bitwise equal "
+                f"and whose own code (outside any tapped module, such as routing or capacity) sends {first.name} "
+                "a different number of rows")
+    return (f"{first.name} already receives different inputs and no tapped module before it differs: the difference "
+            f"is made by code of {parent.name} that runs before it (outside any tapped module)")
 
 
 def bisect_layers(
@@ -665,7 +737,7 @@ def _bisection(part: Part, step: int, ra: SideRun, rb: SideRun, *, context: int,
     param_diffs = differing_params(ra.params, rb.params) if across_runs else []
     carried = _carried_state(ra, rb)
     notes = [n for r in (ra, rb) for n in _side_notes(r, step)] + _rounding_notes(rows, makers, maker)
-    notes += _param_notes(ra, rb, param_diffs) + _state_notes(ra, rb, carried, maker) + _row_notes(rows)
+    notes += _param_notes(ra, rb, param_diffs) + _state_notes(ra, rb, carried, maker) + _row_notes(rows, ra, rb)
     origin = _origin(first, rows, ra)
     state = _under(first.module, carried) if first is not None and first.inputs_equal else []
     if state:
@@ -727,7 +799,8 @@ def _before(rows: list[ModuleVerdict], first: ModuleVerdict | None, context: int
 def _outputs(ra: SideRun, rb: SideRun) -> list[Comparison]:
     """The step's own outputs, compared by name."""
     a, b = ra.side.label, rb.side.label
-    return [compare_tensors(*_align(ra.outputs[k], rb.outputs[k])[:2], name_a=f"{a} {k}", name_b=f"{b} {k}")
+    pads = _pads(ra, rb)
+    return [compare_tensors(*_align(ra.outputs[k], rb.outputs[k], pads)[:2], name_a=f"{a} {k}", name_b=f"{b} {k}")
             for k in ra.outputs if k in rb.outputs]
 
 
@@ -810,14 +883,33 @@ def _state_notes(ra: SideRun, rb: SideRun, carried: list[str], maker: ModuleVerd
             f"(state set before it): {', '.join(rest[:6])}" + (", ..." if len(rest) > 6 else "")]
 
 
-def _row_notes(rows: list[ModuleVerdict]) -> list[str]:
-    notes = []
+def _row_notes(rows: list[ModuleVerdict], ra: SideRun, rb: SideRun) -> list[str]:
+    notes = _count_notes(rows, ra, rb)
     only = {m.module for m in rows if m.verdict == MISSING}
     if only:
         notes.append(f"{len(only)} module(s) have outputs on one side only: their taps never fired on the other ({', '.join(sorted(only)[:5])})")
     local = sum(1 for m in rows if m.rank_local)
     if local:
         notes.append(f"{local} outputs are rank-local (shards of a tensor-parallel model before their reduction): shown, not named first")
+    return notes
+
+
+def _count_notes(rows: list[ModuleVerdict], ra: SideRun, rb: SideRun) -> list[str]:
+    """Outputs compared on their first rows only (padding), or whose rows differ in number: said
+    in the text, not only in each module's note of the JSON."""
+    notes = []
+    padded = [m for m in rows if "the rest is padding" in m.note]
+    if padded:
+        notes.append(f"{len(padded)} module output(s) compared on their first rows only, the rest being a graph's padding "
+                     f"({ra.side.label} ran {ra.ran_as}, {rb.side.label} ran {rb.ran_as}), as {padded[0].name}: {padded[0].note}")
+    counted = [m for m in rows if m.rows or m.input_rows]
+    if counted:
+        m = counted[0]
+        what = f"returns {m.rows}" if m.rows else f"receives {m.input_rows}"
+        why = (f"both ran {ra.ran_as}" if ra.ran_as == rb.ran_as else
+               f"{ra.side.label} ran {ra.ran_as}, {rb.side.label} ran {rb.ran_as}, and the side with more rows ran no padded graph")
+        notes.append(f"{len(counted)} module(s) see a different number of rows on {ra.side.label} and {rb.side.label}, "
+                     f"first {m.name}, which {what}: compared as different, not trimmed as padding ({why})")
     return notes
 
 

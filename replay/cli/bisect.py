@@ -317,7 +317,9 @@ def _row(i: int, m: ModuleVerdict, first: ModuleVerdict | None) -> list[Any]:
     c = m.comparison
     name = style(escape(m.name), bold=True) if m is first else escape(m.name)
     inputs = "-" if m.inputs_equal is None else ("equal" if m.inputs_equal else "differ")
-    return [i, name, fmt_verdict(m.verdict) + (" (rank-local)" if m.rank_local else ""),
+    # Tensors of other row counts have no figures: the columns say how many rows each side has.
+    inputs += f" ({m.input_rows})" if m.input_rows else ""
+    return [i, name, fmt_verdict(m.verdict) + (f" ({m.rows})" if m.rows else "") + (" (rank-local)" if m.rank_local else ""),
             "-" if c is None or c.max_abs is None else f"{c.max_abs:.3g}",
             "-" if c is None or c.max_rel is None else f"{c.max_rel:.3g}", inputs, escape(m.source)]
 
