@@ -265,6 +265,7 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     hidden = _hidden_input(verdict, files, streams) if wa == wb else None
     if hidden is not None:
         verdict = DiffVerdict.DIFFERENT
+    verdict = _unless_offset(verdict, files, notes)
     rd = RunDiff(a=a.describe(), b=b.describe(), verdict=verdict, headline="", tolerance=opts.describe(),
                  layouts={"a": wa, "b": wb}, streams=streams, unsharded=unsharded,
                  batching=batching if batching.batched_differently else None, context=context, notes=notes,
@@ -273,6 +274,39 @@ def diff_runs(a: Side, b: Side, options: DiffOptions | None = None) -> RunDiff:
     rd.headline = _headline(rd)
     rd.next = _next_command(rd, a, b)
     return rd
+
+
+_OFFSET_NOTE = "steps numbered from other calls"
+
+
+def _unless_offset(verdict: DiffVerdict, files: list[tuple[RankFile, RankFile]], notes: list[str]) -> DiffVerdict:
+    """Step i of A is another call of the program than step i of B: their fields differ because
+    other calls are compared, which says nothing of the runs ("not shown to be the same")."""
+    offset = _call_offset(files)
+    if offset is None or verdict is not DiffVerdict.DIFFERENT:
+        return verdict
+    notes.insert(0, offset)
+    return DiffVerdict.INCOMPLETE
+
+
+def _call_offset(files: list[tuple[RankFile, RankFile]]) -> str | None:
+    """Where A's step 0 is another call of the step than B's: found with no flags, a step is
+    recorded from its second call in a process's first engine run and from its first in the
+    runs after it (a task pool's worker taking a second task), so the same task's steps are
+    numbered from other calls in two runs. None when the numbering is the same."""
+    for fa, fb in files:
+        ua, ub = _unrecorded_calls(fa), _unrecorded_calls(fb)
+        if ua != ub:
+            return (f"{_OFFSET_NOTE}: A's step 0 is the step's call {ua + 1}, B's its call {ub + 1} (rank {fa.rank}; the "
+                    "first call runs unrecorded while the step is found with no flags), so each step is compared with "
+                    "another call; name the step when recording (--step) to number every run's steps from its first call")
+    return None
+
+
+def _unrecorded_calls(rf: RankFile) -> int:
+    t = rf.attrs.get("target")
+    n = t.get("unrecorded_calls") if isinstance(t, dict) else 0
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
 
 
 def _context(done: list[_PairFacts], a: Side, b: Side, *, same_layout: bool) -> list[Any]:
@@ -449,7 +483,8 @@ def _headline(rd: RunDiff) -> str:
         # runs differ (the weights are): the headline says what is.
         fields_differ = any(s.verdict is DiffVerdict.DIFFERENT for s in rd.streams)
         return _different_headline(rd) if rd.first is not None and fields_differ else _different_elsewhere(rd)
-    reasons = ([f"{s.name}: {r}" for s in rd.streams for r in s.reasons] + [f"{u.field}: {u.note}" for u in rd.unsharded if u.note]
+    offset = [n for n in rd.notes if n.startswith(_OFFSET_NOTE)]
+    reasons = offset + ([f"{s.name}: {r}" for s in rd.streams for r in s.reasons] + [f"{u.field}: {u.note}" for u in rd.unsharded if u.note]
                + [n for n in rd.notes if n.endswith("not compared")])
     return f"not shown to be the same: {reasons[0] if reasons else 'nothing was compared'}"
 

@@ -92,6 +92,8 @@ def open_sides(a: str, b: str) -> tuple[list[tuple[Side, Side]], list[str], list
     sa, sb = parse_side(a), parse_side(b)
     ra, rb = Recording(sa.path), Recording(sb.path)
     if sa.part is None and sb.part is None and sa.rank is None and sb.rank is None and len(ra) > 1 and len(rb) > 1:
+        if _task_pool(ra) or _task_pool(rb):
+            return _pool_pairs(sa, sb, a, b, ra, rb)
         common = [n for n in ra if n in rb]
         if not common:
             raise UsageError(f"{sa.path} and {sb.path} have no part name in common: name one of each, e.g. "
@@ -100,6 +102,50 @@ def open_sides(a: str, b: str) -> tuple[list[tuple[Side, Side]], list[str], list
                  for n in common]
         return pairs, [n for n in ra if n not in rb], [n for n in rb if n not in ra]
     return [(_side(sa, a, "A", ra), _side(sb, b, "B", rb))], [], []
+
+
+def _target(part: Part) -> dict:
+    try:
+        rf = part[min(part)]
+        t = rf.attrs.get("target")
+    except Exception:  # noqa: BLE001 - a part that cannot be read pairs with nothing
+        return {}
+    return t if isinstance(t, dict) else {}
+
+
+def _task_pool(rec: Recording) -> bool:
+    """Parts recorded in a task pool's workers (``multiprocessing.Pool``, ``ProcessPoolExecutor``)."""
+    return any((_target(p).get("launch") or {}).get("task_pool") for p in rec.values())
+
+
+def _weights_key(part: Part) -> tuple | None:
+    w = _target(part).get("weights")
+    if not isinstance(w, dict) or not w:
+        return None
+    return tuple(sorted((str(n), str(v.get("digest"))) for n, v in w.items() if isinstance(v, dict)))
+
+
+def _pool_pairs(sa: SideSpec, sb: SideSpec, a: str, b: str, ra: Recording, rb: Recording
+                ) -> tuple[list[tuple[Side, Side]], list[str], list[str]]:
+    """Parts of a task pool, paired by their model's weights: a part's name follows which worker
+    took which task, and in what order, which changes from run to run. Parts whose models have
+    the same weights cannot be told apart that way: the user names them."""
+    keys_a = {n: _weights_key(p) for n, p in ra.items()}
+    keys_b = {n: _weights_key(p) for n, p in rb.items()}
+    unique_a = [k for k in keys_a.values() if k is not None and list(keys_a.values()).count(k) == 1]
+    unique_b = {k: n for n, k in keys_b.items() if k is not None and list(keys_b.values()).count(k) == 1}
+    if len(unique_a) != len(keys_a) or len(unique_b) != len(keys_b):
+        raise UsageError(f"{sa.path} and {sb.path} were recorded in a task pool (multiprocessing.Pool, ProcessPoolExecutor), "
+                         "whose part names follow which worker took which task, and some of their parts' models have the "
+                         "same weights, so the parts of one task cannot be paired: name one of each, e.g. "
+                         f"{a}:{next(iter(ra))} {b}:{next(iter(rb))}")
+    by_key = {k: n for n, k in keys_a.items()}
+    pairs = [(_side(SideSpec(path=sa.path, part=na), a, "A", ra), _side(SideSpec(path=sb.path, part=unique_b[k]), b, "B", rb))
+             for k, na in by_key.items() if k in unique_b]
+    if not pairs:
+        raise UsageError(f"{sa.path} and {sb.path} were recorded in a task pool, and no part of one has a model with the "
+                         f"weights of a part of the other: name one of each, e.g. {a}:{next(iter(ra))} {b}:{next(iter(rb))}")
+    return pairs, [n for k, n in by_key.items() if k not in unique_b], [n for k, n in unique_b.items() if k not in by_key]
 
 
 def _side(spec: SideSpec, text: str, label: str, rec: Recording) -> Side:
