@@ -80,6 +80,8 @@ def test_each_pool_task_is_re_run_with_its_own_model(tmp_path):
         assert r.returncode == 0, f"{part}: {r.stdout}{r.stderr}"
         assert r.stdout.startswith("reproduced:"), f"{part}: {r.stdout}"
         assert "other weights" not in r.stdout, r.stdout
+        # What a task found by its weights cannot stand for (trial 22: a global the task sets).
+        assert "ran as a task of a process pool" in r.stdout, r.stdout
 
 
 @pytest.mark.e2e

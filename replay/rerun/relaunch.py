@@ -837,6 +837,14 @@ class _Takeover:
         if self.setup is not None and self.setup.recorded:
             result.notes.append(self.setup.summary() or f"the program's start-up made {self.setup.recorded} collective(s) "
                                 f"before the first recorded step: the re-run answered them from the recording")
+        if self.task_pool:
+            # Another task whose model has the recorded weights is as good only for what the
+            # model and the recording hold: a global the task sets (a temperature) is its own.
+            result.notes.append("the recorded part ran as a task of a process pool: the re-run took the first call of a task "
+                                "whose model has the recorded weights, in whichever worker reached it; a task of equal weights "
+                                "that sets other values outside the model (a module global, an argument of its own) computes "
+                                "otherwise: where the re-run does not reproduce, record the step with that value as its "
+                                "argument, or name the part's task apart (its own weights or seed)")
         if other_compile:
             result.notes.append(f"the re-launched program called torch.compile with {_kwargs_text(relaunched_kwargs)}; "
                                 f"compiled again as recorded, with {_kwargs_text(compile_kwargs)}")
