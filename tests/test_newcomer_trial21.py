@@ -242,3 +242,79 @@ def test_a_divergence_at_step_0_names_the_unrecorded_first_call(tmp_path):
     # And the step line says the numbering starts at the program's second call.
     step_line = next(line for line in text.splitlines() if line.startswith("step "))
     assert "recorded from its second call" in step_line, step_line
+
+
+_ENV_BUG = textwrap.dedent("""
+    import os, torch, torch.nn as nn
+    torch.set_num_threads(1)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(32, 16); self.head = nn.Linear(16, 32); self.calls = 0
+
+        def forward(self, ids):
+            self.calls += 1
+            out = self.head(self.emb(ids).mean(1))
+            return out + (1.0 if os.environ.get("STEP_BUG") == "1" and self.calls == 5 else 0.0)
+
+    m = LM().eval(); ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for _ in range(8):
+            ids = torch.cat([ids, m(ids).argmax(-1, keepdim=True)], 1)
+    print(ids.tolist())
+""")
+
+
+@pytest.mark.e2e
+def test_bisect_steps_names_the_environment_not_a_keyframe_remedy_the_recording_has(tmp_path):
+    """Trial 22: a recording made with --keyframe-every 1 and a variable set (the program's bug)
+    was told "a keyframe every step restores it: replay record --keyframe-every 1"."""
+    (tmp_path / "env_engine.py").write_text(_ENV_BUG)
+    rec = subprocess.run([sys.executable, "-m", "replay", "record", "--quiet", "--keyframe-every", "1", "--out", "rec", "--",
+                          sys.executable, "env_engine.py"], cwd=tmp_path, env={**_env(tmp_path), "STEP_BUG": "1"},
+                         capture_output=True, text=True, timeout=180)
+    assert rec.returncode == 0, rec.stderr
+    b = _replay("bisect", "steps", "rec", "--against-rerun", "--no-save", cwd=tmp_path)
+    assert "departs at 3" in b.stdout or "departed at step 3" in b.stdout, b.stdout + b.stderr
+    assert "--keyframe-every 1" not in b.stdout, b.stdout
+    assert "the environment here differs from the recorded program's in STEP_BUG" in b.stdout, b.stdout
+
+
+_PATCHED_FORWARD = textwrap.dedent("""
+    import torch, torch.nn as nn
+    torch.set_num_threads(1)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(32, 16); self.head = nn.Linear(16, 32)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    _orig = LM.forward
+
+    def fwd(self, ids):  # a patched forward (a fused kernel's patch, say), calling the original
+        return _orig(self, ids) * 1.0
+
+    LM.forward = fwd
+    m = LM().eval(); ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, m(ids).argmax(-1, keepdim=True)], 1)
+    print(ids.tolist())
+""")
+
+
+@pytest.mark.e2e
+def test_a_step_whose_class_forward_the_program_patched_is_re_run(tmp_path):
+    """Trial 22: `LM.forward = fwd` (fwd calling the original): recorded, then every re-run
+    failed with "cannot find the function of LM.forward in the re-launched program"."""
+    (tmp_path / "patched_engine.py").write_text(_PATCHED_FORWARD)
+    rec = _replay("record", "--quiet", "--out", "rec", "--", sys.executable, "patched_engine.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr
+    r = _replay("step", "rec", "--step", "2", "--no-save", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("reproduced:"), r.stdout + r.stderr

@@ -385,7 +385,7 @@ def _relaunched_scan_one(a: _StreamBisect, lo: int, hi: int, res: StepsBisection
         res.unrecorded = list(result.unrecorded)  # as ``replay step`` says it: not evidence against the program alone
         res.weights_differ = list(result.weights.differ) if result.weights is not None else []
         if not result.state_outside and not result.no_keyframes:
-            _note_between_steps(res, iv)
+            _note_between_steps(res, iv, a.part[a.rank])
     res.uncompared = sorted(set(res.uncompared) | set(run.uncompared)
                             | ({hi} if run.error is not None and not run.vs_recording else set()))
     return (iv if iv.departed is not None else None), result.keyframe <= lo
@@ -453,14 +453,31 @@ def _bisect_stream(a: _StreamBisect, res: StepsBisection, announce: Callable[[st
         rp.close()
     if hit is not None:
         _note_unchecked(res, ivs, hit)
-        _note_between_steps(res, hit)
+        _note_between_steps(res, hit, a.part[a.rank])
     return hit
 
 
-def _note_between_steps(res: StepsBisection, hit: Interval) -> None:
+def _note_between_steps(res: StepsBisection, hit: Interval, rf: Any) -> None:
     """A departure after the interval's keyframe, with the recorded inputs fed: the same remedy
-    ``replay step`` gives, when the program changes the model's state between steps."""
-    if hit.departed is not None and hit.first < hit.departed and not res.unrecorded and not res.weights_differ:
+    ``replay step`` gives, when the program changes the model's state between steps; before it,
+    what the re-run ran otherwise (the environment), and never the remedy the recording already
+    has (a keyframe at the departing step)."""
+    if hit.departed is None or res.unrecorded or res.weights_differ:
+        return
+    from replay.rerun.runner import environment_moved
+
+    moved = environment_moved(rf)
+    if moved:
+        res.notes.append(f"the re-run departed at step {hit.departed}; the environment here differs from the recorded "
+                         f"program's in {', '.join(moved[:3])}{', ...' if len(moved) > 3 else ''}: set them as they were "
+                         "if the program reads them, and bisect again")
+        return
+    if hit.departed in set(rf.keyframe_steps()):
+        res.notes.append(f"the re-run departed at step {hit.departed}, from the keyframe taken at that step: the state "
+                         "it holds is not what makes the step differ (what the step reads outside its model and "
+                         "arguments, or a nondeterministic computation: replay step --repeat 3 tells)")
+        return
+    if hit.first < hit.departed:
         res.notes.append(f"the re-run departed at step {hit.departed}, after the keyframe at step {hit.first} restored the "
                          "recorded state: if the program changes the model's state between steps (a beam search reordering "
                          "its cache, a reset), a keyframe every step restores it: replay record --keyframe-every 1")

@@ -892,8 +892,26 @@ class _Takeover:
         while getattr(inner, "__code__", None) is not frame.f_code and hasattr(inner, "__wrapped__"):
             inner = inner.__wrapped__
         if getattr(inner, "__code__", None) is not frame.f_code:
-            raise RerunError(f"cannot find the function of {self.qualname} in the re-launched program")
+            patched = _patched_caller(frame, live, parts[-1])
+            if patched is not None:
+                return patched
+            raise RerunError(f"cannot find the function of {self.qualname} in the re-launched program; if the program "
+                             "replaces it with a function of its own (a patched forward), record that function as the "
+                             "step: replay record --step MODULE:FUNCTION -- ...")
         return fn
+
+
+def _patched_caller(frame: Any, live: dict[str, Any], name: str) -> Any:
+    """The function the program put in the class's place (``TinyLM.forward = fwd``, ``fwd``
+    calling the original): the frame taken is the original's, called by it. The re-run calls
+    what the program calls, the patched one; None when the frame's caller is not it."""
+    first = next(iter(live.values()), None)
+    for klass in getattr(type(first), "__mro__", ()):
+        v = vars(klass).get(name)
+        if v is not None:
+            caller = frame.f_back
+            return v if caller is not None and getattr(v, "__code__", None) is caller.f_code else None
+    return None
 
 
 def recorded_args(rf: Any, step: int) -> dict[str, Any]:

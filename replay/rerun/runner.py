@@ -818,10 +818,10 @@ def _what_else(result: StepRerun, first: Replayer, part: Part, rank: int, step: 
     if not live:
         # A factory's re-run runs in this process: its environment is this one (a re-launched
         # program's is compared by the launcher, which set it).
-        result.env_differences = _environment_moved(first.rf)
+        result.env_differences = environment_moved(first.rf)
 
 
-def _environment_moved(rf: RankFile) -> list[str]:
+def environment_moved(rf: RankFile) -> list[str]:
     """The variables set otherwise here than in the recorded program (digests only: no value
     is kept in the recording)."""
     from replay.core.environment import env_differences
