@@ -203,7 +203,8 @@ def test_one_tensor_parallel_rank_reruns_alone(tmp_path: Path) -> None:
     # The text leads with one verdict over the ranks (before: only a line per rank).
     p3 = subprocess.run([sys.executable, "-m", "replay", "step", str(tmp_path / "tp"), "--ranks", "0-1", "--step", "3"],
                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
-    assert p3.stdout.splitlines()[0] == "reproduced: step 3 of rank(s) 0, 1, each as its own recording", p3.stdout
+    assert p3.stdout.splitlines()[0] == ("reproduced: step 3 of rank(s) 0, 1, each alone against its own recording, its "
+                                         "collectives answered from the recording"), p3.stdout
 
 
 def test_module_class_step_reruns_its_forward_with_a_factory(tmp_path: Path, run_cli: Any) -> None:

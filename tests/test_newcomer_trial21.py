@@ -318,3 +318,14 @@ def test_a_step_whose_class_forward_the_program_patched_is_re_run(tmp_path):
     assert rec.returncode == 0, rec.stderr
     r = _replay("step", "rec", "--step", "2", "--no-save", cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("reproduced:"), r.stdout + r.stderr
+
+
+def test_the_verdict_over_ranks_says_whether_their_collectives_ran_live():
+    """Trial 22: `step --ranks 0-1` printed the same line with recorded and with live collectives."""
+    from replay.cli.step import _ranks_headline
+
+    ok = {"headline": "reproduced: rank 0 step 4 re-ran bit for bit in eager"}
+    live = _ranks_headline([{**ok, "rank": 0, "collectives": "live"}, {**ok, "rank": 1, "collectives": "live"}], 4)
+    alone = _ranks_headline([{**ok, "rank": 0, "collectives": "recorded"}, {**ok, "rank": 1, "collectives": "recorded"}], 4)
+    assert live == "reproduced: step 4 of rank(s) 0, 1, together, their collectives live between them", live
+    assert alone.startswith("reproduced: step 4 of rank(s) 0, 1, each alone against its own recording"), alone

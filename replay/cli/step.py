@@ -148,7 +148,10 @@ def _ranks_headline(results: list[dict[str, Any]], step_index: int) -> str:
     same = [r for r in done if str(r.get("headline") or "").startswith("reproduced:")]
     other = [r for r in done if r not in same]
     if results and len(same) == len(results):
-        return f"reproduced: step {step_index} of rank(s) {ranks(same)}, each as its own recording"
+        live = {r.get("collectives") for r in results} == {"live"}
+        how = ("together, their collectives live between them" if live else
+               "each alone against its own recording, its collectives answered from the recording")
+        return f"reproduced: step {step_index} of rank(s) {ranks(same)}, {how}"
     parts = ([f"rank(s) {ranks(other)} not reproduced (or not compared)"] if other else []) + \
             ([f"rank(s) {ranks(failed)} not re-run"] if failed else []) + ([f"rank(s) {ranks(same)} reproduced"] if same else [])
     return f"not reproduced: step {step_index}: " + "; ".join(parts or ["no rank re-run"])
