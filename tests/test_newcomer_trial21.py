@@ -329,3 +329,60 @@ def test_the_verdict_over_ranks_says_whether_their_collectives_ran_live():
     alone = _ranks_headline([{**ok, "rank": 0, "collectives": "recorded"}, {**ok, "rank": 1, "collectives": "recorded"}], 4)
     assert live == "reproduced: step 4 of rank(s) 0, 1, together, their collectives live between them", live
     assert alone.startswith("reproduced: step 4 of rank(s) 0, 1, each alone against its own recording"), alone
+
+
+# The loop sets a flag on one layer of rank 1's model before one step (a runner that turns the
+# cache off for a step): nothing recorded as config or weights differs across the ranks.
+_SUBMODULE_FLAG = textwrap.dedent("""
+    import socket, torch, torch.nn as nn
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    torch.set_num_threads(1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16); self.use_cache = True
+
+        def forward(self, x):
+            return self.lin(x) * (1.0 if self.use_cache else 1.001)
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(32, 16); self.blocks = nn.ModuleList([Block(), Block()]); self.head = nn.Linear(16, 32)
+
+        def forward(self, ids):
+            h = self.emb(ids).mean(1)
+            for b in self.blocks:
+                h = b(h)
+            return self.head(h)
+
+    def worker(rank, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        m = LM().eval(); t = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            for i in range(6):
+                m.blocks[1].use_cache = not (rank == 1 and i == 4)
+                t = m(t).argmax(-1, keepdim=True)
+                dist.broadcast(t, 0)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        mp.spawn(worker, args=(port,), nprocs=2)
+""")
+
+
+@pytest.mark.e2e
+def test_info_names_a_submodule_flag_one_rank_set_otherwise(tmp_path):
+    """Trial 22: keyframes held rank 1's `blocks.1.use_cache=False`, and `replay step` restored
+    it, but neither info nor diff named it: config and weights are the same on both ranks."""
+    (tmp_path / "flag_engine.py").write_text(_SUBMODULE_FLAG)
+    rec = _replay("record", "--quiet", "--keyframe-every", "1", "--out", "rec", "--", sys.executable, "flag_engine.py", cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    text = _replay("info", "rec", cwd=tmp_path).stdout
+    assert text.startswith("first divergence at step 3: output.logits differs on rank(s) 1"), text
+    assert ("rank 1's keyframe at step 3 holds Python state other than rank 0's (at step 3): blocks.1.use_cache False "
+            "(rank 0: unchanged since its first keyframe)") in text, text

@@ -245,6 +245,32 @@ def numerics_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None
     return None
 
 
+# Attribute names that hold each rank's own number: they differ by design.
+_OWN_NUMBER = ("rank", "local_rank", "world_size", "tp_rank", "pp_rank", "dp_rank")
+
+
+def python_state_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None:
+    """The Python attributes (the target's, its submodules': a flag the loop set on
+    ``blocks[1]``) that a diverging rank's newest keyframe at or before the divergence holds
+    otherwise than the majority's: what a config or weights comparison cannot show. A submodule's
+    attribute is kept from its first change on: one rank's keyframe lacking it had not changed it.
+    None: no keyframe, or no such attribute."""
+    majority = next((r for r in div.majority if r in part), None)
+    mine = part[majority].keyframe_python_state(div.step) if majority is not None else None
+    for rank in div.ranks if mine is not None else []:
+        theirs = part[rank].keyframe_python_state(div.step) if rank in part else None
+        if theirs is None:
+            continue
+        changes = [{"name": n, "majority": mine[1].get(n), "rank": v} for n, v in theirs[1].items()
+                   if mine[1].get(n) != v and n.rsplit(".", 1)[-1] not in _OWN_NUMBER]
+        changes += [{"name": n, "majority": v, "rank": None} for n, v in mine[1].items()
+                    if n not in theirs[1] and "." in n and n.rsplit(".", 1)[-1] not in _OWN_NUMBER]
+        if changes:
+            return {"rank": rank, "majority_rank": majority, "keyframe": theirs[0], "majority_keyframe": mine[0],
+                    "changes": changes[:6]}
+    return None
+
+
 def arguments_at_divergence(part: Part, div: Divergence) -> dict[str, Any] | None:
     """The plain arguments (a temperature, a flag) a diverging rank's step took that differ
     from the majority's at the divergence, the one that began to differ last first. None: none."""
@@ -308,6 +334,7 @@ def summarize_part(part: Part, *, with_details: bool = True) -> dict[str, Any]:
     if div is not None:
         out["numerics_at_divergence"] = numerics_at_divergence(part, div)
         out["arguments_at_divergence"] = arguments_at_divergence(part, div)
+        out["python_state_at_divergence"] = _python_state(part, div)
         out["offset_at_divergence"] = offset = offset_at_divergence(part, div)
 
         if offset and tok is not None and tok.step >= offset["from"] and set(tok.ranks) <= {offset["rank"]}:
@@ -397,6 +424,13 @@ def _rank_only(part: Part) -> dict[str, list[int]]:
         return {}
     only = rank_only_fields(part)
     return dict(list(only.items())[:64])
+
+
+def _python_state(part: Part, div: Divergence) -> dict[str, Any] | None:
+    try:
+        return python_state_at_divergence(part, div)
+    except RecordingDamaged:
+        return None  # a damaged keyframe: not compared (reading it says why)
 
 
 def _unrecorded_calls(part: Part) -> dict[str, int]:

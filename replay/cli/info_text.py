@@ -271,7 +271,22 @@ def _at_divergence_lines(s: dict[str, Any], d: dict[str, Any]) -> list[str]:
                                f"record from the first call, name the step: replay record --step {_step_name(s)} -- ...",
                                fg="yellow"))
     lines += _numerics_lines(s.get("numerics_at_divergence"))
-    return lines + _numerics_lines(s.get("arguments_at_divergence"), what="arguments")
+    return lines + _numerics_lines(s.get("arguments_at_divergence"), what="arguments") + _python_state_lines(s)
+
+
+def _python_state_lines(s: dict[str, Any]) -> list[str]:
+    """Python attributes a diverging rank's keyframe holds otherwise than the majority's."""
+    p = s.get("python_state_at_divergence")
+    if not p:
+        return []
+
+    def shown(v: Any) -> str:
+        return "unchanged since its first keyframe" if v is None else escape(repr(v))
+
+    changes = "; ".join(f"{escape(str(c['name']))} {shown(c['rank'])} (rank {p['majority_rank']}: {shown(c['majority'])})"
+                        for c in p["changes"])
+    return [style(f"  rank {p['rank']}'s keyframe at step {p['keyframe']} holds Python state other than rank "
+                  f"{p['majority_rank']}'s (at step {p['majority_keyframe']}): {changes}", fg="red")]
 
 
 def _step_name(s: dict[str, Any]) -> str:

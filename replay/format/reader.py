@@ -440,6 +440,27 @@ class RankFile:
             raise RecordingDamaged(f"{self.path}: keyframe at step {int(row['step'])} points outside /tensors")
         return t.tensors[first : first + n]
 
+    def keyframe_python_state(self, at_or_before: int) -> tuple[int, dict[str, Any]] | None:
+        """The target's Python attributes (``replay.core.state``: its own and its submodules'
+        int/float/bool/str ones) in the newest keyframe at or before ``at_or_before``: (its step,
+        {dotted name: value}), reading only those rows; None when there is no such keyframe."""
+        from replay.core.state import SCALAR_PREFIX, STR_PREFIX, STR_UNCHANGED_PREFIX, UNCHANGED_PREFIX, split_scalars
+
+        t = self.full()
+        k = t.keyframes[t.keyframes["step"] <= at_or_before]
+        if not k.size:
+            return None
+        row = k[np.argmax(k["step"])]
+        prefixes = (SCALAR_PREFIX, UNCHANGED_PREFIX, STR_PREFIX, STR_UNCHANGED_PREFIX)
+        rows = {}
+        for r in self._keyframe_rows(row):
+            name = t.string(int(r["name"]))
+            if name.startswith(prefixes) and int(r["ndim"]) <= 1:
+                rows[name] = self.read_tensor(r)
+        unchanged: dict[str, Any] = {}
+        _, changed = split_scalars(rows, unchanged)
+        return int(row["step"]), {**unchanged, **changed}
+
     def first_keyframe_scalars(self) -> tuple[int, dict[str, bool | int | float]] | None:
         """The Python scalars of the target (``replay.core.state``) in the first keyframe:
         (its step, {attribute: value}), reading none of the keyframe's tensors; None when the
